@@ -1,0 +1,93 @@
+"""RemoteCUDA: unchanged PyTorch 'cuda' code, run on GPU gateways over the network.
+
+    import remotecuda
+    remotecuda.activate()            # or REMOTECUDA_SERVERS=host:port, `remotecuda run`, %load_ext
+    model.cuda(); loss.backward()    # runs on the gateway
+    remotecuda.deactivate()          # torch is exactly as before
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError
+
+__all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime",
+           "RemoteCUDAError", "GatewayUnavailableError", "GatewayLostError", "GatewayProtocolError"]
+__version__ = "0.1.0"
+
+
+def activate(servers: str | list[str] | None = None, *, fallback: str | None = None,
+             sync: bool | None = None) -> Any:
+    """Turn interception on: 'cuda' now means the gateways in ``servers``.
+
+    ``servers``: "host:port[,host:port]" or a list; default ``REMOTECUDA_SERVERS``, else
+    127.0.0.1:55555. ``fallback``: "cpu" (default; warn once and run on a local CPU
+    gateway when none answers) or "error" (``REMOTECUDA_FALLBACK``). ``sync``: make every
+    op synchronous for debugging (``REMOTECUDA_SYNC=1``).
+    """
+    from . import interception
+    from .dispatch import DISPATCHER
+    from .runtime import Runtime, servers_from_env
+    if DISPATCHER.runtime is not None:
+        return DISPATCHER.runtime
+    if fallback is None:
+        fallback = os.environ.get("REMOTECUDA_FALLBACK", "cpu").strip().lower() or "cpu"
+    if fallback not in ("cpu", "error"):
+        raise ValueError(f"REMOTECUDA_FALLBACK must be 'cpu' or 'error', not {fallback!r}")
+    if sync is None:
+        sync = os.environ.get("REMOTECUDA_SYNC", "") not in ("", "0")
+    DISPATCHER.runtime = Runtime(servers_from_env(servers), fallback=fallback, sync=sync)
+    interception.install()
+    return DISPATCHER.runtime
+
+
+def deactivate() -> None:
+    """Turn interception off and close every session (gateway memory is freed)."""
+    from . import interception
+    from .dispatch import DISPATCHER
+    rt = DISPATCHER.runtime
+    if rt is None:
+        return
+    interception.uninstall()
+    DISPATCHER.runtime = None
+    rt.close()
+
+
+def is_active() -> bool:
+    from .dispatch import DISPATCHER
+    return DISPATCHER.runtime is not None
+
+
+def runtime() -> Any:
+    from .dispatch import DISPATCHER
+    return DISPATCHER.runtime
+
+
+def synchronize() -> None:
+    """Wait for all queued remote work; raise the first pending remote error."""
+    rt = runtime()
+    if rt is not None:
+        rt.synchronize()
+
+
+def stats(reset: bool = False) -> dict:
+    """Cumulative counters of this process's sessions (ops, messages, bytes, round trips...)."""
+    from .dispatch import DISPATCHER
+    from .session import STAT_KEYS
+    rt = DISPATCHER.runtime
+    total = dict.fromkeys(STAT_KEYS, 0)
+    if rt is not None:
+        for s in rt.sessions.values():
+            with s.lock:
+                pending = len(s._ops)
+                for k in STAT_KEYS:
+                    total[k] += s.stats[k]
+                total["ops"] += pending
+                if reset:
+                    s.stats = dict.fromkeys(STAT_KEYS, 0)
+                    s.stats["ops"] = -pending
+    total["metadata_cache_hits"], total["metadata_cache_misses"] = DISPATCHER.hits, DISPATCHER.misses
+    if reset:
+        DISPATCHER.hits = DISPATCHER.misses = 0
+    return total

@@ -1,0 +1,126 @@
+"""CUDA autocast, applied by the client.
+
+``torch.autocast('cuda')`` is enabled on the client, but CUDA's autocast kernels never
+fire on a meta-keyed tensor, so nothing would be cast. The torch-function mode calls
+``apply`` for the functions below (the lists of aten/src/ATen/autocast_mode.h, at the
+level of the Python functions users call); casting there, above autograd, records the
+casts in the graph exactly as CUDA autocast does.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .tensor import RemoteTensor
+
+_LOWER = [  # run in the autocast dtype (float16 / bfloat16)
+    F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+    torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm,
+    torch.baddbmm, torch.Tensor.baddbmm, torch.addbmm, torch.Tensor.addbmm, torch.mv, torch.Tensor.mv,
+    torch.addmv, torch.Tensor.addmv, torch.addr, torch.Tensor.addr, torch.einsum, torch.chain_matmul,
+    torch.linalg.multi_dot, torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
+    torch.conv_transpose2d, torch.conv_transpose3d, torch.convolution, torch.conv_tbc, torch.prelu,
+    F.prelu, F.scaled_dot_product_attention, torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell,
+    torch.rnn_relu_cell,
+]
+_FP32 = [  # run in float32
+    torch.acos, torch.asin, torch.cosh, torch.erfinv, torch.exp, torch.Tensor.exp, torch.expm1,
+    torch.log, torch.Tensor.log, torch.log10, torch.log2, torch.log1p, torch.reciprocal, torch.rsqrt,
+    torch.Tensor.rsqrt, torch.sinh, torch.tan, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__,
+    F.softplus, F.layer_norm, torch.layer_norm, F.group_norm, torch.group_norm, torch.norm,
+    torch.Tensor.norm, F.cosine_similarity, F.poisson_nll_loss, F.cosine_embedding_loss, F.nll_loss,
+    F.cross_entropy, F.hinge_embedding_loss, F.kl_div, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+    F.mse_loss, F.margin_ranking_loss, F.multilabel_margin_loss, F.soft_margin_loss,
+    F.triplet_margin_loss, F.multi_margin_loss, F.binary_cross_entropy_with_logits, torch.dist,
+    torch.pdist, torch.cdist, torch.renorm, torch.logsumexp, torch.Tensor.logsumexp, F.interpolate,
+    F.rms_norm,
+]
+_FP32_SET_OPT_DTYPE = [  # float32 through their dtype= argument
+    F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax,
+    torch.Tensor.log_softmax, torch.prod, torch.Tensor.prod, torch.cumprod, torch.Tensor.cumprod,
+    torch.cumsum, torch.Tensor.cumsum, torch.sum, torch.Tensor.sum, torch.linalg.vector_norm,
+    torch.linalg.matrix_norm,
+]
+_PROMOTE = [  # run in the widest floating type among the inputs
+    torch.addcdiv, torch.Tensor.addcdiv, torch.addcmul, torch.Tensor.addcmul, torch.atan2,
+    F.bilinear, torch.cross, torch.linalg.cross, torch.dot, torch.Tensor.dot, F.grid_sample,
+    torch.index_put, torch.Tensor.index_put, torch.scatter_add, torch.Tensor.scatter_add,
+    torch.tensordot,
+]
+_BANNED = [F.binary_cross_entropy]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _map(args: Any, fn: Callable) -> Any:
+    if isinstance(args, RemoteTensor):
+        return fn(args)
+    if type(args) in (list, tuple):
+        return type(args)(_map(a, fn) for a in args)
+    return args
+
+
+def _cast_to(dtype: torch.dtype, eligible: Callable) -> Callable:
+    def cast(t: RemoteTensor) -> Any:
+        return t.to(dtype) if t.is_floating_point() and eligible(t.dtype) and t.dtype != dtype else t
+    return cast
+
+
+def _lower(func: Callable, args: tuple, kwargs: dict) -> Any:
+    cast = _cast_to(torch.get_autocast_dtype("cuda"), lambda d: d != torch.float64)
+    return func(*_map(args, cast), **{k: _map(v, cast) for k, v in kwargs.items()})
+
+
+def _fp32(func: Callable, args: tuple, kwargs: dict) -> Any:
+    cast = _cast_to(torch.float32, lambda d: d in _LOW)
+    return func(*_map(args, cast), **{k: _map(v, cast) for k, v in kwargs.items()})
+
+
+def _fp32_dtype(func: Callable, args: tuple, kwargs: dict) -> Any:
+    x = args[0] if args else kwargs.get("input")
+    if isinstance(x, RemoteTensor) and x.dtype in _LOW and kwargs.get("dtype") is None:
+        kwargs = dict(kwargs, dtype=torch.float32)
+    return func(*args, **kwargs)
+
+
+def _promote(func: Callable, args: tuple, kwargs: dict) -> Any:
+    dtypes = []
+    _map((args, tuple(kwargs.values())), lambda t: dtypes.append(t.dtype) if t.is_floating_point() else None)
+    if not dtypes:
+        return func(*args, **kwargs)
+    widest = dtypes[0]
+    for d in dtypes[1:]:
+        widest = torch.promote_types(widest, d)
+    cast = _cast_to(widest, lambda d: True)
+    return func(*_map(args, cast), **{k: _map(v, cast) for k, v in kwargs.items()})
+
+
+def _banned(func: Callable, args: tuple, kwargs: dict) -> Any:
+    raise RuntimeError(
+        "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+        "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+        "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+        "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+        "safe to autocast.")
+
+
+POLICY: dict[Callable, Callable] = {}
+for _fs, _p in ((_LOWER, _lower), (_FP32, _fp32), (_FP32_SET_OPT_DTYPE, _fp32_dtype),
+                (_PROMOTE, _promote), (_BANNED, _banned)):
+    for _f in _fs:
+        POLICY[_f] = _p
+
+
+def has_remote(args: tuple, kwargs: dict) -> bool:
+    found = []
+    _map((args, tuple(kwargs.values())), lambda t: found.append(True))
+    return bool(found)
+
+
+def apply(policy: Callable, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` with CUDA's autocast policy if autocast('cuda') is on and a remote tensor is involved."""
+    if not torch.is_autocast_enabled("cuda") or not has_remote(args, kwargs):
+        return func(*args, **kwargs)
+    return policy(func, args, kwargs)

@@ -1,0 +1,354 @@
+"""``torch.cuda.*`` answered by the gateways.
+
+On a CPU-only build these functions raise "Torch not compiled with CUDA enabled"; while
+remotecuda is active they are replaced by the ones here (and restored on deactivation).
+Device facts come from the gateways' inventories; memory figures, synchronisation and
+event timings are requests to the session's worker, measured where the work runs.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .dispatch import DISPATCHER
+
+
+def _rt() -> Any:
+    return DISPATCHER.runtime
+
+
+def _index(device: Any = None) -> int:
+    if device is None:
+        return _rt().current_device
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"Expected a cuda device, but got: {device}")
+        return _rt().current_device if device.index is None else device.index
+    raise TypeError(f"invalid device {device!r}")
+
+
+def _props(device: Any = None) -> dict:
+    return _rt().device(_index(device)).props
+
+
+def _session(device: Any = None) -> Any:
+    return _rt().session(_index(device))
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What ``torch.cuda.get_device_properties`` returns: the gateway GPU's facts."""
+
+    name: str
+    major: int
+    minor: int
+    total_memory: int
+    multi_processor_count: int
+    is_integrated: bool = False
+    is_multi_gpu_board: bool = False
+    gateway: str = ""
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // (1 << 20)}MB, "
+                f"multi_processor_count={self.multi_processor_count}, gateway='{self.gateway}')")
+
+
+# ---------------------------------------------------------------------- device facts
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def init() -> None:
+    return None
+
+
+def device_count() -> int:
+    return len(_rt().devices)
+
+
+def current_device() -> int:
+    return _rt().current_device
+
+
+def set_device(device: Any) -> None:
+    i = _index(device)
+    if i >= 0:
+        _rt().device(i)
+        _rt().current_device = i
+
+
+def get_device_name(device: Any = None) -> str:
+    return _props(device)["name"]
+
+
+def get_device_capability(device: Any = None) -> tuple[int, int]:
+    major, minor = _props(device)["capability"]
+    return (major, minor)
+
+
+def get_device_properties(device: Any = None) -> DeviceProperties:
+    p = _props(device)
+    d = _rt().device(_index(device))
+    return DeviceProperties(p["name"], p["capability"][0], p["capability"][1], p["total_memory"],
+                            p["multi_processor_count"], gateway=d.endpoint)
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return bool(_props().get("bf16", True))
+
+
+def get_arch_list() -> list[str]:
+    return []
+
+
+class device:
+    """``with torch.cuda.device(i):`` makes cuda:i the current device."""
+
+    def __init__(self, device: Any):
+        self.idx = -1 if device is None else _index(device)
+        self.prev = -1
+
+    def __enter__(self) -> None:
+        self.prev = _rt().current_device
+        if self.idx >= 0:
+            set_device(self.idx)
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self.idx >= 0:
+            _rt().current_device = self.prev
+        return False
+
+
+class device_of(device):
+    def __init__(self, obj: Any):
+        super().__init__(obj.get_device() if getattr(obj, "is_cuda", False) else -1)
+
+
+# ---------------------------------------------------------------------- synchronisation
+def synchronize(device: Any = None) -> None:
+    """Wait for all queued work on the device (and raise its pending error, if any)."""
+    _session(device).request("rc::sync", [])
+
+
+_ids = itertools.count(1)
+
+
+class Stream:
+    """A CUDA stream. Ops are executed in issue order per session, so a stream only orders
+    (never overlaps) work; its methods behave as on a GPU whose streams ran serially."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
+        self = object.__new__(cls)
+        self.device = torch.device("cuda", _index(device))
+        self.priority = priority
+        self.stream_id = next(_ids)
+        return self
+
+    def synchronize(self) -> None:
+        synchronize(self.device)
+
+    def query(self) -> bool:
+        synchronize(self.device)
+        return True
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Stream) and other.stream_id == self.stream_id
+
+    def __hash__(self) -> int:
+        return hash((self.device, self.stream_id))
+
+    def __repr__(self) -> str:
+        return f"<torch.cuda.Stream device={self.device} cuda_stream={self.stream_id:#x}>"
+
+
+_default_streams: dict[int, Stream] = {}
+_current: dict[int, Stream] = {}
+
+
+def default_stream(device: Any = None) -> Stream:
+    i = _index(device)
+    if i not in _default_streams:
+        _default_streams[i] = Stream(i)
+    return _default_streams[i]
+
+
+def current_stream(device: Any = None) -> Stream:
+    i = _index(device)
+    return _current.get(i) or default_stream(i)
+
+
+def set_stream(stream: Stream) -> None:
+    _current[stream.device.index] = stream
+
+
+class StreamContext:
+    def __init__(self, stream: Stream | None):
+        self.stream, self.prev = stream, None
+
+    def __enter__(self) -> Stream | None:
+        if self.stream is not None:
+            self.prev = current_stream(self.stream.device)
+            set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self.stream is not None:
+            set_stream(self.prev)
+        return False
+
+
+def stream(stream: Stream | None) -> StreamContext:
+    return StreamContext(stream)
+
+
+class Event:
+    """A CUDA event recorded in the op stream; ``elapsed_time`` is measured on the gateway."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+        self.id = next(_ids)
+        self.session: Any = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        dev = stream.device if stream is not None else None
+        self.session = _session(dev)
+        self.session.enqueue("rc::event_record", [self.id], None, None)
+
+    def wait(self, stream: Stream | None = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        self.synchronize()
+        return True
+
+    def synchronize(self) -> None:
+        if self.session is not None:
+            self.session.request("rc::sync", [])
+
+    def elapsed_time(self, end_event: Event) -> float:
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.session is None or end_event.session is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return float(self.session.request("rc::event_elapsed", [self.id, end_event.id]))
+
+    def __del__(self) -> None:
+        s = self.session
+        if s is not None and not s.closed:
+            try:
+                s.enqueue("rc::event_free", [self.id], None, None)
+            except Exception:  # a finalizer must not raise
+                pass
+
+
+# ---------------------------------------------------------------------- memory
+def _memory(device: Any = None) -> dict:
+    return _session(device).request("rc::memory", [])
+
+
+def memory_allocated(device: Any = None) -> int:
+    return _memory(device)["allocated"]
+
+
+def memory_reserved(device: Any = None) -> int:
+    return _memory(device)["reserved"]
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    return _memory(device)["peak"]
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    return _memory(device)["peak"]
+
+
+def memory_stats(device: Any = None) -> dict:
+    m = _memory(device)
+    return {"allocated_bytes.all.current": m["allocated"], "allocated_bytes.all.peak": m["peak"],
+            "reserved_bytes.all.current": m["reserved"]}
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    _session(device).request("rc::reset_peak", [])
+
+
+def reset_max_memory_allocated(device: Any = None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def empty_cache() -> None:
+    for s in list(_rt().sessions.values()):
+        s.request("rc::empty_cache", [])
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    m = _memory(device)
+    return (m["free"], m["total"])
+
+
+def ipc_collect() -> None:
+    return None
+
+
+# ---------------------------------------------------------------------- random numbers
+def manual_seed(seed: int) -> None:
+    _session().enqueue("rc::seed", [int(seed)], None, None)
+
+
+def manual_seed_all(seed: int) -> None:
+    rt = _rt()
+    rt.seed = int(seed)
+    for s in list(rt.sessions.values()):
+        s.enqueue("rc::seed", [int(seed)], None, None)
+
+
+def seed() -> None:
+    import random
+    manual_seed(random.getrandbits(63))
+
+
+def seed_all() -> None:
+    import random
+    manual_seed_all(random.getrandbits(63))
+
+
+def initial_seed() -> int:
+    return int(_session().request("rc::initial_seed", []))
+
+
+def _lazy_init() -> None:
+    return None
+
+
+#: what replaces torch.cuda.<name> while active
+REPLACEMENTS = {name: obj for name, obj in dict(globals()).items() if name in {
+    "is_available", "is_initialized", "init", "device_count", "current_device", "set_device",
+    "get_device_name", "get_device_capability", "get_device_properties", "is_bf16_supported",
+    "get_arch_list", "device", "device_of", "synchronize", "Stream", "Event", "stream",
+    "StreamContext", "current_stream", "default_stream", "set_stream", "memory_allocated",
+    "memory_reserved", "max_memory_allocated", "max_memory_reserved", "memory_stats",
+    "reset_peak_memory_stats", "reset_max_memory_allocated", "empty_cache", "mem_get_info",
+    "ipc_collect", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "_lazy_init"}}

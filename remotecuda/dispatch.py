@@ -1,0 +1,450 @@
+"""The op dispatcher: every aten op on a RemoteTensor comes here.
+
+For each op it (1) walks the arguments once, in schema order, turning tensors into
+gateway handles and building the dispatch-cache key; (2) finds the output metadata in
+the cache, or computes it once by running the meta kernel on plain meta tensors built
+from the wrappers' metadata (never on the wrappers: Python meta kernels read the
+overridden ``.device`` and fall into CUDA's lazy init); (3) creates output wrappers
+with fresh client-chosen handles and queues the op. No reply is awaited.
+
+Ops whose output the client cannot predict (data-dependent shapes such as
+``nonzero``, non-tensor results such as ``_local_scalar_dense``, ops without a meta
+kernel) take the *describe* path: the gateway runs the op once, keeps the outputs
+under handles from a block the client reserved, and replies with their metadata.
+
+The pattern follows FakeTensor's dispatch cache (torch/_subclasses/fake_tensor.py):
+key = op + per-argument (type, value) or tensor metadata; entries say per output
+"this argument" (in-place), "a view of this argument", or "a new tensor".
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._C import _DisableTorchDispatch
+
+from .protocol import Handle
+from .tensor import RemoteTensor, make, refresh_key
+
+aten = torch.ops.aten
+_Tag = torch.Tag
+_ATOMIC = (int, float, bool, str, type(None), complex)
+_META = torch.device("meta")
+_CUDA = torch.device("cuda")
+_TENSOR_RETURNS = {"Tensor", "List[Tensor]", "Optional[Tensor]", "List[Optional[Tensor]]"}
+#: ops that accept CPU tensors (of any size) next to CUDA ones, as on a real GPU
+_CPU_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
+           aten._index_put_impl_.default, aten.copy_.default, aten._to_copy.default}
+#: ops that change a tensor's own shape/stride/storage in place
+_METADATA_MUTATION = {aten.resize_.default, aten.resize_as_.default, aten.set_.source_Tensor,
+                      aten.set_.source_Tensor_storage_offset}
+DESCRIBE = "describe"  # cache entry: the gateway must tell the output metadata
+
+
+class DeviceMismatch(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class OpMeta:
+    """What the schema says about an op, computed once per OpOverload."""
+
+    func: Any
+    name: str  # wire name, aten::name.overload
+    ret_alias: tuple  # per return: None or (position, arg name, is_write)
+    multi: bool  # several returns (a tuple)
+    describe: bool  # the gateway must report outputs
+    fully_inplace: bool  # every output is a written argument
+    metadata_mutation: bool
+    cpu_ok: bool
+
+
+def _op_meta(func: Any) -> OpMeta:
+    schema = func._schema
+    ns_name = schema.name
+    name = f"{ns_name}.{func._overloadname}"
+    sargs = schema.arguments
+    ret_alias = []
+    for r in schema.returns:
+        ai = r.alias_info
+        found = None
+        if ai is not None:
+            for j, a in enumerate(sargs):
+                if a.alias_info is not None and set(a.alias_info.before_set) & set(ai.before_set):
+                    found = (None if a.kwarg_only else j, a.name, bool(ai.is_write))
+                    break
+        ret_alias.append(found)
+    tags = func.tags
+    tensor_returns = all(str(r.type) in _TENSOR_RETURNS for r in schema.returns)
+    describe = (not tensor_returns or _Tag.data_dependent_output in tags
+                or (_Tag.dynamic_output_shape in tags and func is not aten.index.Tensor))
+    fully_inplace = (all(ra is not None and ra[2] for ra in ret_alias) if ret_alias else schema.is_mutable)
+    return OpMeta(func, name, tuple(ret_alias), len(schema.returns) > 1, describe, fully_inplace,
+                  _Tag.inplace_view in tags or func in _METADATA_MUTATION, func in _CPU_OK)
+
+
+class _NeedUpload(Exception):
+    """A CPU tensor sits among the arguments; take the slow path that uploads it."""
+
+
+class _Walk:
+    """One pass over an op's arguments: the session, the cache key and the wire form."""
+
+    __slots__ = ("session", "key")
+
+    def __init__(self, session: Any = None):
+        self.session = session
+        self.key: list = []
+
+    def arg(self, a: Any) -> Any:
+        t = type(a)
+        if t is RemoteTensor:
+            s = a._s
+            if s is not self.session:
+                if self.session is None:
+                    self.session = s
+                else:
+                    raise DeviceMismatch(
+                        "Expected all tensors to be on the same device, but found at least two "
+                        f"devices, cuda:{self.session.vdev} and cuda:{s.vdev}!")
+            self.key.append(a._k)
+            return Handle(a._h)
+        if t in _ATOMIC:
+            self.key.append((t, a))
+            return a
+        if t is list or t is tuple:
+            self.key.append(("[", len(a)))
+            return [self.arg(v) for v in a]
+        if t is torch.device:
+            self.key.append("dev")
+            return _CUDA if a.type in ("cuda", "meta") else a
+        if t is torch.dtype or t is torch.memory_format or t is torch.layout:
+            self.key.append(a)
+            return a
+        if isinstance(a, torch.Tensor):
+            if isinstance(a, RemoteTensor):  # e.g. a Parameter subclass swapped onto the wrapper
+                return self.arg(_as_plain_remote(a))
+            raise _NeedUpload()
+        if isinstance(a, torch.SymInt):
+            return self.arg(int(a))
+        if isinstance(a, torch.Generator):
+            raise NotImplementedError("remotecuda: passing a torch.Generator to an op on a 'cuda' "
+                                      "tensor is not supported; seed with torch.manual_seed instead")
+        raise NotImplementedError(f"remotecuda cannot send an argument of type {t.__name__} to the gateway")
+
+
+def _as_plain_remote(a: RemoteTensor) -> RemoteTensor:
+    a.__class__ = RemoteTensor
+    return a
+
+
+def _arg_at(args: tuple, kwargs: dict, pos: int | None, name: str) -> Any:
+    if pos is not None and pos < len(args):
+        return args[pos]
+    return kwargs.get(name)
+
+
+def _to_meta(a: Any) -> Any:
+    if isinstance(a, RemoteTensor):
+        dtype, shape, stride, offset = a._k
+        n = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else offset
+        base = torch.empty((n,), dtype=dtype, device="meta")
+        return base.as_strided(shape, stride, offset)
+    if isinstance(a, torch.Tensor):
+        return a.to("meta")
+    if type(a) is list or type(a) is tuple:
+        return type(a)(_to_meta(v) for v in a)
+    if type(a) is torch.device:
+        return _META
+    return a
+
+
+class Dispatcher:
+    """Turns aten calls on RemoteTensors into queued remote ops."""
+
+    def __init__(self) -> None:
+        self.runtime: Any = None
+        self.ops: dict[Any, OpMeta] = {}
+        self.cache: dict[tuple, Any] = {}
+        self.cache_limit = 65536
+        self.local = threading.local()
+        self.hits = self.misses = 0
+
+    # ------------------------------------------------------------------ entry points
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        m = self.ops.get(func)
+        if m is None:
+            m = self.ops[func] = _op_meta(func)
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(self, m, args, kwargs)
+        return self.run(m, args, kwargs)
+
+    def factory(self, func: Any, args: tuple, kwargs: dict, vdev: int | None) -> Any:
+        """An op with no remote tensor argument whose output goes to a 'cuda' device."""
+        m = self.ops.get(func)
+        if m is None:
+            m = self.ops[func] = _op_meta(func)
+        s = self.runtime.session(self.runtime.current_device if vdev is None else vdev)
+        if func is aten._to_copy.default:
+            return self.upload(args[0], s, kwargs)
+        return self.run(m, args, kwargs, s, factory=True)
+
+    # ------------------------------------------------------------------ the common path
+    def run(self, m: OpMeta, args: tuple, kwargs: dict, session: Any = None, factory: bool = False) -> Any:
+        w = _Walk(session)
+        try:
+            wargs = [w.arg(a) for a in args]
+            wkw = {k: w.arg(v) for k, v in kwargs.items()} if kwargs else None
+        except _NeedUpload:
+            args, kwargs = self._upload_cpu_args(m, args, kwargs, session)
+            return self.run(m, args, kwargs, session, factory)
+        s = w.session
+        if s is None:
+            raise RuntimeError(f"remotecuda: op {m.name} has no remote tensor argument")
+        self.local.vdev = s.vdev
+        if kwargs:
+            w.key.append(tuple(kwargs))
+        if factory:
+            w.key.append(torch.get_default_dtype())
+        key = (m.func, *w.key)
+        entry = DESCRIBE if m.describe else self.cache.get(key)
+        if entry is None:
+            self.misses += 1
+            entry = self._compute(m, args, kwargs)
+            if len(self.cache) >= self.cache_limit:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[key] = entry
+        else:
+            self.hits += 1
+        if entry is DESCRIBE:
+            return self._describe(m, s, wargs, wkw, args, kwargs)
+        outs: list = []
+        result = _build(entry, s, args, kwargs, outs)
+        s.enqueue(m.name, wargs, wkw, outs)
+        if m.metadata_mutation:
+            _mutate_wrapper(m.func, args, kwargs)
+        return result
+
+    def _compute(self, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+        """Output metadata from the meta kernel, as a cache entry."""
+        margs = [_to_meta(a) for a in args]
+        mkw = {k: _to_meta(v) for k, v in kwargs.items()}
+        try:
+            with _DisableTorchDispatch():
+                out = m.func(*margs, **mkw)
+        except NotImplementedError:
+            return DESCRIBE
+        except RuntimeError as e:
+            if m.fully_inplace and "meta" in str(e).lower():
+                return ("inplace",)  # e.g. fused optimizer kernels: no meta, outputs are inputs
+            if _is_data_dependent(e):
+                return DESCRIBE
+            raise
+        except Exception as e:
+            if _is_data_dependent(e):
+                return DESCRIBE
+            raise
+        rets = out if m.multi else (out,)
+        items = []
+        for r, alias in zip(rets, m.ret_alias):
+            if isinstance(r, torch.Tensor):
+                items.append(_spec(r, alias))
+            elif isinstance(r, (list, tuple)):
+                items.append([_spec(x, alias) if isinstance(x, torch.Tensor) else None for x in r])
+            else:
+                items.append(None)
+        return ("out", m.multi, tuple(items))
+
+    def _describe(self, m: OpMeta, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict) -> Any:
+        base = s.reserve(1024)
+        res = s.request(m.name, wargs, wkw, base=base)
+
+        def build(v: Any, alias: Any) -> Any:
+            if isinstance(v, dict):
+                if alias is not None and alias[2]:
+                    s.release(v["h"])
+                    return _arg_at(args, kwargs, alias[0], alias[1])
+                sid = None
+                if alias is not None:
+                    src = _arg_at(args, kwargs, alias[0], alias[1])
+                    sid = getattr(src, "_sid", None)
+                return make(s, v["h"], v["shape"], v["stride"], v["offset"], v["dtype"], sid)
+            if isinstance(v, list):
+                return [build(x, alias) for x in v]
+            return v
+
+        if m.multi:
+            return tuple(build(v, a) for v, a in zip(res, m.ret_alias))
+        return build(res, m.ret_alias[0] if m.ret_alias else None)
+
+    # ------------------------------------------------------------------ CPU tensors
+    def _upload_cpu_args(self, m: OpMeta, args: tuple, kwargs: dict, session: Any) -> tuple:
+        """Put CPU tensors among an op's arguments on its device, where CUDA would accept them."""
+        s = session
+        if s is None:
+            for a in _iter_tensors(list(args) + list(kwargs.values())):
+                if isinstance(a, RemoteTensor):
+                    s = a._s
+                    break
+
+        def conv(a: Any) -> Any:
+            if isinstance(a, RemoteTensor):
+                return a
+            if isinstance(a, torch.Tensor):
+                if a.device.type == "meta":
+                    raise RuntimeError(f"remotecuda: a plain meta tensor reached op {m.name}; "
+                                       "please report this as a bug")
+                if a.dim() > 0 and not m.cpu_ok and session is None:
+                    raise DeviceMismatch("Expected all tensors to be on the same device, but found at "
+                                         f"least two devices, cuda:{s.vdev} and cpu!")
+                return self.upload(a, s)
+            if type(a) is list or type(a) is tuple:
+                return type(a)(conv(v) for v in a)
+            return a
+        return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+
+    def upload(self, cpu: torch.Tensor, s: Any, kwargs: dict | None = None) -> RemoteTensor:
+        """A CPU tensor copied to session ``s``'s device (``_to_copy`` semantics)."""
+        kwargs = kwargs or {}
+        dtype = kwargs.get("dtype")
+        if dtype is not None and dtype != cpu.dtype:
+            cpu = cpu.to(dtype)
+        mf = kwargs.get("memory_format")
+        contiguous = cpu.contiguous()
+        h = s.upload(contiguous, non_blocking=bool(kwargs.get("non_blocking")))
+        t = make(s, h, contiguous.shape, contiguous.stride(), 0, contiguous.dtype)
+        if mf is not None and mf not in (torch.preserve_format, torch.contiguous_format):
+            t = t.contiguous(memory_format=mf)
+        elif mf is torch.preserve_format and not cpu.is_contiguous() and cpu.dim() == 4 and \
+                cpu.is_contiguous(memory_format=torch.channels_last):
+            t = t.contiguous(memory_format=torch.channels_last)
+        return t
+
+    def target_vdev(self, dev: Any) -> int | None:
+        """Where a CPU tensor goes: an explicit cuda index, the one ``Tensor.to`` asked for, else current."""
+        if dev is not None and dev.type == "cuda" and dev.index is not None:
+            return dev.index
+        return getattr(self.local, "target", None)
+
+    def download(self, t: RemoteTensor) -> torch.Tensor:
+        return t._s.request("rc::fetch", [t._h])
+
+
+def _is_data_dependent(e: Exception) -> bool:
+    name = type(e).__name__
+    return name in ("DataDependentOutputException", "DynamicOutputShapeException",
+                    "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
+
+
+def _spec(r: torch.Tensor, alias: Any) -> tuple:
+    if alias is not None and alias[2]:
+        return ("arg", alias[0], alias[1])
+    meta = (tuple(r.shape), tuple(r.stride()), r.storage_offset(), r.dtype)
+    if alias is not None:
+        return ("view", alias[0], alias[1], *meta)
+    return ("new", *meta)
+
+
+def _build(entry: tuple, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
+    """Output wrappers for a cache entry; appends the gateway handles to ``outs`` in flat order."""
+    if entry[0] == "inplace":
+        return args[0] if args else None
+    _, multi, items = entry
+
+    def one(spec: Any) -> Any:
+        if spec is None:
+            return None
+        kind = spec[0]
+        if kind == "arg":
+            outs.append(None)
+            return _arg_at(args, kwargs, spec[1], spec[2])
+        h = s.new_handle()
+        outs.append(h)
+        if kind == "new":
+            return make(s, h, spec[1], spec[2], spec[3], spec[4])
+        src = _arg_at(args, kwargs, spec[1], spec[2])
+        sid = src._sid if isinstance(src, RemoteTensor) else None
+        return make(s, h, spec[3], spec[4], spec[5], spec[6], sid)
+
+    built = [[one(x) for x in it] if type(it) is list else one(it) for it in items]
+    if multi:
+        return tuple(built)
+    return built[0] if built else None
+
+
+def _mutate_wrapper(func: Any, args: tuple, kwargs: dict) -> None:
+    """Apply a shape-changing in-place op to the wrapper's own (meta) metadata."""
+    target = args[0]
+    margs = [a if isinstance(a, RemoteTensor) else _to_meta(a) for a in args]
+    with torch._C._AutoDispatchBelowADInplaceOrView(), _DisableTorchDispatch():
+        func(*margs, **kwargs)
+    refresh_key(target)
+    if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
+        target.__dict__["_sid"] = args[1]._sid
+
+
+def _iter_tensors(xs: list):
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif type(x) in (list, tuple):
+            yield from _iter_tensors(list(x))
+
+
+# ---------------------------------------------------------------------- special ops
+
+def _to_copy(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    src = args[0]
+    dev = kwargs.get("device")
+    if not isinstance(src, RemoteTensor):  # a CPU tensor headed for 'cuda' (or leaked 'meta' options)
+        return d.factory(m.func, args, kwargs, d.target_vdev(dev))
+    if dev is None or dev.type == "meta" or (dev.type == "cuda" and (dev.index is None or dev.index == src._dev)):
+        kw = dict(kwargs)
+        kw.pop("device", None)
+        return d.run(m, args, kw)
+    if dev.type == "cpu":
+        cpu = d.download(src)
+        rest = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format") and v is not None}
+        return cpu.to(**rest) if rest else cpu
+    if dev.type == "cuda":  # another virtual device: through the client
+        cpu = d.download(src)
+        kw = {k: v for k, v in kwargs.items() if k != "device"}
+        return d.upload(cpu, d.runtime.session(dev.index), kw)
+    raise RuntimeError(f"remotecuda: cannot copy a cuda tensor to device {dev}")
+
+
+def _copy_(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    dst, src = args[0], args[1]
+    non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+    if not isinstance(dst, RemoteTensor):  # device → host
+        cpu = d.download(src)
+        with _DisableTorchDispatch():
+            dst.copy_(cpu)
+        return dst
+    if not isinstance(src, RemoteTensor):
+        src = d.upload(src.to(dst.dtype) if src.dtype != dst.dtype else src, dst._s,
+                       {"non_blocking": non_blocking})
+    elif src._s is not dst._s:
+        src = d.upload(d.download(src), dst._s)
+    return d.run(m, (dst, src), {})
+
+
+def _record_stream(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> None:
+    return None
+
+
+def _is_pinned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
+    return False
+
+
+_SPECIAL = {
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten.record_stream.default: _record_stream,
+    aten.is_pinned.default: _is_pinned,
+}
+
+DISPATCHER = Dispatcher()

@@ -1,0 +1,370 @@
+"""Catching 'cuda' in unchanged PyTorch code.
+
+Two modes stay pushed while remotecuda is active:
+
+* ``RemoteFunctionMode`` (a TorchFunctionMode) sees Python-level calls. It handles what
+  fails in C++ *before* any dispatch on a CPU-only build — ``torch.tensor(...,
+  device='cuda')``, ``t.cuda()``, ``t.to('cuda')`` on CPU tensors — and what would be
+  silently wrong below it: list indices and ``new_tensor`` (their data is lost in a meta
+  tensor), ``p.data = ...`` (the wrapper's handle would go stale) and CUDA autocast.
+* ``RemoteDispatchMode`` (a TorchDispatchMode) sees every aten call. Ops on remote
+  tensors go to the dispatcher; factories asked for on 'cuda' become remote factories;
+  factories on 'meta' built by C++ from a remote tensor's options (``where(c, x, 0.)``,
+  backward formulas) become remote too, unless the user asked for 'meta' explicitly.
+
+``install()``/``uninstall()`` also swap in the ``torch.cuda`` replacements and the few
+torch settings the wrapper needs, and put everything back exactly as it was.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import autocast, cuda_api, serialization
+from .dispatch import DISPATCHER
+from .tensor import RemoteTensor
+
+_local = threading.local()
+_DATA = torch._C.TensorBase.data
+
+
+def _user_meta() -> bool:
+    return getattr(_local, "user_meta", 0) > 0
+
+
+class _UserMeta:
+    def __enter__(self) -> None:
+        _local.user_meta = getattr(_local, "user_meta", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.user_meta -= 1
+
+
+def _device(d: Any) -> torch.device | None:
+    if d is None or isinstance(d, torch.device):
+        return d
+    if isinstance(d, int):
+        return torch.device("cuda", d)
+    return torch.device(d)
+
+
+def _cuda_index(d: torch.device) -> int:
+    return DISPATCHER.runtime.current_device if d.index is None else d.index
+
+
+# ---------------------------------------------------------------------- function-level handlers
+
+def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool = False,
+            memory_format: Any = None) -> RemoteTensor:
+    """``t.to('cuda:index')`` for a CPU tensor, through aten so autograd records the copy."""
+    prev = getattr(DISPATCHER.local, "target", None)
+    DISPATCHER.local.target = index
+    try:
+        kw: dict = {"non_blocking": non_blocking}
+        if dtype is not None:
+            kw["dtype"] = dtype
+        if memory_format is not None:
+            kw["memory_format"] = memory_format
+        return torch.Tensor.to(t, torch.device("meta"), **kw)
+    finally:
+        DISPATCHER.local.target = prev
+
+
+def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
+    self = args[0]
+    kw = dict(kwargs)
+    copy = kw.pop("copy", False)
+    rest = args[1:]
+    if rest and isinstance(rest[0], torch.Tensor):  # x.to(other): other's device and dtype
+        other = rest[0]
+        device, dtype = other.device, other.dtype
+        non_blocking = kw.get("non_blocking", rest[1] if len(rest) > 1 else False)
+        memory_format = None
+    else:
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kw)
+    if device is not None and device.type == "meta":
+        with _UserMeta():
+            return func(*args, **kwargs)
+    if device is None or device.type != "cuda":
+        return func(*args, **kwargs)
+    index = _cuda_index(device)
+    if isinstance(self, RemoteTensor):
+        if index == self._dev:
+            if not copy and (dtype is None or dtype == self.dtype) and memory_format in (None, torch.preserve_format):
+                return self
+            return torch.Tensor.to(self, dtype=dtype or self.dtype, non_blocking=non_blocking, copy=copy,
+                                   memory_format=memory_format or torch.preserve_format)
+        return func(self, device, dtype=dtype or self.dtype, non_blocking=non_blocking, copy=copy)
+    return to_cuda(self, index, dtype, non_blocking, memory_format)
+
+
+def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
+    self = args[0]
+    device = args[1] if len(args) > 1 else kwargs.get("device")
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    d = _device(device) or torch.device("cuda")
+    if d.type != "cuda":
+        raise RuntimeError(f"Invalid device, must be cuda device, got {d}")
+    mf = kwargs.get("memory_format", torch.preserve_format)
+    return _tensor_to(torch.Tensor.to, (self, torch.device("cuda", _cuda_index(d))),
+                      {"non_blocking": non_blocking, "memory_format": mf})
+
+
+def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """torch.tensor / as_tensor / asarray with device='cuda': build on the CPU, then upload."""
+    d = _device(kwargs.get("device"))
+    if d is None or d.type != "cuda":
+        if d is not None and d.type == "meta":
+            with _UserMeta():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+    kw = dict(kwargs, device="cpu")
+    requires_grad = kw.pop("requires_grad", False)
+    src = args[0] if args else kw.get("obj", kw.get("data"))
+    if isinstance(src, RemoteTensor):
+        out = src if func is not torch.tensor else src.detach().clone()
+        dtype = kw.get("dtype")
+        out = out.to(dtype) if dtype is not None else out
+    else:
+        out = to_cuda(func(*args, **kw), _cuda_index(d))
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
+    self = args[0]
+    d = _device(kwargs.get("device"))
+    if not isinstance(self, RemoteTensor) and (d is None or d.type != "cuda"):
+        return func(*args, **kwargs)
+    kw = dict(kwargs)
+    requires_grad = kw.pop("requires_grad", False)
+    kw.pop("device", None)
+    kw.setdefault("dtype", self.dtype)
+    data = args[1] if len(args) > 1 else kw.pop("data")
+    if isinstance(data, torch.Tensor):
+        cpu = data.detach().cpu().to(kw["dtype"]).clone()
+    else:
+        cpu = torch.tensor(data, **kw)
+    index = _cuda_index(d) if d is not None else self._dev
+    out = to_cuda(cpu, index)
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def _index_lists(idx: Any) -> Any:
+    """Python lists in an index would become *meta* index tensors in C++; make them CPU tensors."""
+    if type(idx) is list:
+        return torch.tensor(idx)
+    if type(idx) is tuple:
+        return tuple(torch.tensor(i) if type(i) is list else i for i in idx)
+    return idx
+
+
+def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
+    if isinstance(args[0], RemoteTensor):
+        args = (args[0], _index_lists(args[1]), *args[2:])
+    return func(*args, **kwargs)
+
+
+def _setitem(func: Callable, args: tuple, kwargs: dict) -> Any:
+    self = args[0]
+    if isinstance(self, RemoteTensor):
+        value = args[2]
+        if isinstance(value, (int, float, bool, complex)):
+            value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
+        elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
+            value = to_cuda(value, self._dev)
+        args = (self, _index_lists(args[1]), value)
+    return func(*args, **kwargs)
+
+
+def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``p.data = new``: the wrapper must follow the new handle, not only the new metadata."""
+    self, new = args
+    if isinstance(self, RemoteTensor) and not isinstance(new, RemoteTensor):
+        new = to_cuda(new.detach(), self._dev)
+    if isinstance(new, RemoteTensor):
+        if not isinstance(self, RemoteTensor):  # p.data = p.data.cuda(): p becomes a cuda tensor
+            fresh = new.detach()
+            fresh.requires_grad_(self.requires_grad)
+            saved = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_is_param"}
+            torch.utils.swap_tensors(self, fresh)
+            self.__dict__.update(saved)
+            return None
+        func(self, new)
+        for k in ("_h", "_s", "_dev", "_sid", "_k", "_owner"):
+            self.__dict__[k] = new.__dict__[k]
+        return None
+    return func(*args, **kwargs)
+
+
+def _pin_memory(func: Callable, args: tuple, kwargs: dict) -> Any:
+    if isinstance(args[0], RemoteTensor):
+        return func(*args, **kwargs)
+    return args[0]  # page-locked memory is a local-GPU notion; the gateway receives from the socket
+
+
+def _is_pinned(func: Callable, args: tuple, kwargs: dict) -> bool:
+    return False
+
+
+_HANDLERS: dict[Callable, Callable] = {
+    torch.Tensor.to: _tensor_to,
+    torch.Tensor.cuda: _tensor_cuda,
+    torch.tensor: _data_factory,
+    torch.as_tensor: _data_factory,
+    torch.asarray: _data_factory,
+    torch.Tensor.new_tensor: _new_tensor,
+    torch.Tensor.__getitem__: _getitem,
+    torch.Tensor.__setitem__: _setitem,
+    torch.Tensor.pin_memory: _pin_memory,
+    torch.Tensor.is_pinned: _is_pinned,
+}
+
+
+class RemoteFunctionMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        h = _HANDLERS.get(func)
+        if h is not None:
+            return h(func, args, kwargs)
+        p = autocast.POLICY.get(func)
+        if p is not None:
+            return autocast.apply(p, func, args, kwargs)
+        if kwargs:
+            d = kwargs.get("device")
+            if d is not None and (d == "meta" or getattr(d, "type", None) == "meta"):
+                with _UserMeta():
+                    return func(*args, **kwargs)
+        if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__":
+            return _set_data(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class RemoteDispatchMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if RemoteTensor in types:
+            return DISPATCHER.dispatch(func, args, kwargs)
+        d = kwargs.get("device")
+        if d is not None:
+            if d.type == "cuda":
+                return DISPATCHER.factory(func, args, kwargs, d.index)
+            if d.type == "meta" and not _user_meta():
+                return DISPATCHER.factory(func, args, kwargs, getattr(DISPATCHER.local, "target", None)
+                                          if getattr(DISPATCHER.local, "target", None) is not None
+                                          else getattr(DISPATCHER.local, "vdev", None))
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------- install / uninstall
+
+class _Patches:
+    """Attribute replacements, remembered so that uninstall restores torch exactly."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[Any, str, Any, bool]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        had = name in vars(obj) if isinstance(obj, type) else hasattr(obj, name)
+        self.saved.append((obj, name, getattr(obj, name, None), had))
+        setattr(obj, name, value)
+
+    def restore(self) -> None:
+        for obj, name, value, had in reversed(self.saved):
+            if had:
+                setattr(obj, name, value)
+            else:
+                delattr(obj, name)
+        self.saved.clear()
+
+
+_state: dict[str, Any] = {}
+
+
+def _compile(model: Any = None, **kwargs: Any) -> Any:
+    if not _state.get("warned_compile"):
+        _state["warned_compile"] = True
+        warnings.warn("remotecuda: torch.compile runs the model eagerly on the gateway", stacklevel=2)
+    if model is None:
+        return lambda m: m
+    return model
+
+
+def _patched_manual_seed(seed: int) -> Any:
+    gen = _state["orig_manual_seed"](seed)
+    cuda_api.manual_seed_all(int(seed))
+    return gen
+
+
+def _group_by_device(original: Callable) -> Callable:
+    """foreach grouping keys by the C++ device (meta); report the tensors' cuda device instead."""
+    def grouped(tensorlistlist: Any, with_indices: bool = False) -> Any:
+        result = original(tensorlistlist, with_indices)
+        fixed = {}
+        for (device, dtype), value in result.items():
+            if device.type == "meta":
+                first = next((t for t in value[0][0] if isinstance(t, RemoteTensor)), None) \
+                    if isinstance(value, tuple) else None
+                if first is not None:
+                    device = first.device
+            fixed[(device, dtype)] = value
+        return fixed
+    return grouped
+
+
+def _data_parallel_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+    """All virtual devices of a session run in order anyway: DataParallel runs the module once."""
+    return self.module(*inputs, **kwargs)
+
+
+def install() -> None:
+    if _state.get("installed"):
+        return
+    p = _Patches()
+    for name, obj in cuda_api.REPLACEMENTS.items():
+        p.set(torch.cuda, name, obj)
+    p.set(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)
+    _state["orig_manual_seed"] = torch.random.manual_seed
+    p.set(torch, "manual_seed", _patched_manual_seed)
+    p.set(torch.random, "manual_seed", _patched_manual_seed)
+    p.set(torch, "compile", _compile)
+    import torch.nn.utils.clip_grad as clip_grad
+    import torch.optim.optimizer as optimizer
+    import torch.utils._foreach_utils as foreach_utils
+    grouped = _group_by_device(foreach_utils._group_tensors_by_device_and_dtype)
+    for mod in (foreach_utils, clip_grad, optimizer):
+        p.set(mod, "_group_tensors_by_device_and_dtype", grouped)
+    p.set(optimizer.Optimizer, "_group_tensors_by_device_and_dtype", staticmethod(grouped))
+    p.set(torch.nn.DataParallel, "forward", _data_parallel_forward)
+    serialization.install(p)
+    _state["foreach"] = [lst for lst in (foreach_utils._foreach_supported_types,
+                                         optimizer._foreach_supported_types) if RemoteTensor not in lst]
+    for lst in _state["foreach"]:
+        lst.append(RemoteTensor)
+    _state["swap"] = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    fmode, dmode = RemoteFunctionMode(), RemoteDispatchMode()
+    fmode.__enter__()
+    dmode.__enter__()
+    _state.update(installed=True, patches=p, modes=(fmode, dmode))
+
+
+def uninstall() -> None:
+    if not _state.get("installed"):
+        return
+    fmode, dmode = _state["modes"]
+    dmode.__exit__(None, None, None)
+    fmode.__exit__(None, None, None)
+    torch.__future__.set_swap_module_params_on_conversion(_state["swap"])
+    for lst in _state["foreach"]:
+        lst.remove(RemoteTensor)
+    _state["patches"].restore()
+    _state.clear()

@@ -1,0 +1,270 @@
+"""The wire protocol shared by the client and the gateway.
+
+A message is a list of ZeroMQ frames::
+
+    [header, body, payload_0, payload_1, ...]
+
+* ``header`` is a fixed 36-byte struct: magic, version, type, flags, sequence number,
+  body length, payload count, an xxh3-64 digest of the body and a CRC32 of the header
+  itself, so a damaged or foreign message is rejected before anything is parsed.
+* ``body`` is msgpack. Tensors, dtypes and devices travel as small msgpack extension
+  types (never pickle); everything else is plain msgpack data.
+* payloads are raw tensor bytes, one frame each, described in ``body["pl"]`` by
+  ``[raw_nbytes, codec, digest]``; they are never copied into the msgpack body.
+  ``codec`` is ``"raw"`` or ``"zstd"``; ``digest`` is the xxh3-64 of the frame as sent.
+
+docs/PROTOCOL.md describes the message types and the op encoding.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import torch
+import xxhash
+import zstandard
+
+MAGIC = b"RCDA"
+VERSION = 1
+
+# message types
+HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL = range(1, 10)
+TYPE_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", OPS: "OPS", REPLY: "REPLY", ERROR: "ERROR",
+              PING: "PING", PONG: "PONG", BYE: "BYE", CANCEL: "CANCEL"}
+
+_HEADER = struct.Struct("<4sBBHQIIQ")
+HEADER_SIZE = _HEADER.size + 4
+
+#: the largest tensor payload a peer accepts (raw bytes, after decompression)
+MAX_PAYLOAD_BYTES = 1 << 36
+#: the largest msgpack body a peer accepts
+MAX_BODY_BYTES = 64 << 20
+
+# msgpack extension codes
+EXT_HANDLE, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_TUPLE = range(1, 8)
+
+DTYPES: list[torch.dtype] = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.complex32,
+]
+DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
+MEMORY_FORMATS = [torch.contiguous_format, torch.channels_last, torch.channels_last_3d,
+                  torch.preserve_format]
+MEMFMT_CODE = {m: i for i, m in enumerate(MEMORY_FORMATS)}
+LAYOUTS = [torch.strided, torch.sparse_coo]
+LAYOUT_CODE = {lay: i for i, lay in enumerate(LAYOUTS)}
+
+_u64 = struct.Struct("<Q")
+_c128 = struct.Struct("<dd")
+
+
+class ProtocolError(Exception):
+    """A message that does not follow this protocol; the peer that sent it is at fault."""
+
+
+@dataclass(frozen=True)
+class Handle:
+    """A tensor held by the gateway, named by the id the client gave it."""
+
+    id: int
+
+
+@dataclass
+class Message:
+    type: int
+    body: dict
+    payloads: list = field(default_factory=list)
+    seq: int = 0
+
+
+# ---------------------------------------------------------------------------- encoding
+
+def _default(obj: Any) -> msgpack.ExtType:
+    if isinstance(obj, Handle):
+        return msgpack.ExtType(EXT_HANDLE, _u64.pack(obj.id))
+    if isinstance(obj, torch.dtype):
+        return msgpack.ExtType(EXT_DTYPE, bytes((DTYPE_CODE[obj],)))
+    if isinstance(obj, torch.device):
+        return msgpack.ExtType(EXT_DEVICE, (obj.type + ("" if obj.index is None else f":{obj.index}")).encode())
+    if isinstance(obj, torch.memory_format):
+        return msgpack.ExtType(EXT_MEMFMT, bytes((MEMFMT_CODE[obj],)))
+    if isinstance(obj, torch.layout):
+        return msgpack.ExtType(EXT_LAYOUT, bytes((LAYOUT_CODE[obj],)))
+    if isinstance(obj, complex):
+        return msgpack.ExtType(EXT_COMPLEX, _c128.pack(obj.real, obj.imag))
+    if isinstance(obj, torch.Size):
+        return list(obj)
+    raise TypeError(f"remotecuda cannot send a {type(obj).__name__} to the gateway")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    try:
+        if code == EXT_HANDLE:
+            return Handle(_u64.unpack(data)[0])
+        if code == EXT_DTYPE:
+            return DTYPES[data[0]]
+        if code == EXT_DEVICE:
+            return torch.device(data.decode())
+        if code == EXT_MEMFMT:
+            return MEMORY_FORMATS[data[0]]
+        if code == EXT_LAYOUT:
+            return LAYOUTS[data[0]]
+        if code == EXT_COMPLEX:
+            return complex(*_c128.unpack(data))
+    except (IndexError, struct.error, RuntimeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"malformed extension value (code {code}): {e}") from None
+    raise ProtocolError(f"unknown extension code {code}")
+
+
+def pack_body(body: dict) -> bytes:
+    return msgpack.packb(body, default=_default, use_bin_type=True)
+
+
+def unpack_body(data: bytes | memoryview) -> dict:
+    try:
+        body = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"malformed message body: {e}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("message body is not a map")
+    return body
+
+
+# ---------------------------------------------------------------------------- payloads
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without a copy when it is already contiguous."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def encode_payload(buf: memoryview, compress: bool | None = None) -> tuple[list, Any]:
+    """Return the descriptor and the frame for one payload; zstd only where it pays."""
+    n = buf.nbytes
+    if compress is None:
+        compress = n >= 4096 and _compressible(buf)
+    if compress:
+        frame = zstandard.ZstdCompressor(level=1).compress(buf)
+        if len(frame) < n * 0.9:
+            return [n, "zstd", xxhash.xxh3_64_intdigest(frame)], frame
+    return [n, "raw", xxhash.xxh3_64_intdigest(buf)], buf
+
+
+def _compressible(buf: memoryview) -> bool:
+    """Cheap test on a sample: float weights barely compress, zeros and labels do."""
+    sample = bytes(buf[: 1 << 14])
+    return len(zstandard.ZstdCompressor(level=1).compress(sample)) < len(sample) * 0.7
+
+
+def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> memoryview:
+    """Check and (if needed) decompress one payload frame; raise ProtocolError on any mismatch."""
+    if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], int)):
+        raise ProtocolError("malformed payload descriptor")
+    raw_n, codec, digest = desc
+    buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    if raw_n < 0 or raw_n > max_bytes:
+        raise ProtocolError(f"payload declares {raw_n} bytes, over the limit of {max_bytes}")
+    if xxhash.xxh3_64_intdigest(buf) != digest:
+        raise ProtocolError("payload integrity check failed")
+    if codec == "raw":
+        if buf.nbytes != raw_n:
+            raise ProtocolError(f"payload is {buf.nbytes} bytes, descriptor says {raw_n}")
+        return buf
+    if codec == "zstd":
+        try:
+            declared = zstandard.frame_content_size(buf)
+        except zstandard.ZstdError as e:
+            raise ProtocolError(f"bad zstd frame: {e}") from None
+        if declared != raw_n:  # zstd ignores max_output_size when the header states a size
+            raise ProtocolError(f"zstd frame declares {declared} bytes, descriptor says {raw_n}")
+        try:
+            out = zstandard.ZstdDecompressor().decompress(buf, max_output_size=raw_n)
+        except zstandard.ZstdError as e:
+            raise ProtocolError(f"bad zstd frame: {e}") from None
+        if len(out) != raw_n:
+            raise ProtocolError("decompressed payload has the wrong size")
+        return memoryview(out)
+    raise ProtocolError(f"unknown payload codec {codec!r}")
+
+
+def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A CPU tensor over ``buf`` (no copy); the caller copies it if it outlives the frame."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if buf.nbytes != numel * itemsize:
+        raise ProtocolError(f"payload of {buf.nbytes} bytes cannot hold {tuple(shape)} {dtype}")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zmq frames are read-only buffers
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(dtype).view(tuple(shape))
+
+
+# ---------------------------------------------------------------------------- framing
+
+def encode(msg_type: int, body: dict, payloads: Sequence[Any] = (), seq: int = 0) -> list:
+    """Frames for one message; payloads are (descriptor, frame) pairs from encode_payload."""
+    if payloads:
+        body = dict(body, pl=[d for d, _ in payloads])
+    data = pack_body(body)
+    head = _HEADER.pack(MAGIC, VERSION, msg_type, 0, seq, len(data), len(payloads),
+                        xxhash.xxh3_64_intdigest(data))
+    head += struct.pack("<I", zlib.crc32(head))
+    return [head, data, *(f for _, f in payloads)]
+
+
+def decode_header(frame: Any) -> tuple[int, int, int, int, int]:
+    """(type, seq, body_len, n_payloads, body_digest) of a header frame, fully checked."""
+    buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    if buf.nbytes != HEADER_SIZE:
+        raise ProtocolError(f"header is {buf.nbytes} bytes, expected {HEADER_SIZE}")
+    raw = bytes(buf)
+    if struct.unpack("<I", raw[-4:])[0] != zlib.crc32(raw[:-4]):
+        raise ProtocolError("header integrity check failed")
+    magic, version, msg_type, _flags, seq, body_len, n_pl, digest = _HEADER.unpack(raw[:-4])
+    if magic != MAGIC:
+        raise ProtocolError("not a RemoteCUDA message (bad magic)")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    if msg_type not in TYPE_NAMES:
+        raise ProtocolError(f"unknown message type {msg_type}")
+    return msg_type, seq, body_len, n_pl, digest
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Check every frame of a message and parse it; payloads stay undecoded (see decode_payload)."""
+    if len(frames) < 2:
+        raise ProtocolError("truncated message: header and body frames are required")
+    msg_type, seq, body_len, n_pl, digest = decode_header(frames[0])
+    body_buf = frames[1].buffer if hasattr(frames[1], "buffer") else memoryview(frames[1])
+    if body_buf.nbytes != body_len:
+        raise ProtocolError(f"truncated message: body is {body_buf.nbytes} bytes, header says {body_len}")
+    if body_len > MAX_BODY_BYTES:
+        raise ProtocolError("message body over the size limit")
+    if xxhash.xxh3_64_intdigest(body_buf) != digest:
+        raise ProtocolError("body integrity check failed")
+    if len(frames) - 2 != n_pl:
+        raise ProtocolError(f"truncated message: {len(frames) - 2} payload frames, header says {n_pl}")
+    body = unpack_body(body_buf)
+    pl = body.get("pl", [])
+    if not isinstance(pl, list) or len(pl) != n_pl:
+        raise ProtocolError("payload descriptors do not match the payload frames")
+    return Message(msg_type, body, list(zip(pl, frames[2:])), seq)

@@ -1,0 +1,166 @@
+"""The client runtime: which gateways are in use, the virtual devices they provide, and
+one session per virtual device, opened on first use.
+
+Virtual device ``cuda:N`` is the N-th GPU over the gateways in the order given. When
+no gateway answers, the runtime starts a gateway on the local CPU (after one warning)
+unless ``fallback="error"``, so unchanged code still runs.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import zmq
+
+from .errors import GatewayUnavailableError
+from .session import Session, _connect, hello
+
+DEFAULT_SERVER = "127.0.0.1:55555"
+
+
+@dataclass
+class VirtualDevice:
+    index: int
+    endpoint: str
+    gpu: int
+    props: dict  # the gateway's description of the GPU
+    gateway: dict  # the gateway's WELCOME (versions)
+
+
+def endpoint(server: str) -> str:
+    """'host:port' (or a tcp:// URL) → a ZeroMQ endpoint."""
+    server = server.strip()
+    if server.startswith("tcp://"):
+        return server
+    host, sep, port = server.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"remotecuda: a server is HOST:PORT, got {server!r}")
+    return f"tcp://{host or '127.0.0.1'}:{port}"
+
+
+class Runtime:
+    def __init__(self, servers: list[str], fallback: str = "cpu", sync: bool = False,
+                 connect_timeout: float = 3.0):
+        self.ctx = zmq.Context()
+        self.sync = sync
+        self.devices: list[VirtualDevice] = []
+        self.sessions: dict[int, Session] = {}
+        self.current_device = 0
+        self.seed: int | None = None  # the last torch.manual_seed, applied to sessions opened later
+        self.fallback_gateway: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        unreachable = []
+        for server in servers:
+            ep = endpoint(server)
+            try:
+                self._add_gateway(ep, connect_timeout)
+            except GatewayUnavailableError as e:
+                unreachable.append(str(e))
+        if not self.devices:
+            if fallback == "error":
+                raise GatewayUnavailableError(
+                    "no RemoteCUDA gateway is reachable (" + "; ".join(unreachable) + "); "
+                    "REMOTECUDA_FALLBACK=error forbids running on the local CPU")
+            warnings.warn("remotecuda: no gateway is reachable (" + "; ".join(unreachable) + "); "
+                          "running 'cuda' work on the local CPU instead", RuntimeWarning, stacklevel=3)
+            self._start_local_gateway()
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._background, name="remotecuda-flush", daemon=True)
+        self._flusher.start()
+        atexit.register(self.close)
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.fallback_gateway is not None
+
+    def _add_gateway(self, ep: str, timeout: float) -> None:
+        sock = _connect(self.ctx, ep)
+        try:
+            info = hello(sock, {"device": None}, timeout, ep)
+        finally:
+            sock.close(linger=0)
+        for d in info["devices"]:
+            self.devices.append(VirtualDevice(len(self.devices), ep, d["index"], d, info))
+
+    def _start_local_gateway(self) -> None:
+        cmd = [sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--port", "0",
+               "--no-discovery", "--quiet"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        line = proc.stdout.readline()  # "READY tcp://127.0.0.1:PORT" once it listens
+        if not line.startswith("READY "):
+            proc.kill()
+            raise GatewayUnavailableError("could not start a local CPU gateway for the fallback")
+        self.fallback_gateway = proc
+        self._add_gateway(line.split()[1], 60.0)
+        for d in self.devices:
+            d.props = dict(d.props, name=d.props["name"] + " [local fallback]")
+
+    # ------------------------------------------------------------------ sessions
+    def device(self, index: int | None) -> VirtualDevice:
+        i = self.current_device if index is None else index
+        if not 0 <= i < len(self.devices):
+            raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{i}; remotecuda has "
+                               f"{len(self.devices)} device(s))")
+        return self.devices[i]
+
+    def session(self, index: int) -> Session:
+        s = self.sessions.get(index)
+        if s is None:
+            with self._lock:
+                s = self.sessions.get(index)
+                if s is None:
+                    d = self.device(index)
+                    s = Session(self.ctx, d.endpoint, d.gpu, index, connect_timeout=60.0, sync=self.sync)
+                    if self.seed is not None:
+                        s.enqueue("rc::seed", [self.seed], None, None)
+                    self.sessions[index] = s
+        return s
+
+    def _background(self) -> None:
+        while not self._stop.wait(BACKGROUND_TICK):
+            now = time.monotonic()
+            for s in list(self.sessions.values()):
+                try:
+                    s.maybe_flush(now)
+                except zmq.ZMQError:
+                    pass
+
+    def synchronize(self) -> None:
+        for s in list(self.sessions.values()):
+            if not s.closed:
+                s.request("rc::sync", [])
+
+    def close(self) -> None:
+        if getattr(self, "_stop", None) is None or self._stop.is_set():
+            return
+        self._stop.set()
+        for s in list(self.sessions.values()):
+            try:
+                s.close()
+            except Exception:  # closing must never raise at exit
+                pass
+        self.sessions.clear()
+        if self.fallback_gateway is not None:
+            self.fallback_gateway.terminate()
+            try:
+                self.fallback_gateway.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.fallback_gateway.kill()
+        self.ctx.term()
+
+
+BACKGROUND_TICK = 0.002
+
+
+def servers_from_env(servers: str | list[str] | None) -> list[str]:
+    if servers is None:
+        servers = os.environ.get("REMOTECUDA_SERVERS") or DEFAULT_SERVER
+    if isinstance(servers, str):
+        servers = [s for s in servers.split(",") if s.strip()]
+    return list(servers)

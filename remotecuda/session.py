@@ -1,0 +1,261 @@
+"""A session: one virtual CUDA device's op stream to one GPU of one gateway.
+
+Ops are queued and sent in batches without waiting; output handles are chosen here,
+so creating a tensor never needs a reply. The session blocks only in ``request``:
+when a value is needed on the client, when an output's shape depends on data, or at
+an explicit synchronize. An error in an asynchronous op comes back with the reply to
+the next request and is raised there, as CUDA does.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from . import protocol
+from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, remote_exception
+
+#: flush when this many ops are queued
+BATCH_OPS = 256
+#: flush when this many payload bytes are queued; larger uploads go out at once
+BATCH_BYTES = 1 << 20
+#: flush ops that have waited this long (seconds), so the GPU is not kept idle
+BATCH_WINDOW = 0.002
+PING_EVERY = 2.0
+#: a gateway that answers nothing (not even a ping) for this long is gone
+LIVENESS = 20.0
+
+STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
+             "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved")
+
+
+class Session:
+    def __init__(self, ctx: zmq.Context, endpoint: str, gpu: int, vdev: int,
+                 connect_timeout: float = 5.0, sync: bool = False):
+        self.endpoint, self.gpu, self.vdev, self.sync = endpoint, gpu, vdev, sync
+        self.lock = threading.RLock()
+        self.sock = _connect(ctx, endpoint)
+        self.info = hello(self.sock, {"device": gpu}, connect_timeout, endpoint)
+        self._handles = itertools.count(1)
+        self._ops: list = []
+        self._payloads: list = []
+        self._pending_bytes = 0
+        self._first_pending = 0.0
+        self._release: list[int] = []
+        self._inflight: list = []  # (tracker, tensor): zero-copy uploads zmq has not sent yet
+        self._seq = 0
+        self._rid = 0
+        self._op_index = 0
+        self._last_send = time.monotonic()
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.closed = False
+
+    # ------------------------------------------------------------------ hot path
+    def new_handle(self) -> int:
+        return next(self._handles)
+
+    def enqueue(self, name: str, args: list, kwargs: dict | None, outs: list | None) -> None:
+        with self.lock:
+            if not self._ops:
+                self._first_pending = time.monotonic()
+            self._ops.append([name, args, kwargs, outs])
+            if self.sync:
+                self.request("rc::sync", [])
+            elif len(self._ops) >= BATCH_OPS:
+                self.flush()
+
+    def reserve(self, n: int) -> int:
+        """A block of n handles for outputs the gateway will describe; returns the first."""
+        with self.lock:
+            base = next(self._handles)
+            self._handles = itertools.count(base + n)
+            return base
+
+    def release(self, handle: int) -> None:
+        """Called from finalizers on any thread: only an atomic append here."""
+        self._release.append(handle)
+
+    def upload(self, t: torch.Tensor, non_blocking: bool = False) -> int:
+        """Queue a CPU tensor's bytes for the gateway; return its handle."""
+        h = self.new_handle()
+        t = t.detach()
+        buf = protocol.tensor_bytes(t)
+        n = buf.nbytes
+        desc, frame = protocol.encode_payload(buf)
+        big = n >= BATCH_BYTES
+        if not big and frame is buf:
+            frame = bytes(buf)  # the caller may overwrite the tensor as soon as we return
+        with self.lock:
+            if not self._ops:
+                self._first_pending = time.monotonic()
+            self._ops.append(["rc::upload", [h, len(self._payloads), t.dtype, list(t.shape)], None, None])
+            self._payloads.append((desc, frame))
+            self._pending_bytes += len(frame) if isinstance(frame, bytes) else frame.nbytes
+            self.stats["uploads"] += 1
+            self.stats["compressed_bytes_saved"] += n - (len(frame) if isinstance(frame, bytes) else frame.nbytes)
+            if big or self._pending_bytes >= BATCH_BYTES:
+                tracker = self.flush(track=frame is buf)
+                if frame is buf and tracker is not None:
+                    if non_blocking:
+                        self._inflight.append((tracker, t))
+                    else:
+                        tracker.wait()
+            elif self.sync:
+                self.request("rc::sync", [])
+        return h
+
+    # ------------------------------------------------------------------ sending
+    def flush(self, req: int | None = None, track: bool = False) -> Any:
+        with self.lock:
+            if not self._ops and not self._release and req is None:
+                return None
+            body: dict = {"ops": self._ops, "n0": self._op_index}
+            if self._release:
+                rel, self._release = self._release, []
+                body["rel"] = rel
+            if req is not None:
+                body["req"] = req
+            self._seq += 1
+            frames = protocol.encode(protocol.OPS, body, self._payloads, self._seq)
+            self._op_index += len(self._ops)
+            self.stats["ops"] += len(self._ops)
+            self.stats["messages"] += 1
+            self.stats["bytes_up"] += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+            self._ops, self._payloads, self._pending_bytes = [], [], 0
+            self._last_send = time.monotonic()
+            if self._inflight:
+                self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
+            if track:
+                return self.sock.send_multipart(frames, copy=False, track=True)
+            self.sock.send_multipart(frames, copy=False)
+            return None
+
+    def maybe_flush(self, now: float) -> None:
+        """Called by the runtime's background thread: flush old ops, keep the session alive."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            if self.closed:
+                return
+            if self._ops and now - self._first_pending >= BATCH_WINDOW:
+                self.flush()
+            elif self._release and len(self._release) > 1024:
+                self.flush()
+            elif now - self._last_send > PING_EVERY:
+                self._send(protocol.PING, {"t": now})
+        finally:
+            self.lock.release()
+
+    def _send(self, msg_type: int, body: dict) -> None:
+        self._seq += 1
+        self.sock.send_multipart(protocol.encode(msg_type, body, (), self._seq))
+        self._last_send = time.monotonic()
+
+    # ------------------------------------------------------------------ sync points
+    def request(self, name: str, args: list, kwargs: dict | None = None, base: int | None = None) -> Any:
+        """Run an op whose result the client needs, after everything queued; block for it."""
+        with self.lock:
+            if self.closed:
+                raise GatewayLostError("this remotecuda session is closed")
+            self._ops.append([name, args, kwargs, {"base": base}])
+            self._rid += 1
+            rid = self._rid
+            self.flush(req=rid)
+            self.stats["blocking_round_trips"] += 1
+            msg = self._wait(rid)
+            body = msg.body
+            if body.get("err"):
+                raise remote_exception(body["err"])
+            res = body.get("res")
+            if isinstance(res, dict) and "pl" in res and msg.payloads:
+                desc, frame = msg.payloads[res["pl"]]
+                buf = protocol.decode_payload(desc, frame)
+                self.stats["downloads"] += 1
+                return protocol.tensor_from_bytes(buf, res["dtype"], res["shape"])
+            return res
+
+    def _wait(self, rid: int) -> protocol.Message:
+        last_heard = time.monotonic()
+        last_ping = last_heard
+        try:
+            while True:
+                if self.sock.poll(100):
+                    frames = self.sock.recv_multipart(copy=False)
+                    last_heard = time.monotonic()
+                    self.stats["bytes_down"] += sum(len(f) for f in frames)
+                    msg = protocol.decode(frames)
+                    if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
+                        return msg
+                    if msg.type == protocol.ERROR:
+                        self._raise_error(msg.body)
+                    continue  # PONG, or the reply to a request abandoned by an interrupt
+                now = time.monotonic()
+                if now - last_heard > LIVENESS:
+                    self.closed = True
+                    raise GatewayLostError(f"gateway {self.endpoint} stopped answering "
+                                           f"(nothing for {LIVENESS:.0f} s)")
+                if now - last_ping > PING_EVERY:
+                    self._send(protocol.PING, {"t": now})
+                    last_ping = now
+        except KeyboardInterrupt:
+            self._send(protocol.CANCEL, {"rid": rid, "upto": self._seq})
+            raise
+
+    def _raise_error(self, body: dict) -> None:
+        kind, text = body.get("kind"), body.get("msg", "")
+        if kind == "session_lost" or kind == "no_session":
+            self.closed = True
+            raise GatewayLostError(f"gateway {self.endpoint}: {text}")
+        raise GatewayProtocolError(f"gateway {self.endpoint} rejected a message: {text}")
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.flush()
+                self._send(protocol.BYE, {})
+            except zmq.ZMQError:
+                pass
+            self.closed = True
+            self.sock.close(linger=1000)
+
+
+def _connect(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.connect(endpoint)
+    return sock
+
+
+def hello(sock: zmq.Socket, body: dict, timeout: float, endpoint: str) -> dict:
+    """Greet a gateway; the WELCOME body (inventory) or GatewayUnavailableError."""
+    body = dict(body, client={"host": socket.gethostname(), "pid": os.getpid(),
+                              "torch": torch.__version__, "protocol": protocol.VERSION})
+    deadline = time.monotonic() + timeout
+    sent = False  # with IMMEDIATE, a send fails (rather than queueing) until the TCP link is up
+    while time.monotonic() < deadline:
+        if not sent:
+            try:
+                sock.send_multipart(protocol.encode(protocol.HELLO, body), zmq.NOBLOCK)
+                sent = True
+            except zmq.Again:
+                time.sleep(0.02)
+                continue
+        if sock.poll(50):
+            msg = protocol.decode(sock.recv_multipart())
+            if msg.type == protocol.WELCOME:
+                return msg.body
+            if msg.type == protocol.ERROR:
+                raise GatewayUnavailableError(f"gateway {endpoint} refused the session: {msg.body.get('msg')}")
+    raise GatewayUnavailableError(f"no RemoteCUDA gateway answered at {endpoint} within {timeout:.1f} s")

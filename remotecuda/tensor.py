@@ -1,0 +1,158 @@
+"""RemoteTensor: a tensor whose data lives on a gateway.
+
+On a CPU-only torch a wrapper subclass whose C++ device is ``cuda`` aborts inside
+autograd, so the wrapper's C++ device is ``meta`` (shape, stride and dtype only, no
+data) and the Python-level ``device`` / ``is_cuda`` report ``cuda:N``. Every aten op
+on it arrives in ``__torch_dispatch__`` and goes to the op dispatcher.
+
+Handles are freed through a small owner object kept in ``__dict__`` rather than a
+weakref finalizer: ``torch.utils.swap_tensors`` (which keeps Parameter identity across
+``model.cuda()``) refuses tensors that have weakrefs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_DEVICES: dict[int, torch.device] = {}
+
+
+def cuda_device(index: int) -> torch.device:
+    d = _DEVICES.get(index)
+    if d is None:
+        d = _DEVICES[index] = torch.device("cuda", index)
+    return d
+
+
+class HandleOwner:
+    """Releases a gateway handle when the last wrapper using it goes away."""
+
+    __slots__ = ("session", "handle")
+
+    def __init__(self, session: Any, handle: int):
+        self.session, self.handle = session, handle
+
+    def __del__(self) -> None:
+        s = self.session
+        if s is not None and not s.closed:
+            s.release(self.handle)
+
+
+class RemoteTensor(torch.Tensor):
+    # set by make(); listed for readers
+    _h: int  # the gateway handle
+    _s: Any  # the Session
+    _dev: int  # virtual device index
+    _sid: int  # storage identity: views share their base's
+    _k: tuple  # (dtype, shape, stride, offset): this tensor's part of a dispatch cache key
+    _owner: HandleOwner
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import DISPATCHER
+        return DISPATCHER.dispatch(func, args, kwargs or {})
+
+    # ---------------------------------------------------------------- identity
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return cuda_device(self._dev)
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def is_meta(self) -> bool:  # type: ignore[override]
+        return False
+
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
+
+    def get_device(self) -> int:
+        return self._dev
+
+    def data_ptr(self) -> int:
+        """A stable fake address: distinct per storage, offset like a real pointer."""
+        return (((self._dev + 1) << 48) | (self._sid << 16)) + self.storage_offset() * self.element_size()
+
+    def is_pinned(self, device: Any = None) -> bool:
+        return False
+
+    def pin_memory(self, device: Any = None) -> RemoteTensor:
+        raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
+
+    # ---------------------------------------------------------------- values (sync points)
+    def numpy(self, *, force: bool = False) -> Any:
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
+                               "Use tensor.detach().numpy() instead.")
+        raise TypeError("can't convert cuda:%d device type tensor to numpy. Use Tensor.cpu() to copy "
+                        "the tensor to host memory first." % self._dev)
+
+    def tolist(self) -> Any:
+        return self.detach().cpu().tolist()
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        from torch._tensor_str import _str, _tensor_str
+        cpu = self.detach().cpu()
+        if tensor_contents is None:
+            with torch.no_grad():
+                tensor_contents = _tensor_str(cpu, 7)
+        return _str(self, tensor_contents=tensor_contents).replace("RemoteTensor(", "tensor(", 1)
+
+    # ---------------------------------------------------------------- copies and pickling
+    def __deepcopy__(self, memo: dict) -> RemoteTensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        if self.requires_grad:
+            new.requires_grad_(True)
+        if self.grad is not None:
+            new.grad = self.grad.__deepcopy__(memo)
+        import copy
+        for k, v in self.__dict__.items():
+            if not k.startswith("_") or k == "_is_param":
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        if type(self) is not RemoteTensor:  # a Parameter swapped onto the wrapper keeps its class
+            new.__class__ = type(self)
+        memo[id(self)] = new
+        return new
+
+    def __reduce_ex__(self, proto: int) -> Any:
+        """Save as a CPU tensor that torch rebuilds on 'cuda:N' (as it does for XLA and PrivateUse1)."""
+        if isinstance(self, torch.nn.Parameter):
+            from collections import OrderedDict
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+        cpu = self.detach().cpu().clone()
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (cpu, self.dtype, str(self.device), self.requires_grad))
+
+
+def make(session: Any, handle: int, shape: Any, stride: Any, offset: int, dtype: torch.dtype,
+         sid: int | None = None) -> RemoteTensor:
+    """A wrapper for gateway tensor ``handle``; metadata is whatever the dispatcher computed."""
+    t = torch.Tensor._make_wrapper_subclass(RemoteTensor, shape, strides=stride, storage_offset=offset,
+                                            dtype=dtype, device="meta")
+    d = t.__dict__
+    d["_h"] = handle
+    d["_s"] = session
+    d["_dev"] = session.vdev
+    d["_sid"] = handle if sid is None else sid
+    d["_k"] = (dtype, tuple(shape), tuple(stride), offset)
+    d["_owner"] = HandleOwner(session, handle)
+    return t
+
+
+def refresh_key(t: RemoteTensor) -> None:
+    """After an in-place metadata change (t_, resize_, set_...)."""
+    t.__dict__["_k"] = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())

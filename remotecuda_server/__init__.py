@@ -1,0 +1,1 @@
+"""The RemoteCUDA gateway: serves GPU (or CPU) sessions to RemoteCUDA clients over ZeroMQ."""

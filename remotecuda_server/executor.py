@@ -1,0 +1,274 @@
+"""Executing one session's op stream on one device.
+
+The executor owns the session's handle table (client-assigned id → real tensor).
+A view op yields a real view here, so aliasing and in-place ops on views behave as in
+local PyTorch. Errors follow CUDA's model: the first failing op is remembered, the
+ops after it in the stream are skipped (their outputs are marked invalid), and the
+error is returned with the reply to the client's next request.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from remotecuda import protocol
+from remotecuda.protocol import Handle, ProtocolError
+
+from .ops import OpResolver, UnknownOpError
+
+
+class RemoteOpError(Exception):
+    """An op failed; carries what the client needs to re-raise it."""
+
+    def __init__(self, op: str, index: int, exc: BaseException):
+        super().__init__(str(exc))
+        self.info = {"op": op, "index": index, "type": _error_type(exc), "msg": str(exc)}
+
+
+def _error_type(exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "OutOfMemoryError"
+    if isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc):
+        return "OutOfMemoryError"  # the CPU allocator's word for it
+    if isinstance(exc, ProtocolError):
+        return "ProtocolError"
+    return type(exc).__name__
+
+
+class Executor:
+    """Runs ops in issue order against a handle table."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.handles: dict[int, torch.Tensor] = {}
+        self.invalid: dict[int, str] = {}
+        self.resolver = OpResolver()
+        self.failed: dict | None = None
+        self.events: dict[int, Any] = {}
+        self.peak_bytes = 0
+        self.ops_run = 0
+
+    # ------------------------------------------------------------------ arguments
+    def _arg(self, a: Any) -> Any:
+        t = type(a)
+        if t is Handle:
+            x = self.handles.get(a.id)
+            if x is None:
+                why = self.invalid.get(a.id)
+                raise RuntimeError(why or f"remotecuda: tensor handle {a.id} is unknown to the gateway "
+                                          "(freed, or never created)")
+            return x
+        if t is list:
+            return [self._arg(v) for v in a]
+        if t is torch.device:
+            return self.device if a.type == "cuda" else a
+        return a
+
+    def _store(self, outs: list, result: Any) -> None:
+        flat: list = []
+        _flatten(result, flat)
+        if len(flat) != len(outs):
+            raise RuntimeError(f"op produced {len(flat)} tensors, the client expected {len(outs)}")
+        for h, t in zip(outs, flat):
+            if h is not None:
+                self.handles[h] = t
+                self.invalid.pop(h, None)
+
+    def _poison(self, outs: Any, why: str) -> None:
+        if isinstance(outs, list):
+            for h in outs:
+                if h is not None:
+                    self.handles.pop(h, None)
+                    self.invalid[h] = why
+
+    # ------------------------------------------------------------------ execution
+    def run(self, body: dict, payloads: list, cancelled=lambda: False) -> tuple[Any, dict | None, list]:
+        """Execute one OPS message; return (result of the request op, error, reply payloads)."""
+        ops = body.get("ops") or []
+        first = body.get("n0", 0)
+        if not isinstance(ops, list) or not isinstance(first, int):
+            raise ProtocolError("malformed ops list")
+        result, out_payloads = None, []
+        for i, op in enumerate(ops):
+            if not (isinstance(op, list) and len(op) == 4 and isinstance(op[0], str)):
+                raise ProtocolError(f"malformed op record at position {i}")
+            name, args, kwargs, outs = op
+            if self.failed is not None or cancelled():
+                why = (f"remotecuda: this tensor was never computed: op {self.failed['op']} "
+                       f"failed before it ({self.failed['type']}: {self.failed['msg']})"
+                       if self.failed else "remotecuda: this tensor was never computed: its op was "
+                                           "cancelled by an interrupt")
+                self._poison(outs, why)
+                continue
+            try:
+                r = self._execute(name, args or [], kwargs or {}, outs, payloads, out_payloads)
+                if isinstance(outs, dict):  # a request op: its value goes back
+                    result = r
+            except ProtocolError:
+                raise
+            except Exception as e:  # any op error belongs to the client that issued it
+                self.failed = RemoteOpError(name, first + i, e).info
+                self._poison(outs, f"remotecuda: this tensor was never computed: op {name} failed "
+                                   f"({type(e).__name__}: {e})")
+        rel = body.get("rel")
+        if rel:
+            for h in rel:
+                self.handles.pop(h, None)
+                self.invalid.pop(h, None)
+        self.ops_run += len(ops)
+        self._track_peak()
+        err = None
+        if "req" in body and self.failed is not None:
+            err, self.failed = self.failed, None
+            result, out_payloads = None, []
+        return result, err, out_payloads
+
+    def _execute(self, name: str, args: list, kwargs: dict, outs: Any, payloads: list,
+                 out_payloads: list) -> Any:
+        if name.startswith("rc::"):
+            return self._internal(name[4:], args, payloads, out_payloads)
+        func = self.resolver.resolve(name)
+        result = func(*[self._arg(a) for a in args], **{k: self._arg(v) for k, v in kwargs.items()})
+        if isinstance(outs, dict):
+            return self._describe(outs, result)
+        self._store(outs, result)
+        return None
+
+    def _describe(self, outs: dict, result: Any) -> Any:
+        """For ops whose output the client cannot predict: store tensors from ``base`` on, describe them."""
+        next_id = [outs["base"]]
+
+        def walk(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                h = next_id[0]
+                next_id[0] += 1
+                self.handles[h] = v
+                return {"h": h, "shape": list(v.shape), "stride": list(v.stride()),
+                        "offset": v.storage_offset(), "dtype": v.dtype}
+            if isinstance(v, (list, tuple)):
+                return [walk(x) for x in v]
+            if isinstance(v, (bool, int, float, complex, type(None))):
+                return v
+            raise TypeError(f"cannot describe a {type(v).__name__} result")
+        return walk(result)
+
+    # ------------------------------------------------------------------ internal ops
+    def _internal(self, name: str, args: list, payloads: list, out_payloads: list) -> Any:
+        if name == "upload":  # [handle, payload index, dtype, shape]
+            h, idx, dtype, shape = args
+            desc, frame = payloads[idx]
+            cpu = protocol.tensor_from_bytes(protocol.decode_payload(desc, frame), dtype, shape)
+            self.handles[h] = cpu.to(self.device, copy=True)
+            self.invalid.pop(h, None)
+            return None
+        if name == "fetch":  # [handle] → payload
+            t = self._arg(Handle(args[0])).detach()
+            cpu = t.to("cpu") if t.device.type != "cpu" else t
+            buf = protocol.tensor_bytes(cpu)
+            out_payloads.append(protocol.encode_payload(buf))
+            return {"pl": len(out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
+        if name == "seed":
+            (seed,) = args
+            if self.device.type == "cuda":
+                torch.cuda.manual_seed(seed)
+            else:
+                torch.manual_seed(seed)
+            return None
+        if name == "initial_seed":
+            return (torch.cuda.initial_seed() if self.device.type == "cuda" else torch.initial_seed())
+        if name == "sync":
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return None
+        if name == "event_record":
+            (eid,) = args
+            if self.device.type == "cuda":
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                self.events[eid] = ev
+            else:
+                self.events[eid] = time.perf_counter()
+            return None
+        if name == "event_elapsed":
+            a, b = (self.events[e] for e in args)
+            if self.device.type == "cuda":
+                b.synchronize()
+                return a.elapsed_time(b)
+            return (b - a) * 1000.0
+        if name == "event_free":
+            for e in args:
+                self.events.pop(e, None)
+            return None
+        if name == "memory":
+            return self.memory_stats()
+        if name == "reset_peak":
+            self.peak_bytes = 0
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._track_peak()
+            return None
+        if name == "empty_cache":
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+        if name == "set_flags":  # backend flags such as allow_tf32
+            for key, value in args[0].items():
+                _set_backend_flag(key, value)
+            return None
+        raise UnknownOpError(f"unknown internal op rc::{name}")
+
+    # ------------------------------------------------------------------ memory
+    def allocated_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        seen, total = set(), 0
+        for t in self.handles.values():
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += s.nbytes()
+        return total
+
+    def _track_peak(self) -> None:
+        if self.device.type != "cuda":
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes())
+
+    def memory_stats(self) -> dict:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return {"allocated": torch.cuda.memory_allocated(self.device),
+                    "reserved": torch.cuda.memory_reserved(self.device),
+                    "peak": torch.cuda.max_memory_allocated(self.device),
+                    "free": free, "total": total}
+        import psutil
+        vm = psutil.virtual_memory()
+        alloc = self.allocated_bytes()
+        return {"allocated": alloc, "reserved": alloc, "peak": max(self.peak_bytes, alloc),
+                "free": vm.available, "total": vm.total}
+
+
+_FLAGS = {
+    "matmul.allow_tf32": lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", bool(v)),
+    "cudnn.allow_tf32": lambda v: setattr(torch.backends.cudnn, "allow_tf32", bool(v)),
+    "cudnn.benchmark": lambda v: setattr(torch.backends.cudnn, "benchmark", bool(v)),
+    "cudnn.deterministic": lambda v: setattr(torch.backends.cudnn, "deterministic", bool(v)),
+    "float32_matmul_precision": lambda v: torch.set_float32_matmul_precision(str(v)),
+}
+
+
+def _set_backend_flag(key: str, value: Any) -> None:
+    setter = _FLAGS.get(key)
+    if setter is None:
+        raise UnknownOpError(f"unknown backend flag {key!r}")
+    setter(value)
+
+
+def _flatten(v: Any, out: list) -> None:
+    if isinstance(v, torch.Tensor):
+        out.append(v)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _flatten(x, out)

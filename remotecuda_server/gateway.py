@@ -1,0 +1,257 @@
+"""The gateway supervisor: one TCP port, sessions placed on workers.
+
+The supervisor never runs an op. It checks each message's header, answers HELLO and
+PING itself, and forwards a session's frames (without copying them) to the worker
+process that owns the session. Workers are started ahead of time, one spare per
+device, so a new session does not wait for ``import torch``. A session ends on BYE,
+after ``session_timeout`` seconds without a message (the client pings every few
+seconds while alive), or when its worker dies; its worker then exits, which frees
+all of its memory.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from remotecuda import protocol
+from remotecuda.protocol import ProtocolError
+
+from .devices import DeviceInfo
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class WorkerProc:
+    ident: bytes
+    device: int
+    proc: subprocess.Popen
+    ready: bool = False
+    client: bytes | None = None
+
+
+@dataclass
+class SessionState:
+    client: bytes
+    worker: bytes
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class Gateway:
+    def __init__(self, devices: list[DeviceInfo], host: str = "127.0.0.1", port: int = 55555,
+                 spare: int = 1, session_timeout: float = 60.0, max_frame: int = protocol.MAX_PAYLOAD_BYTES):
+        self.devices = devices
+        self.spare = spare
+        self.session_timeout = session_timeout
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.front.setsockopt(zmq.MAXMSGSIZE, max_frame + 64)
+        self.front.setsockopt(zmq.SNDHWM, 0)
+        self.front.setsockopt(zmq.RCVHWM, 0)
+        if port == 0:
+            self.port = self.front.bind_to_random_port(f"tcp://{host}")
+        else:
+            self.front.bind(f"tcp://{host}:{port}")
+            self.port = port
+        self.host = host
+        self._tmp = tempfile.TemporaryDirectory(prefix="remotecuda-gw-")
+        self.back = self.ctx.socket(zmq.ROUTER)
+        self.back.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.back.setsockopt(zmq.LINGER, 0)
+        self.back.setsockopt(zmq.SNDHWM, 0)
+        self.back.setsockopt(zmq.RCVHWM, 0)
+        self.backend = f"ipc://{self._tmp.name}/backend"
+        self.back.bind(self.backend)
+        self.workers: dict[bytes, WorkerProc] = {}
+        self.sessions: dict[bytes, SessionState] = {}
+        self.waiting: list[tuple[bytes, int]] = []  # (client, device) HELLOs waiting for a worker
+        self._n = 0
+        self.running = True
+
+    # ------------------------------------------------------------------ workers
+    def _spawn(self, device: int) -> None:
+        self._n += 1
+        ident = f"w{self._n}".encode()
+        cmd = [sys.executable, "-m", "remotecuda_server.worker", "--backend", self.backend,
+               "--ident", ident.decode(), "--device", self.devices[device].torch_device]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.workers[ident] = WorkerProc(ident, device, proc)
+
+    def _maintain_spares(self) -> None:
+        for dev in range(len(self.devices)):
+            idle = sum(1 for w in self.workers.values() if w.device == dev and w.client is None)
+            wanted = self.spare + sum(1 for _, d in self.waiting if d == dev)
+            for _ in range(wanted - idle):
+                self._spawn(dev)
+
+    def _reap(self) -> None:
+        for ident, w in list(self.workers.items()):
+            code = w.proc.poll()
+            if code is None:
+                continue
+            del self.workers[ident]
+            if w.client is not None and w.client in self.sessions:
+                del self.sessions[w.client]
+                self._send_client(w.client, protocol.encode(protocol.ERROR, {
+                    "kind": "session_lost",
+                    "msg": f"the gateway's session worker exited (code {code}); this session's "
+                           "tensors are lost"}))
+
+    def _assign(self) -> None:
+        still = []
+        for client, dev in self.waiting:
+            w = next((w for w in self.workers.values()
+                      if w.device == dev and w.ready and w.client is None), None)
+            if w is None:
+                still.append((client, dev))
+                continue
+            w.client = client
+            self.sessions[client] = SessionState(client, w.ident)
+            self.back.send_multipart([w.ident, b"ATTACH", client])
+            self._send_client(client, protocol.encode(protocol.WELCOME, self._inventory(session=True)))
+        self.waiting = still
+
+    # ------------------------------------------------------------------ messages
+    def _inventory(self, session: bool = False) -> dict:
+        return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(),
+                "devices": [d.as_dict() for d in self.devices], "session": session,
+                "sessions": len(self.sessions)}
+
+    def _send_client(self, client: bytes, frames: list) -> None:
+        try:
+            self.front.send_multipart([client, *frames], copy=False)
+        except zmq.ZMQError:  # the client is gone (ROUTER_MANDATORY says so rather than dropping)
+            pass
+
+    def _error(self, client: bytes, msg: str, kind: str = "protocol") -> None:
+        self._send_client(client, protocol.encode(protocol.ERROR, {"msg": msg, "kind": kind}))
+
+    def _on_front(self, frames: list) -> None:
+        client, frames = frames[0].bytes, frames[1:]
+        try:
+            if not frames:
+                raise ProtocolError("empty message")
+            msg_type = protocol.decode_header(frames[0])[0]
+        except ProtocolError as e:
+            self._error(client, str(e))
+            return
+        state = self.sessions.get(client)
+        if state is not None:
+            state.last_seen = time.monotonic()
+        if msg_type in (protocol.OPS, protocol.CANCEL):
+            if state is None:
+                self._error(client, "no session: send HELLO first", "no_session")
+                return
+            self.back.send_multipart([state.worker, b"MSG", *frames], copy=False)
+            return
+        try:
+            msg = protocol.decode(frames)
+        except ProtocolError as e:
+            self._error(client, str(e))
+            return
+        if msg_type == protocol.PING:
+            self._send_client(client, protocol.encode(protocol.PONG, {"t": msg.body.get("t")}))
+        elif msg_type == protocol.HELLO:
+            self._on_hello(client, msg.body)
+        elif msg_type == protocol.BYE:
+            self._close_session(client)
+        else:
+            self._error(client, f"unexpected message type {protocol.TYPE_NAMES[msg_type]}")
+
+    def _on_hello(self, client: bytes, body: dict) -> None:
+        dev = body.get("device")
+        if dev is None:
+            self._send_client(client, protocol.encode(protocol.WELCOME, self._inventory()))
+            return
+        if not isinstance(dev, int) or not 0 <= dev < len(self.devices):
+            self._error(client, f"this gateway has no device {dev!r} (it has {len(self.devices)})")
+            return
+        if client in self.sessions:
+            self._error(client, "this connection already has a session")
+            return
+        self.waiting.append((client, dev))
+        self._assign()
+
+    def _close_session(self, client: bytes) -> None:
+        state = self.sessions.pop(client, None)
+        if state is not None:
+            try:
+                self.back.send_multipart([state.worker, b"CLOSE"])
+            except zmq.ZMQError:
+                pass
+
+    def _on_back(self, frames: list) -> None:
+        ident, kind = frames[0].bytes, frames[1].bytes
+        w = self.workers.get(ident)
+        if w is None:
+            return
+        if kind == b"READY":
+            w.ready = True
+            self._assign()
+        elif kind == b"OUT":
+            client = frames[2].bytes
+            if client in self.sessions:
+                self._send_client(client, frames[3:])
+        elif kind == b"CLOSED":
+            w.proc.wait(timeout=30)
+            self.workers.pop(ident, None)
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        self._maintain_spares()
+        last_maint = time.monotonic()
+        while self.running:
+            events = dict(poller.poll(200))
+            if self.back in events:
+                for _ in range(256):
+                    try:
+                        self._on_back(self.back.recv_multipart(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
+            if self.front in events:
+                for _ in range(256):
+                    try:
+                        self._on_front(self.front.recv_multipart(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
+            now = time.monotonic()
+            if now - last_maint > 0.5:
+                last_maint = now
+                self._reap()
+                for client, st in list(self.sessions.items()):
+                    if now - st.last_seen > self.session_timeout:
+                        self._close_session(client)
+                self._maintain_spares()
+                self._assign()
+
+    def shutdown(self) -> None:
+        self.running = False
+        for w in self.workers.values():
+            w.proc.terminate()
+        for w in self.workers.values():
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+        self.front.close()
+        self.back.close()
+        self.ctx.term()
+        self._tmp.cleanup()
+
+
+def _torch_version() -> str:
+    from importlib.metadata import version
+    try:
+        return version("torch")
+    except Exception:
+        return "unknown"
