@@ -28,7 +28,7 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
     """
     from . import interception
     from .dispatch import DISPATCHER
-    from .runtime import Runtime, servers_from_env
+    from .pool import Pool, servers_from_env
     if DISPATCHER.runtime is not None:
         return DISPATCHER.runtime
     if fallback is None:
@@ -37,7 +37,7 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
         raise ValueError(f"REMOTECUDA_FALLBACK must be 'cpu' or 'error', not {fallback!r}")
     if sync is None:
         sync = os.environ.get("REMOTECUDA_SYNC", "") not in ("", "0")
-    DISPATCHER.runtime = Runtime(servers_from_env(servers), fallback=fallback, sync=sync)
+    DISPATCHER.runtime = Pool(servers_from_env(servers), fallback=fallback, sync=sync)
     interception.install()
     return DISPATCHER.runtime
 
@@ -66,7 +66,8 @@ def runtime() -> Any:
 
 def synchronize() -> None:
     """Wait for all queued remote work; raise the first pending remote error."""
-    rt = runtime()
+    from .dispatch import DISPATCHER
+    rt = DISPATCHER.runtime
     if rt is not None:
         rt.synchronize()
 

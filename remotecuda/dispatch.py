@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch._C import _DisableTorchDispatch
 
+from .generator import wire_ref
 from .protocol import Handle
 from .tensor import RemoteTensor, make, refresh_key
 
@@ -129,9 +130,9 @@ class _Walk:
             raise _NeedUpload()
         if isinstance(a, torch.SymInt):
             return self.arg(int(a))
-        if isinstance(a, torch.Generator):
-            raise NotImplementedError("remotecuda: passing a torch.Generator to an op on a 'cuda' "
-                                      "tensor is not supported; seed with torch.manual_seed instead")
+        if isinstance(a, torch._C.Generator):
+            self.key.append("gen")
+            return wire_ref(a)
         raise NotImplementedError(f"remotecuda cannot send an argument of type {t.__name__} to the gateway")
 
 
@@ -158,6 +159,8 @@ def _to_meta(a: Any) -> Any:
         return type(a)(_to_meta(v) for v in a)
     if type(a) is torch.device:
         return _META
+    if isinstance(a, torch._C.Generator):
+        return None  # meta kernels only need shapes
     return a
 
 
@@ -416,6 +419,33 @@ def _to_copy(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     raise RuntimeError(f"remotecuda: cannot copy a cuda tensor to device {dev}")
 
 
+def _to(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``aten.to.*`` arrives undecomposed for inference tensors; give it ``Tensor.to``'s meaning."""
+    bound = m.func._schema.arguments
+    vals = {a.name: (args[i] if i < len(args) else kwargs.get(a.name, a.default_value))
+            for i, a in enumerate(bound)}
+    src = vals["self"]
+    other = vals.get("other")
+    device = other.device if isinstance(other, torch.Tensor) else vals.get("device")
+    dtype = other.dtype if isinstance(other, torch.Tensor) else vals.get("dtype")
+    if isinstance(device, str):
+        device = torch.device(device)
+    if device is not None and device.type == "cuda" and device.index is None and isinstance(src, RemoteTensor):
+        device = torch.device("cuda", src._dev)
+    same_device = device is None or device == getattr(src, "device", None) or \
+        (device.type == "meta" and isinstance(src, RemoteTensor))
+    mf = vals.get("memory_format")
+    if same_device and (dtype is None or dtype == src.dtype) and not vals.get("copy") and \
+            mf in (None, torch.preserve_format):
+        return src
+    kw = {"dtype": dtype or src.dtype, "non_blocking": bool(vals.get("non_blocking"))}
+    if device is not None:
+        kw["device"] = device
+    if mf is not None:
+        kw["memory_format"] = mf
+    return _to_copy(d, d.ops.get(aten._to_copy.default) or _op_meta(aten._to_copy.default), (src,), kw)
+
+
 def _copy_(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     dst, src = args[0], args[1]
     non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
@@ -442,6 +472,10 @@ def _is_pinned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
 
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
+    aten.to.dtype_layout: _to,
+    aten.to.device: _to,
+    aten.to.dtype: _to,
+    aten.to.other: _to,
     aten.copy_.default: _copy_,
     aten.record_stream.default: _record_stream,
     aten.is_pinned.default: _is_pinned,

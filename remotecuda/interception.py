@@ -25,7 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import autocast, cuda_api, serialization
+from . import autocast, cuda_api, generator, serialization
 from .dispatch import DISPATCHER
 from .tensor import RemoteTensor
 
@@ -195,6 +195,8 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
             fresh = new.detach()
             fresh.requires_grad_(self.requires_grad)
             saved = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_is_param"}
+            if isinstance(self, torch.nn.Parameter):
+                saved["_is_param"] = True  # Parameter's isinstance check for subclass-backed parameters
             torch.utils.swap_tensors(self, fresh)
             self.__dict__.update(saved)
             return None
@@ -336,6 +338,7 @@ def install() -> None:
     p.set(torch, "manual_seed", _patched_manual_seed)
     p.set(torch.random, "manual_seed", _patched_manual_seed)
     p.set(torch, "compile", _compile)
+    p.set(torch, "Generator", generator.Generator)
     import torch.nn.utils.clip_grad as clip_grad
     import torch.optim.optimizer as optimizer
     import torch.utils._foreach_utils as foreach_utils

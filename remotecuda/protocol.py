@@ -44,7 +44,7 @@ MAX_PAYLOAD_BYTES = 1 << 36
 MAX_BODY_BYTES = 64 << 20
 
 # msgpack extension codes
-EXT_HANDLE, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_TUPLE = range(1, 8)
+EXT_HANDLE, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_GENERATOR = range(1, 8)
 
 DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -74,6 +74,13 @@ class Handle:
     id: int
 
 
+@dataclass(frozen=True)
+class GeneratorRef:
+    """A random number generator held by the gateway (``torch.Generator(device='cuda')``)."""
+
+    id: int
+
+
 @dataclass
 class Message:
     type: int
@@ -87,6 +94,8 @@ class Message:
 def _default(obj: Any) -> msgpack.ExtType:
     if isinstance(obj, Handle):
         return msgpack.ExtType(EXT_HANDLE, _u64.pack(obj.id))
+    if isinstance(obj, GeneratorRef):
+        return msgpack.ExtType(EXT_GENERATOR, _u64.pack(obj.id))
     if isinstance(obj, torch.dtype):
         return msgpack.ExtType(EXT_DTYPE, bytes((DTYPE_CODE[obj],)))
     if isinstance(obj, torch.device):
@@ -106,6 +115,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
     try:
         if code == EXT_HANDLE:
             return Handle(_u64.unpack(data)[0])
+        if code == EXT_GENERATOR:
+            return GeneratorRef(_u64.unpack(data)[0])
         if code == EXT_DTYPE:
             return DTYPES[data[0]]
         if code == EXT_DEVICE:

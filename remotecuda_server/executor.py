@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from remotecuda import protocol
-from remotecuda.protocol import Handle, ProtocolError
+from remotecuda.protocol import GeneratorRef, Handle, ProtocolError
 
 from .ops import OpResolver, UnknownOpError
 
@@ -47,6 +47,7 @@ class Executor:
         self.resolver = OpResolver()
         self.failed: dict | None = None
         self.events: dict[int, Any] = {}
+        self.generators: dict[int, torch.Generator] = {}
         self.peak_bytes = 0
         self.ops_run = 0
 
@@ -64,6 +65,11 @@ class Executor:
             return [self._arg(v) for v in a]
         if t is torch.device:
             return self.device if a.type == "cuda" else a
+        if t is GeneratorRef:
+            g = self.generators.get(a.id)
+            if g is None:
+                raise RuntimeError(f"remotecuda: generator {a.id} is unknown to the gateway")
+            return g
         return a
 
     def _store(self, outs: list, result: Any) -> None:
@@ -90,6 +96,9 @@ class Executor:
         first = body.get("n0", 0)
         if not isinstance(ops, list) or not isinstance(first, int):
             raise ProtocolError("malformed ops list")
+        rel = body.get("rel")
+        if rel is not None and not (isinstance(rel, list) and all(type(h) is int for h in rel)):
+            raise ProtocolError("malformed release list (rel): expected a list of handle ids")
         result, out_payloads = None, []
         for i, op in enumerate(ops):
             if not (isinstance(op, list) and len(op) == 4 and isinstance(op[0], str)):
@@ -112,7 +121,6 @@ class Executor:
                 self.failed = RemoteOpError(name, first + i, e).info
                 self._poison(outs, f"remotecuda: this tensor was never computed: op {name} failed "
                                    f"({type(e).__name__}: {e})")
-        rel = body.get("rel")
         if rel:
             for h in rel:
                 self.handles.pop(h, None)
@@ -175,6 +183,13 @@ class Executor:
                 torch.cuda.manual_seed(seed)
             else:
                 torch.manual_seed(seed)
+            return None
+        if name in ("gen_new", "gen_seed"):  # [generator id, seed]
+            gid, seed = args
+            g = self.generators.get(gid) if name == "gen_seed" else None
+            if g is None:
+                g = self.generators[gid] = torch.Generator(device=self.device)
+            g.manual_seed(seed)
             return None
         if name == "initial_seed":
             return (torch.cuda.initial_seed() if self.device.type == "cuda" else torch.initial_seed())

@@ -149,7 +149,10 @@ class Gateway:
             if state is None:
                 self._error(client, "no session: send HELLO first", "no_session")
                 return
-            self.back.send_multipart([state.worker, b"MSG", *frames], copy=False)
+            try:
+                self.back.send_multipart([state.worker, b"MSG", *frames], copy=False)
+            except zmq.ZMQError:  # the worker has just gone (ROUTER_MANDATORY says so)
+                self._lose_session(client, "the gateway's session worker is gone")
             return
         try:
             msg = protocol.decode(frames)
@@ -179,6 +182,11 @@ class Gateway:
         self.waiting.append((client, dev))
         self._assign()
 
+    def _lose_session(self, client: bytes, why: str) -> None:
+        self.sessions.pop(client, None)
+        self._send_client(client, protocol.encode(protocol.ERROR, {
+            "kind": "session_lost", "msg": f"{why}; this session's tensors are lost"}))
+
     def _close_session(self, client: bytes) -> None:
         state = self.sessions.pop(client, None)
         if state is not None:
@@ -200,8 +208,14 @@ class Gateway:
             if client in self.sessions:
                 self._send_client(client, frames[3:])
         elif kind == b"CLOSED":
-            w.proc.wait(timeout=30)
+            try:
+                w.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
             self.workers.pop(ident, None)
+            if w.client is not None and w.client in self.sessions \
+                    and self.sessions[w.client].worker == ident:  # it ended without a CLOSE
+                self._lose_session(w.client, "the gateway's session worker ended")
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
@@ -221,9 +235,15 @@ class Gateway:
             if self.front in events:
                 for _ in range(256):
                     try:
-                        self._on_front(self.front.recv_multipart(zmq.NOBLOCK, copy=False))
+                        frames = self.front.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    try:
+                        self._on_front(frames)
+                    except Exception:  # one client's message must never stop the gateway
+                        import traceback
+                        traceback.print_exc()
+                        self._error(frames[0].bytes, "the gateway could not handle this message", "internal")
             now = time.monotonic()
             if now - last_maint > 0.5:
                 last_maint = now

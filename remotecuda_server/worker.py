@@ -125,9 +125,18 @@ class Worker:
             self.executor.failed = None
             out.send_multipart(protocol.encode(protocol.ERROR, {"msg": str(e), "kind": "protocol"}))
             return
+        except Exception as e:  # a bad message must cost an error reply, never the session
+            self.executor.failed = None
+            out.send_multipart(protocol.encode(protocol.ERROR, {
+                "msg": f"malformed OPS message ({type(e).__name__}: {e})", "kind": "protocol"}))
+            return
         rid = msg.body.get("req")
         if rid is not None and not cancelled():
-            frames = protocol.encode(protocol.REPLY, {"rid": rid, "res": result, "err": err}, payloads)
+            try:
+                frames = protocol.encode(protocol.REPLY, {"rid": rid, "res": result, "err": err}, payloads)
+            except Exception as e:  # e.g. a result msgpack cannot carry
+                frames = protocol.encode(protocol.ERROR, {
+                    "msg": f"cannot encode the reply to request {rid!r}: {e}", "kind": "protocol"})
             out.send_multipart(frames, copy=False)
 
 

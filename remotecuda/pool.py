@@ -1,4 +1,4 @@
-"""The client runtime: which gateways are in use, the virtual devices they provide, and
+"""The pool: which gateways are in use, the virtual devices they provide, and
 one session per virtual device, opened on first use.
 
 Virtual device ``cuda:N`` is the N-th GPU over the gateways in the order given. When
@@ -44,7 +44,7 @@ def endpoint(server: str) -> str:
     return f"tcp://{host or '127.0.0.1'}:{port}"
 
 
-class Runtime:
+class Pool:
     def __init__(self, servers: list[str], fallback: str = "cpu", sync: bool = False,
                  connect_timeout: float = 3.0):
         self.ctx = zmq.Context()

@@ -1,0 +1,97 @@
+"""``torch.Generator(device='cuda')``: a generator that lives on the gateway.
+
+A CPU-only torch cannot make a CUDA generator, and the Python object passed as
+``generator=`` reaches ``__torch_dispatch__`` as a fresh ``torch._C.Generator`` (its
+identity is lost, its state is not). So the client object is a CPU generator that
+serves as a carrier: its own seed encodes the gateway generator's id, and the seed the
+user set is kept in Python.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import weakref
+from typing import Any
+
+import torch
+
+from .protocol import GeneratorRef
+
+_MAGIC = 0x5EED << 48
+_MASK = 0xFFFF << 48
+_ids = itertools.count(1)
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_ORIGINAL = torch._C.Generator
+DEFAULT_SEED = 67280421310721  # what a fresh CUDA generator starts from
+
+
+class CudaGenerator(torch._C.Generator):
+    def __new__(cls, index: int) -> CudaGenerator:
+        self = torch._C.Generator.__new__(cls, "cpu")
+        self.gid = next(_ids)
+        self.index = index
+        self.user_seed = DEFAULT_SEED
+        torch._C.Generator.manual_seed(self, _MAGIC | self.gid)
+        _live[self.gid] = self
+        self._send("rc::gen_new", [self.gid, DEFAULT_SEED])
+        return self
+
+    def __init__(self, index: int) -> None:
+        pass
+
+    def _send(self, op: str, args: list) -> None:
+        from .dispatch import DISPATCHER
+        DISPATCHER.runtime.session(self.index).enqueue(op, args, None, None)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self.index)
+
+    def manual_seed(self, seed: int) -> CudaGenerator:  # type: ignore[override]
+        self.user_seed = int(seed)
+        self._send("rc::gen_seed", [self.gid, self.user_seed])
+        return self
+
+    def initial_seed(self) -> int:  # type: ignore[override]
+        return self.user_seed
+
+    def seed(self) -> int:  # type: ignore[override]
+        s = random.getrandbits(63)
+        self.manual_seed(s)
+        return s
+
+    def get_state(self) -> torch.Tensor:  # type: ignore[override]
+        raise NotImplementedError("remotecuda: get_state/set_state of a cuda Generator is not supported; "
+                                  "re-seed it with manual_seed instead")
+
+    set_state = get_state  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<torch.Generator device='cuda:{self.index}' (remotecuda)>"
+
+
+def wire_ref(g: torch._C.Generator) -> GeneratorRef:
+    """The gateway generator behind a generator argument; CPU generators are an error, as on a GPU."""
+    seed = torch._C.Generator.initial_seed(g)
+    if seed & _MASK == _MAGIC and (seed & ~_MASK) in _live:
+        return GeneratorRef(seed & ~_MASK)
+    raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
+
+
+class _GeneratorType(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _ORIGINAL)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _ORIGINAL)
+
+    def __call__(cls, device: Any = "cpu") -> torch._C.Generator:
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if d.type == "cuda":
+            from .dispatch import DISPATCHER
+            return CudaGenerator(DISPATCHER.runtime.current_device if d.index is None else d.index)
+        return _ORIGINAL(device)
+
+
+class Generator(metaclass=_GeneratorType):
+    """Stands in for ``torch.Generator`` while active: CPU generators are made as before."""

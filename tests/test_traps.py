@@ -1,0 +1,241 @@
+"""Each trap of DESIGN.md ("Traps found in a prototype") handled, against a real gateway.
+
+The reference for every value is the same computation in local PyTorch on the CPU.
+"""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def cpu_copy(t):
+    return t.detach().cpu().clone()
+
+
+# ---------------------------------------------------------------- silently wrong unless handled
+
+def test_optimizer_built_before_cuda_trains_the_cuda_parameters():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    p_before = model.weight
+    model.cuda()
+    assert model.weight is p_before and model.weight.is_cuda
+    assert opt.param_groups[0]["params"][0] is model.weight
+    w0 = cpu_copy(model.weight)
+    loss = model(torch.ones(3, 4, device="cuda")).pow(2).sum()
+    loss.backward()
+    opt.step()
+    assert not torch.equal(cpu_copy(model.weight), w0), "the optimizer must update the cuda parameters"
+
+
+def test_half_changes_the_gateway_tensor_too():
+    m = nn.Linear(3, 2).cuda()
+    ref = cpu_copy(m.weight).half()
+    m.half()
+    assert m.weight.dtype == torch.float16
+    assert m.weight.cpu().dtype == torch.float16 and torch.equal(m.weight.cpu(), ref)
+    out = m(torch.ones(1, 3, device="cuda", dtype=torch.float16))
+    assert out.dtype == torch.float16 and out.cpu().dtype == torch.float16
+
+
+def test_assigning_p_data_is_seen_by_the_gateway():
+    m = nn.Linear(3, 2, bias=False).cuda()
+    m.weight.data = torch.full((2, 3), 2.0, device="cuda")
+    assert m(torch.ones(1, 3, device="cuda")).cpu().tolist() == [[6.0, 6.0]]
+    m.weight.data = torch.ones(2, 3)  # a CPU value assigned to a cuda parameter
+    assert m.weight.is_cuda
+    assert m(torch.ones(1, 3, device="cuda")).cpu().tolist() == [[3.0, 3.0]]
+    cpu_param = nn.Parameter(torch.zeros(2))
+    cpu_param.data = cpu_param.data.cuda()  # the old idiom for moving a parameter
+    assert cpu_param.is_cuda and isinstance(cpu_param, nn.Parameter)
+
+
+def test_deepcopy_does_not_share_the_gateway_tensor():
+    x = torch.zeros(3, device="cuda", requires_grad=True)
+    y = copy.deepcopy(x)
+    with torch.no_grad():
+        y.add_(5)
+    assert x.cpu().tolist() == [0, 0, 0] and y.cpu().tolist() == [5, 5, 5]
+    assert y.requires_grad and y.is_leaf
+    m = nn.Sequential(nn.Linear(2, 2)).cuda()
+    m2 = copy.deepcopy(m)
+    with torch.no_grad():
+        m2[0].weight.zero_()
+    assert m[0].weight.abs().sum().item() > 0
+    assert isinstance(m2[0].weight, nn.Parameter)
+
+
+def test_list_index_reads_the_right_rows():
+    ref = torch.arange(20.).reshape(5, 4)
+    x = ref.cuda()
+    assert torch.equal(x[[1, 3]].cpu(), ref[[1, 3]])
+    assert torch.equal(x[:, [0, 2]].cpu(), ref[:, [0, 2]])
+    x[[0, 4]] = 0.0
+    ref[[0, 4]] = 0.0
+    assert torch.equal(x.cpu(), ref)
+
+
+def test_new_tensor_is_a_cuda_tensor_with_the_values():
+    x = torch.ones(2, device="cuda", dtype=torch.float64)
+    y = x.new_tensor([1.5, 2.5])
+    assert y.is_cuda and y.dtype == torch.float64 and y.cpu().tolist() == [1.5, 2.5]
+
+
+def test_mixing_cpu_and_cuda_raises_as_on_a_gpu():
+    x = torch.ones(3, device="cuda")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        x + torch.ones(3)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.mm(torch.ones(3, 3), torch.ones(3, 3, device="cuda"))
+    # a 0-dim CPU tensor is allowed with CUDA tensors, as in PyTorch
+    assert (x * torch.tensor(2.0)).cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_device_identity():
+    x = torch.zeros(4, 4, device="cuda")
+    assert x.is_cuda and x.device == torch.device("cuda", 0) and x.get_device() == 0
+    assert x.data_ptr() != 0 and not x.is_meta
+    assert x[1].data_ptr() == x.data_ptr() + 4 * 4  # a view points into its base
+    assert torch.zeros(2).cuda().data_ptr() != x.data_ptr()
+
+
+def test_autocast_casts_like_cuda():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    ra, rb = a.cuda(), b.cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        mm = ra @ rb
+        lin = F.linear(ra, rb)
+        sm = torch.softmax(mm, dim=-1)
+        added = mm + 1  # not on any list: follows its input
+    assert mm.dtype == torch.float16 and lin.dtype == torch.float16
+    assert sm.dtype == torch.float32 and added.dtype == torch.float16
+    torch.testing.assert_close(mm.cpu().float(), (a.half().float() @ b.half().float()), rtol=1e-2, atol=1e-2)
+    assert (ra @ rb).dtype == torch.float32  # off again after the block
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert (ra @ rb).dtype == torch.bfloat16
+    assert torch.cuda.is_bf16_supported()
+
+
+# ---------------------------------------------------------------- breaks loudly unless handled
+
+def test_format_numpy_tolist_item():
+    x = torch.tensor([1.25, 2.5], device="cuda")
+    assert f"{x.sum():.3f}" == "3.750"
+    assert x.tolist() == [1.25, 2.5] and x[0].item() == 1.25
+    assert x.cpu().numpy().tolist() == [1.25, 2.5]
+    with pytest.raises(TypeError, match="can't convert cuda"):
+        x.numpy()  # as on a real GPU
+
+
+def test_scalar_setitem():
+    x = torch.zeros(3, 3, device="cuda")
+    x[1, 2] = 7.0
+    x[x > 5] = 3.0
+    x[0] = 1
+    ref = torch.zeros(3, 3)
+    ref[1, 2] = 3.0
+    ref[0] = 1
+    assert torch.equal(x.cpu(), ref)
+
+
+def test_pin_memory_and_non_blocking():
+    cpu = torch.arange(6.).pin_memory()
+    assert not cpu.is_pinned()
+    x = cpu.cuda(non_blocking=True)
+    assert x.cpu().tolist() == list(range(6))
+
+
+def test_save_and_load_across_the_boundary(tmp_path):
+    m = nn.Linear(3, 2).cuda()
+    buf = io.BytesIO()
+    torch.save({"sd": m.state_dict(), "t": m.weight[0]}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)  # weights_only=True by default
+    assert loaded["sd"]["weight"].is_cuda and torch.equal(loaded["sd"]["weight"].cpu(), m.weight.cpu())
+    buf.seek(0)
+    on_cpu = torch.load(buf, map_location="cpu")
+    assert not on_cpu["t"].is_cuda and torch.equal(on_cpu["t"], m.weight[0].cpu())
+    path = tmp_path / "cpu.pt"
+    torch.save({"w": torch.arange(4.)}, path)
+    to_cuda = torch.load(path, map_location="cuda")
+    assert to_cuda["w"].is_cuda and to_cuda["w"].cpu().tolist() == [0, 1, 2, 3]
+    m2 = nn.Linear(3, 2).cuda()
+    m2.load_state_dict(loaded["sd"])
+    assert torch.equal(m2.bias.cpu(), m.bias.cpu())
+
+
+def test_load_a_checkpoint_written_with_cuda_storages(tmp_path):
+    """A file from a GPU machine names 'cuda:0' storages; rewrite a CPU file's locations to get one."""
+    import zipfile
+    path = tmp_path / "gpu.pt"
+    torch.save({"w": torch.arange(3.)}, path)
+    fixed = tmp_path / "gpu_cuda.pt"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(fixed, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            if item.filename.endswith("data.pkl"):
+                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+            dst.writestr(item, data)
+    loaded = torch.load(fixed)
+    assert loaded["w"].is_cuda and loaded["w"].cpu().tolist() == [0, 1, 2]
+
+
+def test_inference_mode_views():
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, dropout=0.0)
+    ref_in = torch.randn(2, 3, 8)
+    layer.eval()
+    with torch.inference_mode():
+        ref = layer(ref_in)
+    layer.cuda()
+    with torch.inference_mode():
+        out = layer(ref_in.cuda())
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_data_parallel_single_device():
+    m = nn.DataParallel(nn.Linear(3, 1)).cuda()
+    assert m(torch.ones(2, 3, device="cuda")).shape == (2, 1)
+    assert list(m.state_dict())[0].startswith("module.")
+
+
+def test_clip_grad_norm_foreach():
+    torch.manual_seed(0)
+    ref = nn.Linear(5, 3)
+    m = copy.deepcopy(ref).cuda()
+    x = torch.randn(4, 5)
+    ref(x).sum().backward()
+    m(x.cuda()).sum().backward()
+    n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, foreach=True)
+    n = torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1, foreach=True)
+    torch.testing.assert_close(n.cpu(), n_ref)
+    torch.testing.assert_close(m.weight.grad.cpu(), ref.weight.grad)
+
+
+def test_sdpa_causal_and_where_with_python_scalar():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), is_causal=True)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-6)
+    x = torch.randn(6)
+    torch.testing.assert_close(torch.where(x.cuda() > 0, x.cuda(), 0.).cpu(), torch.where(x > 0, x, 0.))
+
+
+def test_cuda_generator():
+    g = torch.Generator(device="cuda")
+    assert g.device.type == "cuda"
+    g.manual_seed(7)
+    a = torch.randn(4, device="cuda", generator=g)
+    g.manual_seed(7)
+    b = torch.randn(4, device="cuda", generator=g)
+    assert torch.equal(a.cpu(), b.cpu())
+    assert isinstance(g, torch.Generator)
+    assert torch.Generator().device.type == "cpu"  # CPU generators unchanged
