@@ -60,6 +60,7 @@ class OpMeta:
     fully_inplace: bool  # every output is a written argument
     metadata_mutation: bool
     cpu_ok: bool
+    float_values: bool  # float arguments can change output shapes (arange, upsample...)
 
 
 def _op_meta(func: Any) -> OpMeta:
@@ -82,8 +83,15 @@ def _op_meta(func: Any) -> OpMeta:
     describe = (not tensor_returns or _Tag.data_dependent_output in tags
                 or (_Tag.dynamic_output_shape in tags and func is not aten.index.Tensor))
     fully_inplace = (all(ra is not None and ra[2] for ra in ret_alias) if ret_alias else schema.is_mutable)
+    base = ns_name.split("::")[-1]
+    float_values = not fully_inplace and (base.startswith(_FLOAT_SHAPED) or not any(
+        str(a.type) in ("Tensor", "Tensor?", "List[Tensor]", "List[Optional[Tensor]]") for a in sargs))
     return OpMeta(func, name, tuple(ret_alias), len(schema.returns) > 1, describe, fully_inplace,
-                  _Tag.inplace_view in tags or func in _METADATA_MUTATION, func in _CPU_OK)
+                  _Tag.inplace_view in tags or func in _METADATA_MUTATION, func in _CPU_OK, float_values)
+
+
+#: ops whose output shape can depend on the value of a float argument
+_FLOAT_SHAPED = ("upsample", "_upsample", "arange", "range", "linspace", "logspace", "histogram")
 
 
 class _NeedUpload(Exception):
@@ -93,11 +101,12 @@ class _NeedUpload(Exception):
 class _Walk:
     """One pass over an op's arguments: the session, the cache key and the wire form."""
 
-    __slots__ = ("session", "key")
+    __slots__ = ("session", "key", "float_values")
 
-    def __init__(self, session: Any = None):
+    def __init__(self, session: Any = None, float_values: bool = True):
         self.session = session
         self.key: list = []
+        self.float_values = float_values
 
     def arg(self, a: Any) -> Any:
         t = type(a)
@@ -113,7 +122,9 @@ class _Walk:
             self.key.append(a._k)
             return Handle(a._h)
         if t in _ATOMIC:
-            self.key.append((t, a))
+            # a float's value only matters where it can shape the output: optimizer steps with a
+            # new learning rate each step must still hit the cache
+            self.key.append((t, a) if t is not float or self.float_values else t)
             return a
         if t is list or t is tuple:
             self.key.append(("[", len(a)))
@@ -197,7 +208,7 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ the common path
     def run(self, m: OpMeta, args: tuple, kwargs: dict, session: Any = None, factory: bool = False) -> Any:
-        w = _Walk(session)
+        w = _Walk(session, m.float_values)
         try:
             wargs = [w.arg(a) for a in args]
             wkw = {k: w.arg(v) for k, v in kwargs.items()} if kwargs else None

@@ -242,7 +242,9 @@ class RemoteFunctionMode(TorchFunctionMode):
             return autocast.apply(p, func, args, kwargs)
         if kwargs:
             d = kwargs.get("device")
-            if d is not None and (d == "meta" or getattr(d, "type", None) == "meta"):
+            if type(d) is int:  # a bare ordinal means the accelerator, which C++ says is absent
+                kwargs = dict(kwargs, device=torch.device("cuda", d))
+            elif d is not None and (d == "meta" or getattr(d, "type", None) == "meta"):
                 with _UserMeta():
                     return func(*args, **kwargs)
         if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__":
