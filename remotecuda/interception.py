@@ -253,6 +253,10 @@ class RemoteFunctionMode(TorchFunctionMode):
 
 
 class RemoteDispatchMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # torch.compile is a pass-through while active; its guard costs ~9 us per op
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if RemoteTensor in types:

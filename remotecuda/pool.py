@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from . import cache
 from .errors import GatewayUnavailableError
 from .session import Session, _connect, hello
 
@@ -49,6 +50,8 @@ class Pool:
                  connect_timeout: float = 3.0):
         self.ctx = zmq.Context()
         self.sync = sync
+        self.cache_bytes = int(os.environ.get("REMOTECUDA_CACHE_BYTES", cache.DEFAULT_BYTES))
+        self.cache_policy = os.environ.get("REMOTECUDA_CACHE_POLICY", "lru").lower()
         self.devices: list[VirtualDevice] = []
         self.sessions: dict[int, Session] = {}
         self.current_device = 0
@@ -116,7 +119,8 @@ class Pool:
                 s = self.sessions.get(index)
                 if s is None:
                     d = self.device(index)
-                    s = Session(self.ctx, d.endpoint, d.gpu, index, connect_timeout=60.0, sync=self.sync)
+                    s = Session(self.ctx, d.endpoint, d.gpu, index, connect_timeout=60.0, sync=self.sync,
+                                cache_bytes=self.cache_bytes, cache_policy=self.cache_policy)
                     if self.seed is not None:
                         s.enqueue("rc::seed", [self.seed], None, None)
                     self.sessions[index] = s

@@ -163,22 +163,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def encode_payload(buf: memoryview, compress: bool | None = None) -> tuple[list, Any]:
-    """Return the descriptor and the frame for one payload; zstd only where it pays."""
+def encode_payload(buf: memoryview, compress: bool = False) -> tuple[list, Any]:
+    """The descriptor and the frame for one payload (see compression.py for when to compress)."""
     n = buf.nbytes
-    if compress is None:
-        compress = n >= 4096 and _compressible(buf)
     if compress:
         frame = zstandard.ZstdCompressor(level=1).compress(buf)
         if len(frame) < n * 0.9:
             return [n, "zstd", xxhash.xxh3_64_intdigest(frame)], frame
     return [n, "raw", xxhash.xxh3_64_intdigest(buf)], buf
-
-
-def _compressible(buf: memoryview) -> bool:
-    """Cheap test on a sample: float weights barely compress, zeros and labels do."""
-    sample = bytes(buf[: 1 << 14])
-    return len(zstandard.ZstdCompressor(level=1).compress(sample)) < len(sample) * 0.7
 
 
 def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> memoryview:

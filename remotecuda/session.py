@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import zmq
 
-from . import protocol
+from . import cache, protocol
+from .compression import LinkModel
 from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, remote_exception
 
 #: flush when this many ops are queued
@@ -32,16 +33,23 @@ PING_EVERY = 2.0
 LIVENESS = 20.0
 
 STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
-             "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved")
+             "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved",
+             "wait_seconds")  # wait_seconds: wall time spent blocked in request()
 
 
 class Session:
     def __init__(self, ctx: zmq.Context, endpoint: str, gpu: int, vdev: int,
-                 connect_timeout: float = 5.0, sync: bool = False):
+                 connect_timeout: float = 5.0, sync: bool = False,
+                 cache_bytes: int = cache.DEFAULT_BYTES, cache_policy: str = "lru"):
         self.endpoint, self.gpu, self.vdev, self.sync = endpoint, gpu, vdev, sync
         self.lock = threading.RLock()
         self.sock = _connect(ctx, endpoint)
-        self.info = hello(self.sock, {"device": gpu}, connect_timeout, endpoint)
+        want = {"bytes": cache_bytes, "policy": cache_policy}
+        self.info = hello(self.sock, {"device": gpu, "cache": want}, connect_timeout, endpoint)
+        granted = self.info.get("cache") or {}
+        self.cache = (cache.ContentCache(granted["bytes"], granted["policy"])
+                      if granted.get("bytes") else None)  # the mirror of the gateway's
+        self.link = LinkModel()
         self._handles = itertools.count(1)
         self._ops: list = []
         self._payloads: list = []
@@ -82,30 +90,52 @@ class Session:
         self._release.append(handle)
 
     def upload(self, t: torch.Tensor, non_blocking: bool = False) -> int:
-        """Queue a CPU tensor's bytes for the gateway; return its handle."""
+        """Queue a CPU tensor's bytes for the gateway; return its handle.
+
+        A payload the gateway's content cache already holds is sent as its digest only.
+        Large payloads go out at once, straight from the tensor's memory (zero-copy); a
+        blocking upload then waits until ZeroMQ has let go of that memory, as a
+        synchronous host-to-device copy would.
+        """
         h = self.new_handle()
         t = t.detach()
         buf = protocol.tensor_bytes(t)
         n = buf.nbytes
-        desc, frame = protocol.encode_payload(buf)
-        big = n >= BATCH_BYTES
-        if not big and frame is buf:
-            frame = bytes(buf)  # the caller may overwrite the tensor as soon as we return
+        dtype, shape = t.dtype, list(t.shape)
         with self.lock:
             if not self._ops:
                 self._first_pending = time.monotonic()
-            self._ops.append(["rc::upload", [h, len(self._payloads), t.dtype, list(t.shape)], None, None])
-            self._payloads.append((desc, frame))
-            self._pending_bytes += len(frame) if isinstance(frame, bytes) else frame.nbytes
             self.stats["uploads"] += 1
-            self.stats["compressed_bytes_saved"] += n - (len(frame) if isinstance(frame, bytes) else frame.nbytes)
+            key = None
+            if self.cache is not None and n >= cache.MIN_BYTES:
+                key = cache.digest(buf)
+                if self.cache.get(key) is not None:
+                    self.stats["cache_hits"] += 1
+                    self.stats["cache_bytes_saved"] += n
+                    self._ops.append(["rc::upload_cached", [h, key, dtype, shape], None, None])
+                    if self.sync:
+                        self.request("rc::sync", [])
+                    return h
+                self.cache.put(key, True, n)
+                self.stats["cache_misses"] += 1
+            desc, frame = protocol.encode_payload(buf, self.link.should_compress(buf))
+            big = n >= BATCH_BYTES
+            if not big and frame is buf:
+                frame = bytes(buf)  # the caller may overwrite the tensor as soon as we return
+            sent = len(frame) if isinstance(frame, bytes) else frame.nbytes
+            self._ops.append(["rc::upload", [h, len(self._payloads), dtype, shape, key], None, None])
+            self._payloads.append((desc, frame))
+            self._pending_bytes += sent
+            self.stats["compressed_bytes_saved"] += n - sent
             if big or self._pending_bytes >= BATCH_BYTES:
+                t0 = time.perf_counter()
                 tracker = self.flush(track=frame is buf)
-                if frame is buf and tracker is not None:
+                if tracker is not None:
                     if non_blocking:
                         self._inflight.append((tracker, t))
                     else:
                         tracker.wait()
+                        self.link.observe(sent, time.perf_counter() - t0)
             elif self.sync:
                 self.request("rc::sync", [])
         return h
@@ -166,14 +196,20 @@ class Session:
             self._ops.append([name, args, kwargs, {"base": base}])
             self._rid += 1
             rid = self._rid
+            t0 = time.perf_counter()
             self.flush(req=rid)
             self.stats["blocking_round_trips"] += 1
-            msg = self._wait(rid)
+            t_wait = time.monotonic()
+            try:
+                msg = self._wait(rid)
+            finally:
+                self.stats["wait_seconds"] += time.monotonic() - t_wait
             body = msg.body
             if body.get("err"):
                 raise remote_exception(body["err"])
             res = body.get("res")
             if isinstance(res, dict) and "pl" in res and msg.payloads:
+                self.link.observe(msg.payloads[res["pl"]][0][0], time.perf_counter() - t0)
                 desc, frame = msg.payloads[res["pl"]]
                 buf = protocol.decode_payload(desc, frame)
                 self.stats["downloads"] += 1
@@ -206,6 +242,18 @@ class Session:
         except KeyboardInterrupt:
             self._send(protocol.CANCEL, {"rid": rid, "upto": self._seq})
             raise
+
+    def cancel(self) -> None:
+        """Drop this session's queued work, as an interrupt inside ``request`` does: ops the
+        gateway has not run yet are skipped (their outputs marked never computed)."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.flush()
+                self._send(protocol.CANCEL, {"rid": None, "upto": self._seq})
+            except zmq.ZMQError:
+                pass
 
     def _raise_error(self, body: dict) -> None:
         kind, text = body.get("kind"), body.get("msg", "")

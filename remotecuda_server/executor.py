@@ -16,7 +16,12 @@ import torch
 from remotecuda import protocol
 from remotecuda.protocol import GeneratorRef, Handle, ProtocolError
 
+from remotecuda.cache import ContentCache, digest
+from remotecuda.compression import LinkModel
+
 from .ops import OpResolver, UnknownOpError
+
+_LINK = LinkModel()  # the gateway does not measure its clients' links: downloads use the default
 
 
 class RemoteOpError(Exception):
@@ -40,8 +45,9 @@ def _error_type(exc: BaseException) -> str:
 class Executor:
     """Runs ops in issue order against a handle table."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, upload_cache: ContentCache | None = None):
         self.device = device
+        self.cache = upload_cache
         self.handles: dict[int, torch.Tensor] = {}
         self.invalid: dict[int, str] = {}
         self.resolver = OpResolver()
@@ -90,8 +96,14 @@ class Executor:
                     self.invalid[h] = why
 
     # ------------------------------------------------------------------ execution
-    def run(self, body: dict, payloads: list, cancelled=lambda: False) -> tuple[Any, dict | None, list]:
-        """Execute one OPS message; return (result of the request op, error, reply payloads)."""
+    def run(self, body: dict, payloads: list, cancelled=lambda: False,
+            prepared: dict | None = None) -> tuple[Any, dict | None, list]:
+        """Execute one OPS message; return (result of the request op, error, reply payloads).
+
+        ``payloads`` are checked, decompressed buffers; ``prepared`` maps a payload index to
+        the tensor the I/O thread already copied to the device (see worker.py).
+        """
+        self._prepared = prepared or {}
         ops = body.get("ops") or []
         first = body.get("n0", 0)
         if not isinstance(ops, list) or not isinstance(first, int):
@@ -110,6 +122,7 @@ class Executor:
                        if self.failed else "remotecuda: this tensor was never computed: its op was "
                                            "cancelled by an interrupt")
                 self._poison(outs, why)
+                self._cache_bookkeeping(name, args, payloads)  # the client's mirror counted it
                 continue
             try:
                 r = self._execute(name, args or [], kwargs or {}, outs, payloads, out_payloads)
@@ -164,18 +177,34 @@ class Executor:
 
     # ------------------------------------------------------------------ internal ops
     def _internal(self, name: str, args: list, payloads: list, out_payloads: list) -> Any:
-        if name == "upload":  # [handle, payload index, dtype, shape]
-            h, idx, dtype, shape = args
-            desc, frame = payloads[idx]
-            cpu = protocol.tensor_from_bytes(protocol.decode_payload(desc, frame), dtype, shape)
-            self.handles[h] = cpu.to(self.device, copy=True)
+        if name == "upload":  # [handle, payload index, dtype, shape, digest or None]
+            h, idx, dtype, shape, key = args
+            t, ready = self._prepared.get(idx, (None, None))
+            if ready is not None:  # copied on the worker's copy stream
+                torch.cuda.current_stream(self.device).wait_event(ready)
+            if key is not None and self.cache is not None:
+                if digest(payloads[idx]) != key:
+                    raise ProtocolError("upload does not match its content digest")
+                self.cache.put(key, payloads[idx], payloads[idx].nbytes)
+            if t is None:
+                t = protocol.tensor_from_bytes(payloads[idx], dtype, shape).to(self.device, copy=True)
+            self.handles[h] = t
+            self.invalid.pop(h, None)
+            return None
+        if name == "upload_cached":  # [handle, digest, dtype, shape]: the bytes came earlier
+            h, key, dtype, shape = args
+            buf = self.cache.get(key) if self.cache is not None else None
+            if buf is None:
+                raise RuntimeError("remotecuda: the gateway's upload cache lost a payload the client "
+                                   "expected it to hold")
+            self.handles[h] = protocol.tensor_from_bytes(buf, dtype, shape).to(self.device, copy=True)
             self.invalid.pop(h, None)
             return None
         if name == "fetch":  # [handle] → payload
             t = self._arg(Handle(args[0])).detach()
             cpu = t.to("cpu") if t.device.type != "cpu" else t
             buf = protocol.tensor_bytes(cpu)
-            out_payloads.append(protocol.encode_payload(buf))
+            out_payloads.append(protocol.encode_payload(buf, _LINK.should_compress(buf)))
             return {"pl": len(out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
         if name == "seed":
             (seed,) = args
@@ -233,6 +262,15 @@ class Executor:
                 _set_backend_flag(key, value)
             return None
         raise UnknownOpError(f"unknown internal op rc::{name}")
+
+    def _cache_bookkeeping(self, name: str, args: list, payloads: list) -> None:
+        """Keep the content cache in step with the client's mirror even for a skipped upload."""
+        if self.cache is None:
+            return
+        if name == "rc::upload" and args[4] is not None and digest(payloads[args[1]]) == args[4]:
+            self.cache.put(args[4], payloads[args[1]], payloads[args[1]].nbytes)
+        elif name == "rc::upload_cached":
+            self.cache.get(args[1])
 
     # ------------------------------------------------------------------ memory
     def allocated_bytes(self) -> int:

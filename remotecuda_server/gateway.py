@@ -15,10 +15,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
 from remotecuda import protocol
+from remotecuda.cache import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
+from remotecuda.cache import POLICIES
 from remotecuda.protocol import ProtocolError
 
 from .devices import DeviceInfo
@@ -44,7 +47,8 @@ class SessionState:
 
 class Gateway:
     def __init__(self, devices: list[DeviceInfo], host: str = "127.0.0.1", port: int = 55555,
-                 spare: int = 1, session_timeout: float = 60.0, max_frame: int = protocol.MAX_PAYLOAD_BYTES):
+                 spare: int = 1, session_timeout: float = 60.0, max_frame: int = protocol.MAX_PAYLOAD_BYTES,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.devices = devices
         self.spare = spare
         self.session_timeout = session_timeout
@@ -72,6 +76,8 @@ class Gateway:
         self.workers: dict[bytes, WorkerProc] = {}
         self.sessions: dict[bytes, SessionState] = {}
         self.waiting: list[tuple[bytes, int]] = []  # (client, device) HELLOs waiting for a worker
+        self.cache_requests: dict[bytes, Any] = {}
+        self.cache_bytes = cache_bytes
         self._n = 0
         self.running = True
 
@@ -114,9 +120,19 @@ class Gateway:
                 continue
             w.client = client
             self.sessions[client] = SessionState(client, w.ident)
-            self.back.send_multipart([w.ident, b"ATTACH", client])
-            self._send_client(client, protocol.encode(protocol.WELCOME, self._inventory(session=True)))
+            conf = self._cache_conf(self.cache_requests.pop(client, None))
+            self.back.send_multipart([w.ident, b"ATTACH", client, protocol.pack_body({"cache": conf})])
+            self._send_client(client, protocol.encode(protocol.WELCOME,
+                                                      dict(self._inventory(session=True), cache=conf)))
         self.waiting = still
+
+    def _cache_conf(self, asked: Any) -> dict:
+        """The upload cache a session gets: what it asked for, within this gateway's limit."""
+        asked = asked if isinstance(asked, dict) else {}
+        size = asked.get("bytes", self.cache_bytes)
+        policy = asked.get("policy") if asked.get("policy") in POLICIES else "lru"
+        size = min(size, self.cache_bytes) if isinstance(size, int) and size >= 0 else self.cache_bytes
+        return {"bytes": size, "policy": policy}
 
     # ------------------------------------------------------------------ messages
     def _inventory(self, session: bool = False) -> dict:
@@ -179,6 +195,7 @@ class Gateway:
         if client in self.sessions:
             self._error(client, "this connection already has a session")
             return
+        self.cache_requests[client] = body.get("cache")
         self.waiting.append((client, dev))
         self._assign()
 

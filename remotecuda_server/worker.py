@@ -19,6 +19,7 @@ import threading
 import zmq
 
 from remotecuda import protocol
+from remotecuda.cache import ContentCache
 from remotecuda.protocol import ProtocolError
 
 
@@ -31,6 +32,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.executor = Executor(self.device)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, ident)
@@ -69,6 +71,9 @@ class Worker:
                 kind = frames[0].bytes
                 if kind == b"ATTACH":
                     self.client = frames[1].bytes
+                    conf = protocol.unpack_body(frames[2].bytes)["cache"] if len(frames) > 2 else {}
+                    if conf.get("bytes"):
+                        self.executor.cache = ContentCache(conf["bytes"], conf["policy"])
                 elif kind == b"MSG":
                     self._on_client_message(frames[1:])
                 elif kind == b"CLOSE":
@@ -87,7 +92,34 @@ class Worker:
                 self.cancel_upto = max(self.cancel_upto, upto)
             self.inbox.put(("cancelled", msg.body.get("rid")))
             return
+        try:
+            self._prepare(msg)
+        except ProtocolError as e:
+            self.inbox.put(("error", str(e)))
+            return
         self.inbox.put(("msg", msg))
+
+    def _prepare(self, msg: protocol.Message) -> None:
+        """Check and decompress payloads, and copy uploads to the device, while earlier ops run."""
+        msg.payloads = [protocol.decode_payload(d, f) for d, f in msg.payloads]
+        msg.prepared = {}
+        if msg.type != protocol.OPS or not msg.payloads:
+            return
+        import torch
+        for op in msg.body.get("ops") or []:
+            if isinstance(op, list) and len(op) == 4 and op[0] == "rc::upload":
+                try:
+                    _, idx, dtype, shape, _key = op[1]
+                    cpu = protocol.tensor_from_bytes(msg.payloads[idx], dtype, shape)
+                except (ValueError, TypeError, IndexError, RuntimeError):
+                    continue  # the executor reports malformed upload ops to the client
+                if self.copy_stream is not None:
+                    with torch.cuda.stream(self.copy_stream):
+                        t = cpu.to(self.device, non_blocking=True)
+                    t.record_stream(torch.cuda.current_stream(self.device))
+                    msg.prepared[idx] = (t, self.copy_stream.record_event())
+                else:
+                    msg.prepared[idx] = (cpu.clone(), None)
 
     # ------------------------------------------------------------------ executor thread
     def _execute_loop(self) -> None:
@@ -120,7 +152,8 @@ class Worker:
         seq = msg.seq
         cancelled = lambda: seq <= self.cancel_upto  # noqa: E731 - read by the executor between ops
         try:
-            result, err, payloads = self.executor.run(msg.body, msg.payloads, cancelled)
+            result, err, payloads = self.executor.run(msg.body, msg.payloads, cancelled,
+                                                      getattr(msg, "prepared", None))
         except ProtocolError as e:
             self.executor.failed = None
             out.send_multipart(protocol.encode(protocol.ERROR, {"msg": str(e), "kind": "protocol"}))
