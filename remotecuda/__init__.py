@@ -12,7 +12,10 @@ from typing import Any
 
 from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError
 
-__all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime",
+from .prefetch import prefetch
+
+__all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "prefetch",
+           "gateway_status",
            "RemoteCUDAError", "GatewayUnavailableError", "GatewayLostError", "GatewayProtocolError"]
 __version__ = "0.1.0"
 
@@ -72,6 +75,18 @@ def synchronize() -> None:
         rt.synchronize()
 
 
+def load_ipython_extension(ip: Any) -> None:
+    """``%load_ext remotecuda``: see remotecuda/ipython.py."""
+    from .ipython import load_ipython_extension as load
+    load(ip)
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    """``%unload_ext remotecuda``: deactivate; torch is exactly as before."""
+    from .ipython import unload_ipython_extension as unload
+    unload(ip)
+
+
 def stats(reset: bool = False) -> dict:
     """Cumulative counters of this process's sessions (ops, messages, bytes, round trips...)."""
     from .dispatch import DISPATCHER
@@ -92,3 +107,23 @@ def stats(reset: bool = False) -> dict:
     if reset:
         DISPATCHER.hits = DISPATCHER.misses = 0
     return total
+
+
+def gateway_status(server: str | None = None, timeout: float = 5.0) -> dict:
+    """A gateway's inventory and per-session / total counters (default: the first in use)."""
+    import zmq
+
+    from . import protocol
+    from .pool import endpoint, servers_from_env
+    from .session import _connect
+    ep = endpoint(server or servers_from_env(None)[0]) if server or runtime() is None \
+        else runtime().devices[0].endpoint
+    ctx = zmq.Context.instance()
+    sock = _connect(ctx, ep)
+    try:
+        sock.send_multipart(protocol.encode(protocol.STATUS, {}))
+        if not sock.poll(int(timeout * 1000)):
+            raise GatewayUnavailableError(f"no RemoteCUDA gateway answered at {ep}")
+        return protocol.decode(sock.recv_multipart()).body
+    finally:
+        sock.close(linger=0)

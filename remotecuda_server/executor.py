@@ -55,7 +55,8 @@ class Executor:
         self.events: dict[int, Any] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.peak_bytes = 0
-        self.ops_run = 0
+        self.stats = dict.fromkeys(("ops", "messages", "uploads", "downloads", "cache_hits",
+                                    "cache_misses", "cache_bytes_saved", "errors"), 0)
 
     # ------------------------------------------------------------------ arguments
     def _arg(self, a: Any) -> Any:
@@ -132,13 +133,15 @@ class Executor:
                 raise
             except Exception as e:  # any op error belongs to the client that issued it
                 self.failed = RemoteOpError(name, first + i, e).info
+                self.stats["errors"] += 1
                 self._poison(outs, f"remotecuda: this tensor was never computed: op {name} failed "
                                    f"({type(e).__name__}: {e})")
         if rel:
             for h in rel:
                 self.handles.pop(h, None)
                 self.invalid.pop(h, None)
-        self.ops_run += len(ops)
+        self.stats["ops"] += len(ops)
+        self.stats["messages"] += 1
         self._track_peak()
         err = None
         if "req" in body and self.failed is not None:
@@ -182,10 +185,12 @@ class Executor:
             t, ready = self._prepared.get(idx, (None, None))
             if ready is not None:  # copied on the worker's copy stream
                 torch.cuda.current_stream(self.device).wait_event(ready)
+            self.stats["uploads"] += 1
             if key is not None and self.cache is not None:
                 if digest(payloads[idx]) != key:
                     raise ProtocolError("upload does not match its content digest")
                 self.cache.put(key, payloads[idx], payloads[idx].nbytes)
+                self.stats["cache_misses"] += 1
             if t is None:
                 t = protocol.tensor_from_bytes(payloads[idx], dtype, shape).to(self.device, copy=True)
             self.handles[h] = t
@@ -199,12 +204,16 @@ class Executor:
                                    "expected it to hold")
             self.handles[h] = protocol.tensor_from_bytes(buf, dtype, shape).to(self.device, copy=True)
             self.invalid.pop(h, None)
+            self.stats["uploads"] += 1
+            self.stats["cache_hits"] += 1
+            self.stats["cache_bytes_saved"] += buf.nbytes
             return None
         if name == "fetch":  # [handle] → payload
             t = self._arg(Handle(args[0])).detach()
             cpu = t.to("cpu") if t.device.type != "cpu" else t
             buf = protocol.tensor_bytes(cpu)
             out_payloads.append(protocol.encode_payload(buf, _LINK.should_compress(buf)))
+            self.stats["downloads"] += 1
             return {"pl": len(out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
         if name == "seed":
             (seed,) = args

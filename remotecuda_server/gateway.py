@@ -42,7 +42,13 @@ class WorkerProc:
 class SessionState:
     client: bytes
     worker: bytes
+    device: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.time)
+    messages_in: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    worker_stats: dict = field(default_factory=dict)
 
 
 class Gateway:
@@ -77,6 +83,8 @@ class Gateway:
         self.sessions: dict[bytes, SessionState] = {}
         self.waiting: list[tuple[bytes, int]] = []  # (client, device) HELLOs waiting for a worker
         self.cache_requests: dict[bytes, Any] = {}
+        self.totals = {"messages_in": 0, "bytes_in": 0, "bytes_out": 0}
+        self.finished: dict[str, int] = {}  # worker counters of sessions that have ended
         self.cache_bytes = cache_bytes
         self._n = 0
         self.running = True
@@ -104,11 +112,7 @@ class Gateway:
                 continue
             del self.workers[ident]
             if w.client is not None and w.client in self.sessions:
-                del self.sessions[w.client]
-                self._send_client(w.client, protocol.encode(protocol.ERROR, {
-                    "kind": "session_lost",
-                    "msg": f"the gateway's session worker exited (code {code}); this session's "
-                           "tensors are lost"}))
+                self._lose_session(w.client, f"the gateway's session worker exited (code {code})")
 
     def _assign(self) -> None:
         still = []
@@ -119,7 +123,7 @@ class Gateway:
                 still.append((client, dev))
                 continue
             w.client = client
-            self.sessions[client] = SessionState(client, w.ident)
+            self.sessions[client] = SessionState(client, w.ident, dev)
             conf = self._cache_conf(self.cache_requests.pop(client, None))
             self.back.send_multipart([w.ident, b"ATTACH", client, protocol.pack_body({"cache": conf})])
             self._send_client(client, protocol.encode(protocol.WELCOME,
@@ -139,6 +143,22 @@ class Gateway:
         return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(),
                 "devices": [d.as_dict() for d in self.devices], "session": session,
                 "sessions": len(self.sessions)}
+
+    def status(self) -> dict:
+        """Per-session and gateway-wide counters: what the pool's scheduler and panel read."""
+        sessions = []
+        total = dict(self.totals)
+        for st in self.sessions.values():
+            row = {"device": st.device, "age_s": round(time.time() - st.started, 1),
+                   "messages_in": st.messages_in, "bytes_in": st.bytes_in, "bytes_out": st.bytes_out,
+                   **st.worker_stats}
+            sessions.append(row)
+            for k, v in st.worker_stats.items():
+                if isinstance(v, int) and k not in ("memory", "cache_entries"):
+                    total[k] = total.get(k, 0) + v
+        for k, v in self.finished.items():
+            total[k] = total.get(k, 0) + v
+        return dict(self._inventory(), sessions=sessions, totals=total)
 
     def _send_client(self, client: bytes, frames: list) -> None:
         try:
@@ -161,6 +181,10 @@ class Gateway:
         state = self.sessions.get(client)
         if state is not None:
             state.last_seen = time.monotonic()
+            state.messages_in += 1
+            state.bytes_in += sum(len(f) for f in frames)
+        self.totals["messages_in"] += 1
+        self.totals["bytes_in"] += sum(len(f) for f in frames)
         if msg_type in (protocol.OPS, protocol.CANCEL):
             if state is None:
                 self._error(client, "no session: send HELLO first", "no_session")
@@ -179,6 +203,8 @@ class Gateway:
             self._send_client(client, protocol.encode(protocol.PONG, {"t": msg.body.get("t")}))
         elif msg_type == protocol.HELLO:
             self._on_hello(client, msg.body)
+        elif msg_type == protocol.STATUS:
+            self._send_client(client, protocol.encode(protocol.STATUS, self.status()))
         elif msg_type == protocol.BYE:
             self._close_session(client)
         else:
@@ -199,14 +225,22 @@ class Gateway:
         self.waiting.append((client, dev))
         self._assign()
 
+    def _keep_totals(self, state: SessionState) -> None:
+        for k, v in state.worker_stats.items():
+            if isinstance(v, int) and k not in ("memory", "cache_entries"):
+                self.finished[k] = self.finished.get(k, 0) + v
+
     def _lose_session(self, client: bytes, why: str) -> None:
-        self.sessions.pop(client, None)
+        state = self.sessions.pop(client, None)
+        if state is not None:
+            self._keep_totals(state)
         self._send_client(client, protocol.encode(protocol.ERROR, {
             "kind": "session_lost", "msg": f"{why}; this session's tensors are lost"}))
 
     def _close_session(self, client: bytes) -> None:
         state = self.sessions.pop(client, None)
         if state is not None:
+            self._keep_totals(state)
             try:
                 self.back.send_multipart([state.worker, b"CLOSE"])
             except zmq.ZMQError:
@@ -222,8 +256,16 @@ class Gateway:
             self._assign()
         elif kind == b"OUT":
             client = frames[2].bytes
-            if client in self.sessions:
+            state = self.sessions.get(client)
+            if state is not None:
+                n = sum(len(f) for f in frames[3:])
+                state.bytes_out += n
+                self.totals["bytes_out"] += n
                 self._send_client(client, frames[3:])
+        elif kind == b"STATS":
+            state = self.sessions.get(w.client) if w.client is not None else None
+            if state is not None:
+                state.worker_stats = protocol.unpack_body(frames[2].bytes)
         elif kind == b"CLOSED":
             try:
                 w.proc.wait(timeout=30)

@@ -45,6 +45,7 @@ class Worker:
         self.cancel_upto = -1  # messages with seq <= this are dropped
         self.current_seq = -1
         self.closing = False
+        self._last_stats: dict = {}
 
     # ------------------------------------------------------------------ I/O thread
     def serve(self) -> None:
@@ -55,7 +56,8 @@ class Worker:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.outbox, zmq.POLLIN)
         while True:
-            events = dict(poller.poll(1000))
+            events = dict(poller.poll(500))
+            self._report_stats()
             if self.outbox in events:
                 while True:
                     try:
@@ -79,6 +81,15 @@ class Worker:
                 elif kind == b"CLOSE":
                     self.closing = True
                     self.inbox.put(None)
+
+    def _report_stats(self) -> None:
+        """Tell the supervisor this session's counters (for gateway-wide status), when they change."""
+        stats = dict(self.executor.stats, memory=self.executor.allocated_bytes(),
+                     cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
+                     cache_evictions=self.executor.cache.evictions if self.executor.cache else 0)
+        if stats != self._last_stats and self.client is not None:
+            self._last_stats = stats
+            self.sock.send_multipart([b"STATS", protocol.pack_body(stats)])
 
     def _on_client_message(self, frames: list) -> None:
         try:

@@ -1,0 +1,517 @@
+"""The IPython extension: ``%load_ext remotecuda`` in any IPython kernel.
+
+Loading it activates interception (``'cuda'`` means the configured gateways) and adds,
+for every cell:
+
+* an end-of-cell synchronize: the cell's remote work is flushed and waited for before
+  the cell ends, so an asynchronous remote error is raised *in the cell that caused it*
+  (the cell ends with status ``error``) and the next cell starts clean. A cell that was
+  interrupted cancels its queued remote work instead of waiting for it;
+* per-cell accounting (ops, messages, bytes up/down, blocking round trips, time spent
+  waiting for the gateway, the GPUs used), the difference of ``remotecuda.stats()``
+  around the cell, shown by ``%remotecuda last`` and published on the Jupyter comm
+  target ``remotecuda`` (messages documented in docs/JUPYTER.md).
+
+``%unload_ext remotecuda`` deactivates: torch is exactly as before.
+
+Configuration (``c.RemoteCUDA.<trait>`` in ipython/ipython_kernel config), each
+overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS),
+``strategy`` (REMOTECUDA_STRATEGY), ``cache_bytes`` (REMOTECUDA_CACHE_BYTES),
+``fallback`` (REMOTECUDA_FALLBACK, ``cpu``|``error``), ``sync`` (REMOTECUDA_SYNC).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from traitlets import Bool, CaselessStrEnum, Int, Unicode
+from traitlets.config import Configurable
+
+COMM_TARGET = "remotecuda"
+STRATEGIES = ("adaptive", "load-balancing", "memory-aware", "latency-optimized")
+#: per-cell counters published for each cell (differences of remotecuda.stats())
+CELL_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
+             "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "wait_seconds")
+
+
+class RemoteCUDA(Configurable):
+    """RemoteCUDA settings for IPython / Jupyter (``c.RemoteCUDA.servers = "host:port"``)."""
+
+    servers = Unicode("", help="Gateways, 'host:port[,host:port...]'. Empty: REMOTECUDA_SERVERS, "
+                               "else 127.0.0.1:55555.").tag(config=True)
+    strategy = CaselessStrEnum(STRATEGIES, default_value="adaptive",
+                               help="Placement strategy of the GPU pool.").tag(config=True)
+    cache_bytes = Int(512 << 20, help="Bound of the content-addressed upload cache, in bytes."
+                      ).tag(config=True)
+    fallback = CaselessStrEnum(("cpu", "error"), default_value="cpu",
+                               help="'cpu': run on a local CPU gateway when none answers; "
+                                    "'error': fail instead.").tag(config=True)
+    sync = Bool(False, help="Make every op synchronous (debugging; like CUDA_LAUNCH_BLOCKING)."
+                ).tag(config=True)
+
+    def apply_env(self, env: Any = None) -> None:
+        """Environment variables win over configuration files."""
+        env = os.environ if env is None else env
+        if env.get("REMOTECUDA_SERVERS", "").strip():
+            self.servers = env["REMOTECUDA_SERVERS"].strip()
+        if env.get("REMOTECUDA_STRATEGY", "").strip():
+            self.strategy = env["REMOTECUDA_STRATEGY"].strip().lower()
+        if env.get("REMOTECUDA_CACHE_BYTES", "").strip():
+            self.cache_bytes = int(env["REMOTECUDA_CACHE_BYTES"])
+        if env.get("REMOTECUDA_FALLBACK", "").strip():
+            self.fallback = env["REMOTECUDA_FALLBACK"].strip().lower()
+        if "REMOTECUDA_SYNC" in env:
+            self.sync = env["REMOTECUDA_SYNC"] not in ("", "0")
+
+
+# ---------------------------------------------------------------------- snapshots
+
+def _rt() -> Any:
+    import remotecuda
+    return remotecuda.runtime()
+
+
+def _per_session_ops(rt: Any) -> dict[int, int]:
+    """vdev → ops issued so far (sent or queued); read without taking the session locks."""
+    if rt is None:
+        return {}
+    out = {}
+    for vdev, s in list(getattr(rt, "sessions", {}).items()):
+        out[vdev] = s.stats.get("ops", 0) + len(getattr(s, "_ops", ()))
+    return out
+
+
+def _totals_nolock(rt: Any) -> dict:
+    """Like remotecuda.stats(), without waiting for a session that is blocked in a request
+    (a status asked for from another thread must not wait for the running cell)."""
+    from .session import STAT_KEYS
+    total = dict.fromkeys(STAT_KEYS, 0)
+    if rt is not None:
+        for s in list(getattr(rt, "sessions", {}).values()):
+            st = dict(s.stats)
+            for k in STAT_KEYS:
+                total[k] += st.get(k, 0)
+            total["ops"] += len(getattr(s, "_ops", ()))
+    return total
+
+
+def _device_info(rt: Any, d: Any) -> dict:
+    props = d.props or {}
+    return {"device": f"cuda:{d.index}", "name": props.get("name"), "gateway": d.endpoint,
+            "gpu": d.gpu, "total_memory": props.get("total_memory"), "kind": props.get("kind"),
+            "session_open": d.index in getattr(rt, "sessions", {})}
+
+
+def _rate(hits: int, misses: int) -> float | None:
+    return hits / (hits + misses) if hits + misses else None
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------------- the extension
+
+class Extension:
+    """What ``%load_ext remotecuda`` sets up in one shell."""
+
+    def __init__(self, ip: Any):
+        self.ip = ip
+        self.config = RemoteCUDA(parent=ip)
+        self.config.apply_env()
+        self.activation_error: str | None = None
+        self._error_shown = False
+        self.last: dict | None = None
+        self.comms: dict[str, Any] = {}
+        self._before: tuple | None = None
+        self._in_cell = False
+
+    # -------------------------------------------------------------- activation
+    def activate(self) -> bool:
+        import remotecuda
+        self.activation_error = None
+        self._error_shown = False
+        try:
+            rt = remotecuda.activate(self.config.servers or None, fallback=self.config.fallback,
+                                     sync=self.config.sync)
+        except Exception as e:  # no gateway: say so in the notebook, keep the magics usable
+            self.activation_error = f"{type(e).__name__}: {e}"
+            return False
+        if hasattr(rt, "cache_bytes"):  # sessions open lazily, so this still applies
+            rt.cache_bytes = int(self.config.cache_bytes)
+        if hasattr(rt, "strategy"):
+            try:
+                rt.strategy = self.config.strategy
+            except Exception:
+                pass
+        return True
+
+    def load(self) -> None:
+        ip = self.ip
+        if self.config not in ip.configurables:
+            ip.configurables.append(self.config)
+        ip.register_magics(RemoteCUDAMagics(ip, ext=self))
+        ip.events.register("pre_execute", self.pre_execute)
+        ip.events.register("pre_run_cell", self.pre_run_cell)
+        ip.events.register("post_execute", self.post_execute)
+        ip.events.register("post_run_cell", self.post_run_cell)
+        self._register_comm_target()
+        self.activate()
+        if self.activation_error:
+            print(f"remotecuda: not active ({self.activation_error}); "
+                  "use %remotecuda use HOST:PORT", file=sys.stderr)
+            self._error_shown = True
+
+    def unload(self) -> None:
+        import remotecuda
+        ip = self.ip
+        for name, cb in (("pre_execute", self.pre_execute), ("pre_run_cell", self.pre_run_cell),
+                         ("post_execute", self.post_execute), ("post_run_cell", self.post_run_cell)):
+            try:
+                ip.events.unregister(name, cb)
+            except ValueError:
+                pass
+        magics = ip.magics_manager.magics.get("line", {})
+        if "remotecuda" in magics:
+            del magics["remotecuda"]
+        if self.config in ip.configurables:
+            ip.configurables.remove(self.config)
+        for c in list(self.comms.values()):
+            try:
+                c.close()
+            except Exception:
+                pass
+        self.comms.clear()
+        self._unregister_comm_target()
+        remotecuda.deactivate()
+
+    # -------------------------------------------------------------- per cell
+    def _snapshot(self) -> tuple | None:
+        import remotecuda
+        rt = _rt()
+        if rt is None:
+            return None
+        return (rt, remotecuda.stats(), _per_session_ops(rt), time.monotonic())
+
+    def pre_execute(self) -> None:
+        self._in_cell = False
+        self._before = self._snapshot()
+
+    def pre_run_cell(self, info: Any = None) -> None:
+        self._in_cell = True
+        if self.activation_error and not self._error_shown:
+            print(f"remotecuda: not active ({self.activation_error}); "
+                  "use %remotecuda use HOST:PORT", file=sys.stderr)
+            self._error_shown = True
+
+    def _needs_sync(self) -> bool:
+        before = self._before
+        rt = _rt()
+        if rt is None:
+            return False
+        if before is None or before[0] is not rt:
+            return True
+        return _per_session_ops(rt) != before[2] or any(getattr(s, "_ops", None) for s in rt.sessions.values())
+
+    def _end_of_cell(self, interrupted: bool) -> BaseException | None:
+        """Flush and wait for the cell's remote work; the remote error, if any."""
+        import remotecuda
+        rt = _rt()
+        if rt is None or not self._needs_sync():
+            return None
+        try:
+            if interrupted:  # the user wants control back, not the rest of the queued work
+                for s in list(rt.sessions.values()):
+                    if hasattr(s, "cancel"):
+                        s.cancel()
+            remotecuda.synchronize()
+        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt belongs to the cell too
+            return e
+        return None
+
+    def post_execute(self) -> None:
+        if self._in_cell:
+            return  # post_run_cell follows, with the result to mark
+        err = self._end_of_cell(False)  # a silent execution (e.g. from a widget or panel)
+        if err is not None:
+            print(f"remotecuda: remote error in a silent execution: {type(err).__name__}: {err}",
+                  file=sys.stderr)
+
+    def post_run_cell(self, result: Any) -> None:
+        self._in_cell = False
+        failed = result is not None and not result.success
+        interrupted = failed and isinstance(result.error_in_exec, KeyboardInterrupt)
+        err = self._end_of_cell(interrupted)
+        if err is not None:
+            if not failed:
+                # show it as this cell's error, and make the cell end with status "error"
+                try:
+                    raise err
+                except BaseException:
+                    self.ip.showtraceback()
+                result.error_in_exec = err
+                self.ip.last_execution_succeeded = False
+            else:
+                print(f"remotecuda: also pending from this cell: {type(err).__name__}: "
+                      f"{str(err).splitlines()[0] if str(err) else ''}", file=sys.stderr)
+        self._account(result, err)
+
+    def _account(self, result: Any, err: BaseException | None) -> None:
+        import remotecuda
+        before, self._before = self._before, None
+        rt = _rt()
+        if before is None or rt is None or before[0] is not rt:
+            return
+        _, stats0, ops0, t0 = before
+        stats1 = remotecuda.stats()
+        ops1 = _per_session_ops(rt)
+        rec: dict = {"type": "cell", "execution_count": getattr(result, "execution_count", None)}
+        for k in CELL_KEYS:
+            v = stats1.get(k, 0) - stats0.get(k, 0)
+            rec[k] = round(v, 6) if isinstance(v, float) else v
+        rec["wall_seconds"] = round(time.monotonic() - t0, 6)
+        rec["devices"] = [dict(_device_info(rt, rt.devices[v]), ops=n - ops0.get(v, 0))
+                          for v, n in sorted(ops1.items())
+                          if n - ops0.get(v, 0) > 0 and v < len(rt.devices)]
+        ok = result is None or result.success
+        rec["status"] = "ok" if ok else "error"
+        e = err if err is not None else (None if result is None else
+                                         result.error_in_exec or result.error_before_exec)
+        rec["error"] = None if e is None else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        self.last = rec
+        self.publish(rec)
+
+    # -------------------------------------------------------------- status
+    def status(self) -> dict:
+        import remotecuda
+        rt = _rt()
+        cfg = self.config
+        st: dict = {"type": "status", "version": remotecuda.__version__, "active": rt is not None,
+                    "error": self.activation_error, "servers": cfg.servers or
+                    os.environ.get("REMOTECUDA_SERVERS") or "127.0.0.1:55555",
+                    "strategy": cfg.strategy, "fallback": cfg.fallback, "sync": cfg.sync,
+                    "cache_bytes": cfg.cache_bytes, "gateways": [], "devices": [],
+                    "fallback_gateway": bool(getattr(rt, "is_fallback", False))}
+        if rt is not None:
+            gws: dict = {}
+            for d in rt.devices:
+                g = gws.setdefault(d.endpoint, {"endpoint": d.endpoint, "devices": [],
+                                                "gateway_version": (d.gateway or {}).get("gateway"),
+                                                "torch": (d.gateway or {}).get("torch")})
+                g["devices"].append(f"cuda:{d.index}")
+                st["devices"].append(_device_info(rt, d))
+            st["gateways"] = list(gws.values())
+        tot = _totals_nolock(rt)
+        from .dispatch import DISPATCHER
+        st["session"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in tot.items()}
+        st["cache_hit_rate"] = _rate(tot.get("cache_hits", 0), tot.get("cache_misses", 0))
+        st["metadata_cache_hit_rate"] = _rate(DISPATCHER.hits, DISPATCHER.misses)
+        st["sessions_open"] = len(getattr(rt, "sessions", {})) if rt is not None else 0
+        return st
+
+    # -------------------------------------------------------------- comm
+    def _register_comm_target(self) -> None:
+        if getattr(self.ip, "kernel", None) is None:
+            return  # a terminal IPython has no frontend to talk to
+        try:
+            import comm
+            comm.get_comm_manager().register_target(COMM_TARGET, self._on_comm_open)
+        except Exception:
+            pass
+
+    def _unregister_comm_target(self) -> None:
+        if getattr(self.ip, "kernel", None) is None:
+            return
+        try:
+            import comm
+            comm.get_comm_manager().unregister_target(COMM_TARGET, self._on_comm_open)
+        except Exception:
+            pass
+
+    def _on_comm_open(self, c: Any, msg: dict) -> None:
+        self.comms[c.comm_id] = c
+
+        def on_msg(m: dict) -> None:
+            data = (m.get("content") or {}).get("data") or {}
+            req = data.get("request")
+            if req == "status":
+                c.send(self.status())
+            elif req == "last":
+                c.send(self.last or {"type": "cell", "execution_count": None})
+
+        def on_close(m: dict) -> None:
+            self.comms.pop(c.comm_id, None)
+
+        c.on_msg(on_msg)
+        c.on_close(on_close)
+        c.send(self.status())
+
+    def publish(self, rec: dict) -> None:
+        for cid, c in list(self.comms.items()):
+            try:
+                c.send(rec)
+            except Exception:
+                self.comms.pop(cid, None)
+
+
+# ---------------------------------------------------------------------- magics
+
+def _magics_class() -> type:
+    from IPython.core.magic import Magics, line_magic, magics_class
+
+    @magics_class
+    class _RemoteCUDAMagics(Magics):
+        """``%remotecuda status|servers|use HOST:PORT|strategy NAME|last|fallback on|off``"""
+
+        def __init__(self, shell: Any, ext: Extension):
+            super().__init__(shell)
+            self.ext = ext
+
+        @line_magic
+        def remotecuda(self, line: str) -> None:
+            """RemoteCUDA: %remotecuda status | servers | use HOST:PORT[,HOST:PORT] |
+            strategy adaptive|load-balancing|memory-aware|latency-optimized | last |
+            fallback on|off"""
+            parts = line.split()
+            cmd, args = (parts[0].lower(), parts[1:]) if parts else ("status", [])
+            fn = getattr(self, "_cmd_" + cmd.replace("-", "_"), None)
+            if fn is None:
+                print(self.remotecuda.__doc__.strip())
+                return
+            fn(args)
+
+        def _cmd_status(self, args: list) -> None:
+            st = self.ext.status()
+            if not st["active"]:
+                print(f"remotecuda: not active{' (' + st['error'] + ')' if st['error'] else ''}; "
+                      f"servers: {st['servers']}")
+                return
+            print(f"remotecuda {st['version']}: active{' on the LOCAL CPU FALLBACK' if st['fallback_gateway'] else ''}")
+            for g in st["gateways"]:
+                print(f"  gateway {g['endpoint'].replace('tcp://', '')}  (gateway {g['gateway_version']}, "
+                      f"torch {g['torch']}): {', '.join(g['devices'])}")
+            for d in st["devices"]:
+                mem = f", {d['total_memory'] / 2**30:.1f} GiB" if d.get("total_memory") else ""
+                print(f"  {d['device']}: {d['name']}{mem} (gateway GPU {d['gpu']}"
+                      f"{', session open' if d['session_open'] else ''})")
+            print(f"  strategy: {st['strategy']}; fallback: {st['fallback']}; sync: {st['sync']}")
+            hr, mr = st["cache_hit_rate"], st["metadata_cache_hit_rate"]
+            print(f"  upload cache: {'n/a' if hr is None else f'{hr:.0%}'} hit rate "
+                  f"({_fmt_bytes(st['session']['cache_bytes_saved'])} not re-sent, bound "
+                  f"{_fmt_bytes(st['cache_bytes'])}); metadata cache: "
+                  f"{'n/a' if mr is None else f'{mr:.0%}'} hit rate")
+            s = st["session"]
+            print(f"  this session: {s['ops']} ops in {s['messages']} messages, "
+                  f"{_fmt_bytes(s['bytes_up'])} up, {_fmt_bytes(s['bytes_down'])} down, "
+                  f"{s['blocking_round_trips']} blocking round trips, "
+                  f"{s.get('wait_seconds', 0):.3f} s waiting")
+
+        def _cmd_servers(self, args: list) -> None:
+            st = self.ext.status()
+            print(f"configured: {st['servers']}")
+            if not st["gateways"]:
+                print("  no gateway in use")
+            for g in st["gateways"]:
+                print(f"  {g['endpoint'].replace('tcp://', '')}: {len(g['devices'])} GPU(s) "
+                      f"({', '.join(g['devices'])})")
+
+        def _cmd_use(self, args: list) -> None:
+            import remotecuda
+            if len(args) != 1:
+                print("usage: %remotecuda use HOST:PORT[,HOST:PORT...]")
+                return
+            from .pool import endpoint
+            for s in args[0].split(","):
+                endpoint(s)  # validates, raises ValueError
+            if remotecuda.is_active():
+                print("remotecuda: deactivating; tensors on the previous gateway(s) are gone")
+            remotecuda.deactivate()
+            self.ext.config.servers = args[0]
+            if self.ext.activate():
+                rt = remotecuda.runtime()
+                print(f"remotecuda: using {args[0]} ({len(rt.devices)} GPU(s)"
+                      f"{', LOCAL CPU FALLBACK' if getattr(rt, 'is_fallback', False) else ''})")
+            else:
+                raise RuntimeError(f"remotecuda: not active ({self.ext.activation_error})")
+
+        def _cmd_strategy(self, args: list) -> None:
+            if not args:
+                print(f"strategy: {self.ext.config.strategy} (one of {', '.join(STRATEGIES)})")
+                return
+            name = args[0].lower()
+            if name not in STRATEGIES:
+                raise ValueError(f"unknown strategy {args[0]!r}; one of {', '.join(STRATEGIES)}")
+            self.ext.config.strategy = name
+            rt = remotecuda_runtime()
+            if rt is not None and hasattr(rt, "strategy"):
+                rt.strategy = name
+            print(f"strategy: {name} (stored; the pool scheduler that places sessions by it comes later)")
+
+        def _cmd_last(self, args: list) -> None:
+            rec = self.ext.last
+            if rec is None:
+                print("no cell accounted yet")
+                return
+            devs = ", ".join(f"{d['device']} ({d['name']} @ {d['gateway'].replace('tcp://', '')}, "
+                             f"{d['ops']} ops)" for d in rec["devices"]) or "none"
+            print(f"cell [{rec['execution_count']}] {rec['status']}: {rec['ops']} ops, "
+                  f"{rec['messages']} messages, {_fmt_bytes(rec['bytes_up'])} up, "
+                  f"{_fmt_bytes(rec['bytes_down'])} down, {rec['blocking_round_trips']} blocking "
+                  f"round trips, {rec['wait_seconds']:.3f} s waiting for the gateway of "
+                  f"{rec['wall_seconds']:.3f} s; GPUs: {devs}"
+                  + (f"; error: {rec['error']}" if rec.get("error") else ""))
+
+        def _cmd_fallback(self, args: list) -> None:
+            if not args or args[0].lower() not in ("on", "off"):
+                print(f"fallback: {'on' if self.ext.config.fallback == 'cpu' else 'off'} "
+                      "(usage: %remotecuda fallback on|off)")
+                return
+            self.ext.config.fallback = "cpu" if args[0].lower() == "on" else "error"
+            print(f"fallback: {args[0].lower()} (applies when gateways are next connected: "
+                  "%remotecuda use HOST:PORT)")
+
+    return _RemoteCUDAMagics
+
+
+def remotecuda_runtime() -> Any:
+    return _rt()
+
+
+def RemoteCUDAMagics(shell: Any, ext: Extension) -> Any:  # noqa: N802 - built lazily (IPython import)
+    return _magics_class()(shell, ext)
+
+
+# ---------------------------------------------------------------------- entry points
+
+_EXTENSIONS: dict[int, Extension] = {}
+
+
+def load_ipython_extension(ip: Any) -> None:
+    if id(ip) in _EXTENSIONS:
+        return
+    ext = Extension(ip)
+    _EXTENSIONS[id(ip)] = ext
+    ext.load()
+
+
+def unload_ipython_extension(ip: Any) -> None:
+    ext = _EXTENSIONS.pop(id(ip), None)
+    if ext is not None:
+        ext.unload()
+    else:
+        import remotecuda
+        remotecuda.deactivate()
+
+
+def extension(ip: Any = None) -> Extension | None:
+    """The loaded extension of ``ip`` (default: the running IPython), or None."""
+    if ip is None:
+        from IPython import get_ipython
+        ip = get_ipython()
+    return _EXTENSIONS.get(id(ip))

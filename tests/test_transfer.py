@@ -1,0 +1,118 @@
+"""The transfer path: content cache, compression policy, statistics, prefetch."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import remotecuda
+from remotecuda import protocol
+from remotecuda.cache import ContentCache
+from remotecuda.compression import LinkModel
+
+
+def test_content_cache_lru_and_lfu():
+    lru = ContentCache(100, "lru")
+    lru.put(b"a", 1, 40)
+    lru.put(b"b", 2, 40)
+    assert lru.get(b"a") == 1  # a is now the most recent
+    assert lru.put(b"c", 3, 40) == [b"b"]
+    assert b"a" in lru and b"c" in lru and lru.evictions == 1
+    lfu = ContentCache(100, "lfu")
+    lfu.put(b"a", 1, 40)
+    lfu.put(b"b", 2, 40)
+    lfu.get(b"a")
+    lfu.get(b"b")
+    lfu.get(b"a")
+    assert lfu.put(b"c", 3, 40) == [b"b"]  # b was used less often
+    assert lfu.put(b"huge", 0, 1000) == [] and b"huge" not in lfu  # larger than the whole cache
+    with pytest.raises(ValueError):
+        ContentCache(10, "fifo")
+
+
+def test_compression_policy():
+    link = LinkModel(1e8)  # 100 MB/s; on loopback speeds the outcome depends on this machine's zstd
+    zeros = protocol.tensor_bytes(torch.zeros(1 << 20))
+    floats = protocol.tensor_bytes(torch.randn(1 << 20))
+    assert link.should_compress(zeros)
+    assert not link.should_compress(floats), "random floats barely compress: sent raw"
+    assert not link.should_compress(protocol.tensor_bytes(torch.zeros(100)))  # too small to bother
+    slow = LinkModel(1e6)  # a 1 MB/s link: anything that shrinks is worth compressing
+    assert slow.should_compress(protocol.tensor_bytes(torch.randint(0, 10, (1 << 16,))))
+    slow.observe(10 << 20, 0.01)
+    assert slow.bytes_per_s > 1e6
+
+
+@pytest.mark.usefixtures("remote")
+def test_second_epoch_sends_almost_nothing():
+    data = [(torch.randn(128, 64), torch.randint(0, 10, (128,))) for _ in range(24)]
+    w = torch.randn(64, 10, device="cuda")
+    sent, losses = [], []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        remotecuda.stats(reset=True)
+        total = torch.zeros((), device="cuda")
+        for x, y in data:
+            total = total + torch.nn.functional.cross_entropy(x.cuda() @ w, y.cuda())
+        losses.append(total.item())
+        sent.append(remotecuda.stats())
+    assert losses[0] == losses[1]
+    assert sent[1]["bytes_up"] <= 0.01 * sent[0]["bytes_up"], sent
+    assert sent[1]["cache_hits"] == 48 and sent[1]["cache_misses"] == 0
+    assert sent[1]["cache_bytes_saved"] >= sum(x.numel() * 4 + y.numel() * 8 for x, y in data)
+
+
+@pytest.mark.usefixtures("remote")
+def test_mutating_a_cached_source_sends_the_new_values():
+    x = torch.ones(1024)
+    a = x.cuda()
+    x[3] = 5.0  # same tensor object, new content: a new digest
+    b = x.cuda()
+    assert a.cpu()[3].item() == 1.0 and b.cpu()[3].item() == 5.0
+    a.add_(1)  # a gateway tensor made from a cache hit is its own copy
+    c = torch.ones(1024).cuda()
+    assert c.cpu().sum().item() == 1024
+
+
+def test_compressible_uploads_shrink_on_the_wire(remote):
+    torch.cuda.synchronize()
+    link = remote.session(0).link
+    saved, link.bytes_per_s = link.bytes_per_s, 1e8  # as on a 100 MB/s link
+    try:
+        remotecuda.stats(reset=True)
+        z = torch.zeros(1 << 20).cuda()  # 4 MiB of zeros
+        assert z.sum().item() == 0
+        st = remotecuda.stats()
+    finally:
+        link.bytes_per_s = saved
+    assert st["compressed_bytes_saved"] > 3 << 20 and st["bytes_up"] < 1 << 20
+
+
+@pytest.mark.usefixtures("remote")
+def test_stats_keys_and_gateway_totals(gateway):
+    st = remotecuda.stats()
+    for key in ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "cache_hits",
+                "cache_misses", "cache_bytes_saved", "compressed_bytes_saved"):
+        assert key in st and st[key] >= 0
+    (torch.ones(3, device="cuda") * 2).sum().item()
+    deadline = time.monotonic() + 10
+    while True:  # workers report their counters to the supervisor every half second
+        status = remotecuda.gateway_status(gateway.address)
+        if status["sessions"] and status["sessions"][0].get("ops", 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert status["devices"][0]["kind"] == "cpu"
+    row = status["sessions"][0]
+    assert row["ops"] > 0 and row["bytes_in"] > 0 and row["messages_in"] > 0
+    assert status["totals"]["ops"] >= row["ops"]
+
+
+@pytest.mark.usefixtures("remote")
+def test_prefetch_keeps_batches_in_order():
+    batches = [{"x": torch.full((3,), float(i)), "y": (torch.tensor(i), i)} for i in range(7)]
+    got = list(remotecuda.prefetch(batches, depth=3))
+    assert len(got) == 7
+    for i, b in enumerate(got):
+        assert b["x"].is_cuda and b["x"].cpu().tolist() == [float(i)] * 3
+        assert b["y"][0].is_cuda and b["y"][1] == i
