@@ -22,7 +22,7 @@ _LOWER = [  # run in the autocast dtype (float16 / bfloat16)
     torch.addmv, torch.Tensor.addmv, torch.addr, torch.Tensor.addr, torch.einsum, torch.chain_matmul,
     torch.linalg.multi_dot, torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
     torch.conv_transpose2d, torch.conv_transpose3d, torch.convolution, torch.conv_tbc, torch.prelu,
-    F.prelu, F.scaled_dot_product_attention, torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell,
+    F.prelu, torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell,
     torch.rnn_relu_cell,
 ]
 _FP32 = [  # run in float32
@@ -111,6 +111,15 @@ for _fs, _p in ((_LOWER, _lower), (_FP32, _fp32), (_FP32_SET_OPT_DTYPE, _fp32_dt
                 (_PROMOTE, _promote), (_BANNED, _banned)):
     for _f in _fs:
         POLICY[_f] = _p
+
+
+def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Scaled dot-product attention: CUDA's autocast casts it (lower precision), then the fused path."""
+    from . import attention
+    if torch.is_autocast_enabled("cuda") and has_remote(args, kwargs):
+        cast = _cast_to(torch.get_autocast_dtype("cuda"), lambda d: d != torch.float64)
+        args, kwargs = _map(args, cast), {k: _map(v, cast) for k, v in kwargs.items()}
+    return attention.sdpa(func, args, kwargs)
 
 
 def has_remote(args: tuple, kwargs: dict) -> bool:

@@ -34,7 +34,8 @@ _Tag = torch.Tag
 _ATOMIC = (int, float, bool, str, type(None), complex)
 _META = torch.device("meta")
 _CUDA = torch.device("cuda")
-_TENSOR_RETURNS = {"Tensor", "List[Tensor]", "Optional[Tensor]", "List[Optional[Tensor]]"}
+#: return types whose values the meta kernel gets right (SymInts are shapes, e.g. flash attention's max_q)
+_TENSOR_RETURNS = {"Tensor", "List[Tensor]", "Optional[Tensor]", "List[Optional[Tensor]]", "SymInt"}
 #: ops that accept CPU tensors (of any size) next to CUDA ones, as on a real GPU
 _CPU_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
            aten._index_put_impl_.default, aten.copy_.default, aten._to_copy.default}
@@ -268,6 +269,8 @@ class Dispatcher:
                 items.append(_spec(r, alias))
             elif isinstance(r, (list, tuple)):
                 items.append([_spec(x, alias) if isinstance(x, torch.Tensor) else None for x in r])
+            elif isinstance(r, (int, torch.SymInt)):
+                items.append(("const", int(r)))
             else:
                 items.append(None)
         return ("out", m.multi, tuple(items))
@@ -372,6 +375,8 @@ def _build(entry: tuple, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
         if spec is None:
             return None
         kind = spec[0]
+        if kind == "const":  # a shape-like integer result: not a tensor, nothing on the gateway
+            return spec[1]
         if kind == "arg":
             outs.append(None)
             return _arg_at(args, kwargs, spec[1], spec[2])

@@ -228,6 +228,7 @@ _HANDLERS: dict[Callable, Callable] = {
     torch.Tensor.__setitem__: _setitem,
     torch.Tensor.pin_memory: _pin_memory,
     torch.Tensor.is_pinned: _is_pinned,
+    torch.nn.functional.scaled_dot_product_attention: autocast.sdpa,
 }
 
 
