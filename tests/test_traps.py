@@ -227,6 +227,12 @@ def test_sdpa_causal_and_where_with_python_scalar():
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-6)
     x = torch.randn(6)
     torch.testing.assert_close(torch.where(x.cuda() > 0, x.cuda(), 0.).cpu(), torch.where(x > 0, x, 0.))
+    import remotecuda
+    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    torch.cuda.synchronize()
+    before = remotecuda.stats()["ops"]
+    F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+    assert remotecuda.stats()["ops"] - before <= 2, "one fused attention op, not the decomposed math path"
 
 
 def test_cuda_generator():
