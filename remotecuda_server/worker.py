@@ -108,6 +108,9 @@ class Worker:
         except ProtocolError as e:
             self.inbox.put(("error", str(e)))
             return
+        except Exception as e:  # a malformed message must never take down the I/O thread
+            self.inbox.put(("error", f"malformed OPS message ({type(e).__name__}: {e})"))
+            return
         self.inbox.put(("msg", msg))
 
     def _prepare(self, msg: protocol.Message) -> None:
@@ -117,7 +120,8 @@ class Worker:
         if msg.type != protocol.OPS or not msg.payloads:
             return
         import torch
-        for op in msg.body.get("ops") or []:
+        ops = msg.body.get("ops")
+        for op in ops if isinstance(ops, list) else ():  # the executor reports a malformed list
             if isinstance(op, list) and len(op) == 4 and op[0] == "rc::upload":
                 try:
                     _, idx, dtype, shape, _key = op[1]

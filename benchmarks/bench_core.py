@@ -1,0 +1,332 @@
+"""Core RemoteCUDA benchmarks, all measured in one run on this machine.
+
+    python benchmarks/bench_core.py [--quick]
+
+Starts its own gateway (``remotecuda start --device cpu`` on 127.0.0.1, a free port) and
+measures, against local CPU eager PyTorch in the same process:
+
+1. the client's cost per op for a chain of small elementwise ops (one sync at the end);
+2. an MLP training step (Linear 32->64->64->1, Adam, batch 256);
+3. upload / download throughput for 4 KB, 1 MB and 64 MB float32 tensors, against a raw
+   loopback TCP socket (sendall / recv_into of the same sizes) as the ceiling.
+
+Prints a table and writes benchmarks/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+CHAIN_ITERS = 2000  # x = x * 1.0001 + 0.0001: two aten ops per iteration
+MLP_WARMUP, MLP_STEPS = 10, 50
+SIZES = [(4 << 10, "4 KB", 200), (1 << 20, "1 MB", 20), (64 << 20, "64 MB", 3)]
+
+
+# ---------------------------------------------------------------------------- workloads
+
+def chain(device: str, iters: int = CHAIN_ITERS) -> tuple[float, float, torch.Tensor]:
+    """(client seconds until the last op is issued, seconds including the final sync, result)."""
+    x = torch.ones(64, 8, device=device)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        x = x * 1.0001 + 0.0001
+    t1 = time.perf_counter()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t0, x
+
+
+def mlp_steps(device: str, sync_every_step: bool = False) -> tuple[float, float]:
+    """(seconds per step, final loss) over MLP_STEPS steps after MLP_WARMUP warm-up steps."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    x = torch.randn(256, 32, generator=g)
+    y = x[:, :1].sin()
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(MLP_WARMUP):
+        step()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(MLP_STEPS):
+        loss = step()
+        if sync_every_step:
+            loss.item()
+    final = loss.item()
+    return (time.perf_counter() - t0) / MLP_STEPS, final
+
+
+def transfers(nbytes: int, reps: int) -> tuple[float, float]:
+    """Median (upload seconds, download seconds) for one float32 tensor of nbytes."""
+    n = nbytes // 4
+    up, down = [], []
+    g = torch.Generator().manual_seed(nbytes)
+    for i in range(reps):
+        t = torch.randn(n, generator=g)  # float noise: sent raw, like real weights
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = t.to("cuda")
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        back = r.cpu()
+        t2 = time.perf_counter()
+        if i == 0:
+            assert torch.equal(back, t)
+        up.append(t1 - t0)
+        down.append(t2 - t1)
+        del r
+    return statistics.median(up), statistics.median(down)
+
+
+def raw_socket_ceiling(sizes: list) -> dict:
+    """Median seconds to move nbytes one way over loopback TCP (sendall / recv_into + 1-byte ack)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    biggest = max(s for s, _, _ in sizes)
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(biggest)
+        view = memoryview(buf)
+        while True:
+            hdr = conn.recv(9, socket.MSG_WAITALL)
+            if len(hdr) < 9:
+                return
+            op, n = hdr[:1], int.from_bytes(hdr[1:], "little")
+            if op == b"U":  # client uploads n bytes
+                got = 0
+                while got < n:
+                    got += conn.recv_into(view[got:n])
+                conn.sendall(b"k")
+            else:  # client downloads n bytes
+                conn.sendall(view[:n])
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    c = socket.create_connection(("127.0.0.1", port))
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = os.urandom(biggest)
+    rbuf = memoryview(bytearray(biggest))
+    out = {}
+    for nbytes, _, reps in sizes:
+        ups, downs = [], []
+        for _ in range(max(reps, 5)):
+            t0 = time.perf_counter()
+            c.sendall(b"U" + nbytes.to_bytes(8, "little"))
+            c.sendall(memoryview(data)[:nbytes])
+            c.recv(1)
+            t1 = time.perf_counter()
+            c.sendall(b"D" + nbytes.to_bytes(8, "little"))
+            got = 0
+            while got < nbytes:
+                got += c.recv_into(rbuf[got:nbytes])
+            t2 = time.perf_counter()
+            ups.append(t1 - t0)
+            downs.append(t2 - t1)
+        out[nbytes] = (statistics.median(ups), statistics.median(downs))
+    c.close()
+    srv.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- machine
+
+def machine() -> dict:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    ram = "unknown"
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
+            ram = f"{kb / 2**20:.1f} GiB"
+    except (OSError, StopIteration):
+        pass
+    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip() or str(os.cpu_count())
+    date = subprocess.run(["date"], capture_output=True, text=True).stdout.strip()
+    import zmq
+    return {"nproc": nproc, "cpu": model, "ram": ram, "torch": torch.__version__, "python": platform.python_version(),
+            "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "date": date,
+            "torch_threads": torch.get_num_threads()}
+
+
+def start_gateway() -> tuple[subprocess.Popen, str]:
+    p = subprocess.Popen([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--host", "127.0.0.1",
+                          "--port", "0", "--no-discovery", "--quiet"], stdout=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL, text=True, cwd=ROOT)
+    line = p.stdout.readline()
+    if not line.startswith("READY "):
+        p.kill()
+        raise SystemExit(f"the gateway did not start: {line!r}")
+    return p, line.split()[1].replace("tcp://", "")
+
+
+# ---------------------------------------------------------------------------- main
+
+def mbps(nbytes: int, secs: float) -> float:
+    return nbytes / secs / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    ap.add_argument("--no-write", action="store_true", help="do not write RESULTS.md")
+    a = ap.parse_args()
+    repeats = 1 if a.quick else 3
+    t_start = time.perf_counter()
+    info = machine()
+    load_before = os.getloadavg()
+
+    # --- local CPU eager, before remotecuda is active (its torch-function mode costs a little everywhere)
+    chain("cpu", 200)
+    local_repeats = 2 * repeats + 1  # cheap locally; the minimum filters out other load
+    local_chain = min(chain("cpu")[0] for _ in range(local_repeats))
+    chain_ref = chain("cpu")[2]
+    mlp_steps("cpu")
+    local_mlp = min(mlp_steps("cpu")[0] for _ in range(local_repeats))
+    local_item_runs = [mlp_steps("cpu", sync_every_step=True) for _ in range(local_repeats)]
+    local_mlp_item, local_loss = min(r[0] for r in local_item_runs), local_item_runs[0][1]
+    tcp = raw_socket_ceiling(SIZES)
+
+    # --- remote
+    gw, address = start_gateway()
+    try:
+        import remotecuda
+        remotecuda.activate(address, fallback="error")
+        chain("cuda", 200)
+        runs = [chain("cuda") for _ in range(repeats)]
+        remote_chain_client = min(r[0] for r in runs)
+        remote_chain_total = min(r[1] for r in runs)
+        assert torch.allclose(runs[0][2].cpu(), chain_ref)
+        remotecuda.stats(reset=True)
+        mlp_steps("cuda")
+        mlp_ops = remotecuda.stats()["ops"] / (MLP_WARMUP + MLP_STEPS)  # (with a little setup)
+        remote_mlp = min(mlp_steps("cuda")[0] for _ in range(repeats))
+        remote_item_runs = [mlp_steps("cuda", sync_every_step=True) for _ in range(repeats)]
+        remote_mlp_item, remote_loss = min(r[0] for r in remote_item_runs), remote_item_runs[0][1]
+        assert abs(remote_loss - local_loss) <= 1e-4 * max(1.0, abs(local_loss)), (remote_loss, local_loss)
+        xfer = {n: transfers(n, reps if not a.quick else min(reps, 3)) for n, _, reps in SIZES}
+        stats = remotecuda.stats()
+        remotecuda.deactivate()
+    finally:
+        gw.terminate()
+        try:
+            gw.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            gw.kill()
+    elapsed = time.perf_counter() - t_start
+    info["load average (1 min) before / after"] = f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}"
+
+    n_ops = 2 * CHAIN_ITERS
+    rows = []
+    rows.append(("Elementwise chain, client cost per op (64x8 f32, 4000 ops, 1 sync)",
+                 f"{local_chain / n_ops * 1e6:.1f} µs/op", f"{remote_chain_client / n_ops * 1e6:.1f} µs/op",
+                 f"{remote_chain_client / local_chain:.2f}x"))
+    rows.append(("Elementwise chain incl. final sync (gateway done)",
+                 f"{local_chain / n_ops * 1e6:.1f} µs/op", f"{remote_chain_total / n_ops * 1e6:.1f} µs/op",
+                 f"{remote_chain_total / local_chain:.2f}x"))
+    rows.append(("MLP train step 32-64-64-1, Adam, batch 256 (sync at end)",
+                 f"{local_mlp * 1e3:.3f} ms", f"{remote_mlp * 1e3:.3f} ms", f"{remote_mlp / local_mlp:.2f}x"))
+    rows.append(("MLP train step with loss.item() every step",
+                 f"{local_mlp_item * 1e3:.3f} ms", f"{remote_mlp_item * 1e3:.3f} ms",
+                 f"{remote_mlp_item / local_mlp_item:.2f}x"))
+    xrows = []
+    for n, label, _ in SIZES:
+        up, down = xfer[n]
+        tup, tdown = tcp[n]
+        xrows.append((label, f"{mbps(n, up):,.0f} MB/s ({up * 1e3:.2f} ms)", f"{mbps(n, down):,.0f} MB/s ({down * 1e3:.2f} ms)",
+                      f"{mbps(n, tup):,.0f} / {mbps(n, tdown):,.0f} MB/s",
+                      f"{up / tup:.1f}x / {down / tdown:.1f}x"))
+
+    def table(header: tuple, body: list) -> str:
+        out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+        out += ["| " + " | ".join(r) + " |" for r in body]
+        return "\n".join(out)
+
+    t1 = table(("benchmark", "local CPU eager", "remote (gateway --device cpu)", "remote / local"), rows)
+    t2 = table(("tensor (float32)", "upload (.to('cuda') + sync)", "download (.cpu())",
+                "raw loopback TCP up / down", "remote time / TCP time (up / down)"), xrows)
+    machine_lines = "\n".join(f"- {k}: {v}" for k, v in info.items())
+    report = f"""# RemoteCUDA core benchmarks
+
+Produced by `python benchmarks/bench_core.py` (one run; gateway and client on the same machine,
+over 127.0.0.1; the gateway runs aten ops on the CPU, `--device cpu`). Best of {repeats} runs remote and
+{local_repeats} local for the chain and the MLP; medians for transfers. Total benchmark time {elapsed:.0f} s.
+Client, gateway supervisor and session worker share the machine's CPUs; other work running at the
+same time (see the load average) inflates every figure, the remote ones most.
+
+## Machine
+
+{machine_lines}
+
+## Per-op cost and training step
+
+{t1}
+
+- client cost per op = time for the Python loop to issue the ops (they are queued and sent in
+  batches without waiting); "incl. final sync" adds the wait until the gateway has executed all of them.
+- the MLP step sends ~{mlp_ops:.0f} ops to the gateway (forward, backward, Adam; setup included);
+  final losses local {local_loss:.6f} vs remote {remote_loss:.6f}.
+
+## Transfers
+
+{t2}
+
+- the raw TCP ceiling is plain Python sockets over loopback in the same run (sendall / recv_into,
+  one-byte ack for uploads); remote transfers go through the client library, ZeroMQ, the gateway
+  supervisor and the session worker process (one extra IPC hop), and include one blocking round trip.
+- random float32 data: not compressible, sent raw.
+
+Client counters over the remote part of the run: ops {stats['ops']}, messages {stats['messages']},
+blocking round trips {stats['blocking_round_trips']}, bytes up {stats['bytes_up']:,}, bytes down {stats['bytes_down']:,}.
+"""
+    print(f"\nmachine: {info['cpu']}, {info['nproc']} CPUs, {info['ram']}, torch {info['torch']}, {info['date']}\n")
+    print(t1)
+    print()
+    print(t2)
+    print(f"\ntotal {elapsed:.0f} s")
+    if not a.no_write:
+        with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
+            f.write(report)
+        print(f"wrote {os.path.join(HERE, 'RESULTS.md')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""The `remotecuda` command and activation paths, run as real processes against real gateways."""
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from conftest import ROOT, GatewayProcess, run_python, wait_for
+
+BIN = os.path.join(os.path.dirname(sys.executable), "remotecuda")
+
+TRAIN = r'''
+import sys
+import torch
+
+
+def train(device):
+    g = torch.Generator().manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(64, 8, generator=g)
+    y = x.sum(1, keepdim=True).sin()
+    model = model.to(device)
+    x, y = x.to(device), y.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return x.device, losses
+
+
+if __name__ == "__main__":
+    device, losses = train("cuda")
+    print("DEVICE", device, torch.cuda.is_available())
+    print("ARGV", sys.argv[1:])
+    print("FIRST_LOSS %.8f" % losses[0])
+    print("FINAL_LOSS %.8f" % losses[-1])
+    code = [a for a in sys.argv if a.startswith("--exit=")]
+    sys.exit(int(code[0][7:]) if code else 0)
+'''
+
+
+@pytest.fixture(scope="module")
+def train_script(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "train.py"
+    path.write_text(TRAIN)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def expected_losses(train_script):
+    """The same script's losses on the local CPU, computed in this process without remotecuda."""
+    mod = runpy.run_path(train_script, run_name="not_main")
+    device, losses = mod["train"]("cpu")
+    assert device.type == "cpu" and losses[-1] < losses[0] * 0.5
+    return losses
+
+
+def _parse(out: str) -> dict:
+    return dict(line.split(" ", 1) for line in out.splitlines() if line and line.split(" ", 1)[0].isupper()
+                and " " in line)
+
+
+def _check_training(r, expected, argv=None, code=0):
+    assert r.returncode == code, (r.stdout, r.stderr[-3000:])
+    f = _parse(r.stdout)
+    assert f["DEVICE"] == "cuda:0 True", r.stdout
+    first, final = float(f["FIRST_LOSS"]), float(f["FINAL_LOSS"])
+    assert first == pytest.approx(expected[0], rel=1e-5, abs=1e-7)
+    assert final == pytest.approx(expected[-1], rel=1e-4, abs=1e-6)
+    assert final < first * 0.5
+    if argv is not None:
+        assert f["ARGV"] == repr(argv)
+    assert "RuntimeWarning" not in r.stderr and "fallback" not in r.stderr
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _run(args, env=None, timeout=180):
+    e = dict(os.environ)
+    e.pop("REMOTECUDA_SERVERS", None)
+    e.pop("REMOTECUDA_FALLBACK", None)
+    e.update(env or {})
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+
+
+# ---------------------------------------------------------------------------- remotecuda run
+
+def test_run_console_script_argv_and_exit_code(gateway, train_script, expected_losses):
+    args = ["alpha", "--beta=2", "gamma delta", "--exit=3"]
+    r = _run([BIN, "run", "--server", gateway.address, "python", train_script, *args])
+    _check_training(r, expected_losses, argv=args, code=3)
+
+
+def test_python_dash_m_remotecuda_run(gateway, train_script, expected_losses):
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address,
+              sys.executable, train_script, "x"])
+    _check_training(r, expected_losses, argv=["x"], code=0)
+
+
+def test_run_rejects_a_non_python_command(gateway):
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address, "bash", "-c", "true"])
+    assert r.returncode == 2 and "usage: remotecuda run" in r.stderr
+
+
+ACTIVATE = r'''
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch, remotecuda
+    remotecuda.activate()
+    x = torch.arange(12.0).reshape(3, 4).to("cuda")
+    y = (x @ x.T).relu() * 0.5
+    print("AVAILABLE", torch.cuda.is_available(), torch.cuda.device_count())
+    print("DEVICE", y.device, y.is_cuda)
+    print("NAME", torch.cuda.get_device_name(0))
+    print("RESULT", y.sum().item())
+    torch.cuda.synchronize()
+relevant = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+print("RUNTIME_WARNINGS", len(relevant))
+for w in relevant:
+    print("WARNING", str(w.message).replace("\n", " "))
+'''
+_EXPECTED_RESULT = float(((torch.arange(12.0).reshape(3, 4) @ torch.arange(12.0).reshape(3, 4).T).relu() * 0.5).sum())
+
+
+def test_env_servers_with_plain_activate(gateway):
+    r = run_python(ACTIVATE, env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    f = _parse(r.stdout)
+    assert f["AVAILABLE"] == "True 1" and f["DEVICE"] == "cuda:0 True"
+    assert float(f["RESULT"]) == _EXPECTED_RESULT
+    assert f["NAME"].startswith("CPU (") and "fallback" not in f["NAME"]
+    assert f["RUNTIME_WARNINGS"] == "0"
+
+
+def test_cpu_fallback_when_no_gateway_answers():
+    port = _free_port()
+    r = run_python(ACTIVATE, env={"REMOTECUDA_SERVERS": f"127.0.0.1:{port}", "REMOTECUDA_FALLBACK": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    f = _parse(r.stdout)
+    assert f["AVAILABLE"] == "True 1" and f["DEVICE"] == "cuda:0 True"
+    assert float(f["RESULT"]) == _EXPECTED_RESULT
+    assert "local fallback" in f["NAME"]
+    assert f["RUNTIME_WARNINGS"] == "1", r.stdout
+    msg = f["WARNING"]
+    assert "no gateway is reachable" in msg and f"127.0.0.1:{port}" in msg and "local CPU" in msg
+
+
+def test_fallback_error_raises_gateway_unavailable():
+    port = _free_port()
+    code = r'''
+import time, remotecuda
+t = time.monotonic()
+try:
+    remotecuda.activate()
+except remotecuda.GatewayUnavailableError as e:
+    print("RAISED", type(e).__name__, isinstance(e, RuntimeError), round(time.monotonic() - t))
+    print("MESSAGE", str(e))
+else:
+    print("NOT RAISED")
+'''
+    r = run_python(code, env={"REMOTECUDA_SERVERS": f"127.0.0.1:{port}", "REMOTECUDA_FALLBACK": "error"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    f = _parse(r.stdout)
+    name, is_rt, secs = f["RAISED"].split()
+    assert name == "GatewayUnavailableError" and is_rt == "True" and int(secs) < 30
+    assert f"127.0.0.1:{port}" in f["MESSAGE"] and "REMOTECUDA_FALLBACK=error" in f["MESSAGE"]
+    assert "RuntimeWarning" not in r.stderr
+
+
+# ---------------------------------------------------------------------------- remotecuda start
+
+def _banner(*args: str) -> tuple[list[str], subprocess.Popen]:
+    p = subprocess.Popen([BIN, "start", "--port", "0", "--no-discovery", *args], stdout=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL, text=True, cwd=ROOT)
+    lines = []
+    while True:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if line.startswith("READY "):
+            break
+    return lines, p
+
+
+def _stop(p: subprocess.Popen) -> int:
+    p.send_signal(signal.SIGTERM)
+    try:
+        return p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+
+
+def test_start_banner():
+    (cpu_lines, cpu), (auto_lines, auto) = _banner("--device", "cpu"), _banner("--device", "auto")
+    try:
+        total = psutil.virtual_memory().total / 2**30
+        for lines in (cpu_lines, auto_lines):
+            text = "\n".join(lines)
+            assert lines[0].startswith("RemoteCUDA gateway 0.1.0: "), text
+            assert re.search(rf"device 0: CPU \(\w+, {os.cpu_count()} cores\), {total:.1f} GiB$", text, re.M), text
+            m = re.search(r"listening on tcp://127\.0\.0\.1:(\d+)", text)
+            assert m and lines[-1] == f"READY tcp://127.0.0.1:{m.group(1)}", text
+            assert "  status: ready" in text
+            socket.create_connection(("127.0.0.1", int(m.group(1))), timeout=5).close()
+        assert cpu_lines[0].endswith("serving on the CPU (--device cpu)")
+        assert auto_lines[0].endswith("no CUDA device found: serving on the CPU"), auto_lines
+        for p in (cpu, auto):
+            assert p.poll() is None
+    finally:
+        codes = [_stop(cpu), _stop(auto)]
+    assert codes == [0, 0]
+
+
+def test_start_device_cuda_refuses_without_a_gpu():
+    r = _run([BIN, "start", "--device", "cuda", "--port", "0", "--no-discovery"], timeout=120)
+    assert r.returncode != 0 and "no CUDA device" in r.stderr
+
+
+# ---------------------------------------------------------------------------- session lifetime
+
+HOLDER = r'''
+import sys, time, torch, remotecuda
+remotecuda.activate(sys.argv[1], fallback="error")
+x = torch.ones(64, 1024, 1024, device="cuda")  # 256 MiB held by the session's worker
+assert x.sum().item() == 64 * 1024 * 1024
+print("HOLDING", flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "check":
+        print("CHECK", (x * 2).sum().item(), flush=True)
+    elif cmd == "close":
+        remotecuda.deactivate()
+        print("CLOSED", flush=True)
+time.sleep(120)
+'''
+
+
+def _worker_rss(gw: GatewayProcess) -> dict:
+    out = {}
+    for c in psutil.Process(gw.proc.pid).children():
+        try:
+            out[c.pid] = c.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _start_holder(gw, script):
+    p = subprocess.Popen([sys.executable, script, gw.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, cwd=ROOT)
+    assert p.stdout.readline().strip() == "HOLDING"
+    return p
+
+
+def _session_worker(gw, before: dict) -> int:
+    """The worker that holds the 256 MiB tensor."""
+    after = _worker_rss(gw)
+    big = [pid for pid, rss in after.items() if pid in before and rss > before[pid] + (200 << 20)]
+    assert len(big) == 1, (before, after)
+    return big[0]
+
+
+def test_session_memory_freed_on_close_and_on_client_death(tmp_path):
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    gw = GatewayProcess("--session-timeout", "3")
+    try:
+        assert wait_for(lambda: len(_worker_rss(gw)) == 1, 60)  # the one spare worker
+        # a client that closes: its worker exits at once, not at the timeout
+        before = _worker_rss(gw)
+        a = _start_holder(gw, str(script))
+        wa = _session_worker(gw, before)
+        time.sleep(5)  # longer than --session-timeout: an idle but live client keeps its session
+        a.stdin.write("check\n")
+        a.stdin.flush()
+        assert a.stdout.readline().strip() == f"CHECK {2.0 * 64 * 1024 * 1024}"
+        assert psutil.pid_exists(wa)
+        assert wait_for(lambda: len(_worker_rss(gw)) == 2, 60)  # a fresh spare is ready
+        before = _worker_rss(gw)
+        a.stdin.write("close\n")
+        a.stdin.flush()
+        assert a.stdout.readline().strip() == "CLOSED"
+        t = time.monotonic()
+        assert wait_for(lambda: not psutil.pid_exists(wa) or psutil.Process(wa).status() == psutil.STATUS_ZOMBIE, 10)
+        assert time.monotonic() - t < 2.8, "closed session's worker lingered"
+        a.kill()
+        a.wait()
+
+        # a client killed with SIGKILL sends nothing: the session times out and its worker exits
+        assert wait_for(lambda: len(_worker_rss(gw)) == 1, 30)
+        before = _worker_rss(gw)
+        b = _start_holder(gw, str(script))
+        wb = _session_worker(gw, before)
+        assert wait_for(lambda: len(_worker_rss(gw)) == 2, 60)
+        b.send_signal(signal.SIGKILL)
+        b.wait()
+        t = time.monotonic()
+        assert wait_for(lambda: wb not in _worker_rss(gw), 15), "the dead client's worker is still running"
+        gone_after = time.monotonic() - t
+        assert gone_after < 3 + 4
+        assert len(_worker_rss(gw)) == 1  # only the spare is left
+        assert gw.proc.poll() is None
+    finally:
+        gw.stop()
