@@ -26,7 +26,7 @@ import torch
 from torch._C import _DisableTorchDispatch
 
 from .generator import wire_ref
-from .protocol import Handle
+from .protocol import DTYPE_EXT
 from .tensor import RemoteTensor, make, refresh_key
 
 aten = torch.ops.aten
@@ -62,6 +62,7 @@ class OpMeta:
     metadata_mutation: bool
     cpu_ok: bool
     float_values: bool  # float arguments can change output shapes (arange, upsample...)
+    special: Any = None  # a handler replacing the common path (transfers, copies)
 
 
 def _op_meta(func: Any) -> OpMeta:
@@ -121,7 +122,7 @@ class _Walk:
                         "Expected all tensors to be on the same device, but found at least two "
                         f"devices, cuda:{self.session.vdev} and cuda:{s.vdev}!")
             self.key.append(a._k)
-            return Handle(a._h)
+            return a._w
         if t in _ATOMIC:
             # a float's value only matters where it can shape the output: optimizer steps with a
             # new learning rate each step must still hit the cache
@@ -133,7 +134,10 @@ class _Walk:
         if t is torch.device:
             self.key.append("dev")
             return _CUDA if a.type in ("cuda", "meta") else a
-        if t is torch.dtype or t is torch.memory_format or t is torch.layout:
+        if t is torch.dtype:
+            self.key.append(a)
+            return DTYPE_EXT[a]
+        if t is torch.memory_format or t is torch.layout:
             self.key.append(a)
             return a
         if isinstance(a, torch.Tensor):
@@ -192,9 +196,9 @@ class Dispatcher:
         m = self.ops.get(func)
         if m is None:
             m = self.ops[func] = _op_meta(func)
-        special = _SPECIAL.get(func)
-        if special is not None:
-            return special(self, m, args, kwargs)
+            m.special = _SPECIAL.get(func)
+        if m.special is not None:
+            return m.special(self, m, args, kwargs)
         return self.run(m, args, kwargs)
 
     def factory(self, func: Any, args: tuple, kwargs: dict, vdev: int | None) -> Any:
@@ -202,6 +206,7 @@ class Dispatcher:
         m = self.ops.get(func)
         if m is None:
             m = self.ops[func] = _op_meta(func)
+            m.special = _SPECIAL.get(func)
         s = self.runtime.session(self.runtime.current_device if vdev is None else vdev)
         if func is aten._to_copy.default:
             return self.upload(args[0], s, kwargs)
@@ -273,6 +278,8 @@ class Dispatcher:
                 items.append(("const", int(r)))
             else:
                 items.append(None)
+        if not m.multi and len(items) == 1 and items[0] is not None and items[0][0] == "new":
+            return ("new1", items[0][1:])
         return ("out", m.multi, tuple(items))
 
     def _describe(self, m: OpMeta, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict) -> Any:
@@ -367,7 +374,12 @@ def _spec(r: torch.Tensor, alias: Any) -> tuple:
 
 def _build(entry: tuple, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
     """Output wrappers for a cache entry; appends the gateway handles to ``outs`` in flat order."""
-    if entry[0] == "inplace":
+    kind = entry[0]
+    if kind == "new1":  # the common case: one new tensor
+        h = s.new_handle()
+        outs.append(h)
+        return make(s, h, *entry[1])
+    if kind == "inplace":
         return args[0] if args else None
     _, multi, items = entry
 

@@ -201,7 +201,7 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
             self.__dict__.update(saved)
             return None
         func(self, new)
-        for k in ("_h", "_s", "_dev", "_sid", "_k", "_owner"):
+        for k in ("_h", "_w", "_s", "_dev", "_sid", "_k", "_owner"):
             self.__dict__[k] = new.__dict__[k]
         return None
     return func(*args, **kwargs)
@@ -232,15 +232,21 @@ _HANDLERS: dict[Callable, Callable] = {
 }
 
 
+def _with_policy(policy: Callable) -> Callable:
+    return lambda func, args, kwargs: autocast.apply(policy, func, args, kwargs)
+
+
+#: every function with special handling, in one table: one lookup per call on the hot path
+_ROUTES: dict[Callable, Callable] = {**{f: _with_policy(p) for f, p in autocast.POLICY.items()}, **_HANDLERS}
+_METHOD_WRAPPER = type(_DATA.__set__)
+
+
 class RemoteFunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        h = _HANDLERS.get(func)
+        h = _ROUTES.get(func)
         if h is not None:
             return h(func, args, kwargs)
-        p = autocast.POLICY.get(func)
-        if p is not None:
-            return autocast.apply(p, func, args, kwargs)
         if kwargs:
             d = kwargs.get("device")
             if type(d) is int:  # a bare ordinal means the accelerator, which C++ says is absent
@@ -248,7 +254,7 @@ class RemoteFunctionMode(TorchFunctionMode):
             elif d is not None and (d == "meta" or getattr(d, "type", None) == "meta"):
                 with _UserMeta():
                     return func(*args, **kwargs)
-        if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__":
+        if type(func) is _METHOD_WRAPPER and func.__self__ is _DATA and func.__name__ == "__set__":
             return _set_data(func, args, kwargs)
         return func(*args, **kwargs)
 

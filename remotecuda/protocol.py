@@ -91,6 +91,15 @@ class Message:
 
 # ---------------------------------------------------------------------------- encoding
 
+def handle_ext(handle: int) -> msgpack.ExtType:
+    """A handle in its wire form; built once per tensor, so sending it costs nothing per op."""
+    return msgpack.ExtType(EXT_HANDLE, _u64.pack(handle))
+
+
+#: dtypes in their wire form, so an op's dtype argument needs no encoding callback
+DTYPE_EXT = {d: msgpack.ExtType(EXT_DTYPE, bytes((i,))) for i, d in enumerate(DTYPES)}
+
+
 def _default(obj: Any) -> msgpack.ExtType:
     if isinstance(obj, Handle):
         return msgpack.ExtType(EXT_HANDLE, _u64.pack(obj.id))

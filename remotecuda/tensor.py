@@ -15,7 +15,11 @@ from typing import Any
 
 import torch
 
+from .protocol import handle_ext
+
 _DEVICES: dict[int, torch.device] = {}
+_META = torch.device("meta")
+_new_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 def cuda_device(index: int) -> torch.device:
@@ -46,6 +50,7 @@ class RemoteTensor(torch.Tensor):
     _dev: int  # virtual device index
     _sid: int  # storage identity: views share their base's
     _k: tuple  # (dtype, shape, stride, offset): this tensor's part of a dispatch cache key
+    _w: Any  # the handle's wire form
     _owner: HandleOwner
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -141,10 +146,10 @@ class RemoteTensor(torch.Tensor):
 def make(session: Any, handle: int, shape: Any, stride: Any, offset: int, dtype: torch.dtype,
          sid: int | None = None) -> RemoteTensor:
     """A wrapper for gateway tensor ``handle``; metadata is whatever the dispatcher computed."""
-    t = torch.Tensor._make_wrapper_subclass(RemoteTensor, shape, strides=stride, storage_offset=offset,
-                                            dtype=dtype, device="meta")
+    t = _new_wrapper(RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META)
     d = t.__dict__
     d["_h"] = handle
+    d["_w"] = handle_ext(handle)
     d["_s"] = session
     d["_dev"] = session.vdev
     d["_sid"] = handle if sid is None else sid
