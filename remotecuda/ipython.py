@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 from traitlets import Bool, CaselessStrEnum, Int, Unicode
@@ -51,19 +52,25 @@ class RemoteCUDA(Configurable):
     sync = Bool(False, help="Make every op synchronous (debugging; like CUDA_LAUNCH_BLOCKING)."
                 ).tag(config=True)
 
-    def apply_env(self, env: Any = None) -> None:
-        """Environment variables win over configuration files."""
+    def apply_env(self, env: Any = None) -> list[str]:
+        """Environment variables win over configuration files. Returns complaints about
+        values that were ignored (a bad variable must not keep a kernel from starting)."""
         env = os.environ if env is None else env
-        if env.get("REMOTECUDA_SERVERS", "").strip():
-            self.servers = env["REMOTECUDA_SERVERS"].strip()
-        if env.get("REMOTECUDA_STRATEGY", "").strip():
-            self.strategy = env["REMOTECUDA_STRATEGY"].strip().lower()
-        if env.get("REMOTECUDA_CACHE_BYTES", "").strip():
-            self.cache_bytes = int(env["REMOTECUDA_CACHE_BYTES"])
-        if env.get("REMOTECUDA_FALLBACK", "").strip():
-            self.fallback = env["REMOTECUDA_FALLBACK"].strip().lower()
-        if "REMOTECUDA_SYNC" in env:
-            self.sync = env["REMOTECUDA_SYNC"] not in ("", "0")
+        conv = {"REMOTECUDA_SERVERS": ("servers", str.strip),
+                "REMOTECUDA_STRATEGY": ("strategy", lambda v: v.strip().lower()),
+                "REMOTECUDA_CACHE_BYTES": ("cache_bytes", lambda v: int(v.strip())),
+                "REMOTECUDA_FALLBACK": ("fallback", lambda v: v.strip().lower()),
+                "REMOTECUDA_SYNC": ("sync", lambda v: v.strip() not in ("", "0"))}
+        bad = []
+        for var, (trait, f) in conv.items():
+            value = env.get(var)
+            if value is None or (not value.strip() and trait != "sync"):
+                continue
+            try:
+                setattr(self, trait, f(value))
+            except Exception as e:  # TraitError, ValueError
+                bad.append(f"remotecuda: ignored {var}={value!r} ({e})")
+        return bad
 
 
 # ---------------------------------------------------------------------- snapshots
@@ -124,9 +131,9 @@ class Extension:
     def __init__(self, ip: Any):
         self.ip = ip
         self.config = RemoteCUDA(parent=ip)
-        self.config.apply_env()
+        self.notices: list[str] = self.config.apply_env()
         self.activation_error: str | None = None
-        self._error_shown = False
+        self._notices_shown = False
         self.last: dict | None = None
         self.comms: dict[str, Any] = {}
         self._before: tuple | None = None
@@ -136,12 +143,24 @@ class Extension:
     def activate(self) -> bool:
         import remotecuda
         self.activation_error = None
-        self._error_shown = False
-        try:
-            rt = remotecuda.activate(self.config.servers or None, fallback=self.config.fallback,
-                                     sync=self.config.sync)
-        except Exception as e:  # no gateway: say so in the notebook, keep the magics usable
-            self.activation_error = f"{type(e).__name__}: {e}"
+        self.notices = [n for n in self.notices if not n.startswith("remotecuda: not active")
+                        and "local CPU" not in n]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                rt = remotecuda.activate(self.config.servers or None, fallback=self.config.fallback,
+                                         sync=self.config.sync)
+            except Exception as e:  # no gateway: say so in the notebook, keep the magics usable
+                self.activation_error = f"{type(e).__name__}: {e}"
+                rt = None
+        for w in caught:  # the fallback warning is worth a line in the notebook; others as usual
+            if issubclass(w.category, RuntimeWarning) and str(w.message).startswith("remotecuda"):
+                self.notices.append(str(w.message))
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        if rt is None:
+            self.notices.append(f"remotecuda: not active ({self.activation_error}); "
+                                "use %remotecuda use HOST:PORT")
             return False
         if hasattr(rt, "cache_bytes"):  # sessions open lazily, so this still applies
             rt.cache_bytes = int(self.config.cache_bytes)
@@ -162,11 +181,18 @@ class Extension:
         ip.events.register("post_execute", self.post_execute)
         ip.events.register("post_run_cell", self.post_run_cell)
         self._register_comm_target()
+        self._hook_kernel_shutdown()
         self.activate()
-        if self.activation_error:
-            print(f"remotecuda: not active ({self.activation_error}); "
-                  "use %remotecuda use HOST:PORT", file=sys.stderr)
-            self._error_shown = True
+        self.show_notices()
+
+    def show_notices(self) -> None:
+        for n in self.notices:
+            print(n, file=sys.stderr)
+        self._notices_shown = True
+
+    def defer_notices(self) -> None:
+        """Loaded at kernel start-up, where nobody reads stderr: say it in the first cell."""
+        self._notices_shown = False
 
     def unload(self) -> None:
         import remotecuda
@@ -189,7 +215,26 @@ class Extension:
                 pass
         self.comms.clear()
         self._unregister_comm_target()
+        kernel = getattr(ip, "kernel", None)
+        if kernel is not None and "do_shutdown" in vars(kernel):
+            del kernel.do_shutdown
         remotecuda.deactivate()
+
+    def _hook_kernel_shutdown(self) -> None:
+        """Shutdown and restart free the gateway memory at once: every session says BYE.
+
+        Python's atexit is no help in a kernel: its non-daemon threads keep the interpreter
+        from reaching atexit until the kernel manager kills the process.
+        """
+        kernel = getattr(self.ip, "kernel", None)
+        if kernel is None or "do_shutdown" in vars(kernel):
+            return
+        original = kernel.do_shutdown
+
+        def do_shutdown(restart: bool) -> Any:
+            close_sessions(timeout=5.0)
+            return original(restart)
+        kernel.do_shutdown = do_shutdown
 
     # -------------------------------------------------------------- per cell
     def _snapshot(self) -> tuple | None:
@@ -205,10 +250,8 @@ class Extension:
 
     def pre_run_cell(self, info: Any = None) -> None:
         self._in_cell = True
-        if self.activation_error and not self._error_shown:
-            print(f"remotecuda: not active ({self.activation_error}); "
-                  "use %remotecuda use HOST:PORT", file=sys.stderr)
-            self._error_shown = True
+        if not self._notices_shown:
+            self.show_notices()
 
     def _needs_sync(self) -> bool:
         before = self._before
@@ -251,10 +294,11 @@ class Extension:
         if err is not None:
             if not failed:
                 # show it as this cell's error, and make the cell end with status "error"
-                try:
-                    raise err
-                except BaseException:
-                    self.ip.showtraceback()
+                if hasattr(err, "add_note") and not isinstance(err, KeyboardInterrupt):
+                    err.add_note("[remotecuda] raised at the end of this cell, when its remote "
+                                 "work was waited for")
+                # no frames: they would be remotecuda's own, not the line that issued the op
+                self.ip.showtraceback(exc_tuple=(type(err), err, None))
                 result.error_in_exec = err
                 self.ip.last_execution_succeeded = False
             else:
@@ -279,10 +323,15 @@ class Extension:
         rec["devices"] = [dict(_device_info(rt, rt.devices[v]), ops=n - ops0.get(v, 0))
                           for v, n in sorted(ops1.items())
                           if n - ops0.get(v, 0) > 0 and v < len(rt.devices)]
-        ok = result is None or result.success
+        # ipykernel fails a cell whose result could not be displayed (e.g. repr met a remote
+        # error) although IPython's result says success
+        display_failed = bool(getattr(self.ip, "_last_traceback_during_displayhook", False))
+        ok = (result is None or result.success) and not display_failed
         rec["status"] = "ok" if ok else "error"
         e = err if err is not None else (None if result is None else
                                          result.error_in_exec or result.error_before_exec)
+        if e is None and display_failed:
+            e = getattr(sys, "last_value", None)
         rec["error"] = None if e is None else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         self.last = rec
         self.publish(rec)
@@ -360,6 +409,22 @@ class Extension:
                 self.comms.pop(cid, None)
 
 
+def close_sessions(timeout: float) -> None:
+    """Close the runtime's sessions (BYE to each gateway), from any thread.
+
+    Only the sessions: the interception modes belong to the thread that activated, and
+    the process is about to end. Bounded, in case the main thread holds a session blocked
+    in a request.
+    """
+    import threading
+    rt = _rt()
+    if rt is None:
+        return
+    t = threading.Thread(target=rt.close, name="remotecuda-shutdown", daemon=True)
+    t.start()
+    t.join(timeout)
+
+
 # ---------------------------------------------------------------------- magics
 
 def _magics_class() -> type:
@@ -433,7 +498,9 @@ def _magics_class() -> type:
                 print("remotecuda: deactivating; tensors on the previous gateway(s) are gone")
             remotecuda.deactivate()
             self.ext.config.servers = args[0]
-            if self.ext.activate():
+            ok = self.ext.activate()
+            self.ext.show_notices()
+            if ok:
                 rt = remotecuda.runtime()
                 print(f"remotecuda: using {args[0]} ({len(rt.devices)} GPU(s)"
                       f"{', LOCAL CPU FALLBACK' if getattr(rt, 'is_fallback', False) else ''})")

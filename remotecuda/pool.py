@@ -94,7 +94,10 @@ class Pool:
     def _start_local_gateway(self) -> None:
         cmd = [sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--port", "0",
                "--no-discovery", "--quiet"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        # its own session: Jupyter's "Interrupt kernel" signals the kernel's whole process group,
+        # and a SIGINT stops a gateway (ipykernel still terminates it at kernel shutdown)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                start_new_session=True, preexec_fn=_die_with_parent)
         line = proc.stdout.readline()  # "READY tcp://127.0.0.1:PORT" once it listens
         if not line.startswith("READY "):
             proc.kill()
@@ -160,6 +163,17 @@ class Pool:
 
 
 BACKGROUND_TICK = 0.002
+
+
+def _die_with_parent() -> None:
+    """The fallback gateway is this process's helper: it must not outlive a killed client."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        try:
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def servers_from_env(servers: str | list[str] | None) -> list[str]:

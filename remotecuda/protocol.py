@@ -227,7 +227,14 @@ def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: Sequence[int])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # zmq frames are read-only buffers
         flat = torch.frombuffer(buf, dtype=torch.uint8)
+    if flat.data_ptr() % _ALIGN:
+        # frame memory is only 8-byte aligned (small zmq messages live inside the message
+        # struct): typed kernels on e.g. complex128 (alignas 16) crash on it; copy as bytes
+        flat = flat.clone()
     return flat.view(dtype).view(tuple(shape))
+
+
+_ALIGN = 64  # what PyTorch's CPU allocator guarantees, and what kernels may assume
 
 
 # ---------------------------------------------------------------------------- framing

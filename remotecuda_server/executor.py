@@ -286,7 +286,7 @@ class Executor:
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
         seen, total = set(), 0
-        for t in self.handles.values():
+        for t in list(self.handles.values()):  # also read by the I/O thread's stats report
             s = t.untyped_storage()
             key = s.data_ptr()
             if key not in seen:

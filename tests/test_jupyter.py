@@ -1,0 +1,448 @@
+"""Jupyter: the RemoteCUDA kernel and %load_ext remotecuda, in real kernel processes
+(jupyter_client) talking to a real gateway on 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import ROOT, GatewayProcess, wait_for
+
+jupyter_client = pytest.importorskip("jupyter_client")
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from jupyter_client.manager import KernelManager  # noqa: E402
+
+START_TIMEOUT = 120
+
+
+class Kernel:
+    """A kernel process and a blocking client, with helpers that collect a cell's output."""
+
+    def __init__(self, name: str, kernel_dirs: list[str], env: dict):
+        self.km = KernelManager(kernel_name=name,
+                                kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
+        self.km.start_kernel(env=env, cwd=ROOT)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=START_TIMEOUT)
+        self.comm_msgs: list[dict] = []  # comm_msg contents seen on iopub, in order
+
+    def send(self, code: str) -> str:
+        return self.kc.execute(code, allow_stdin=False)
+
+    def collect(self, msg_id: str, timeout: float = 120, until_idle: bool = True) -> dict:
+        """Wait for the reply and the iopub messages of one execution."""
+        out = {"stdout": "", "stderr": "", "errors": [], "results": []}
+        deadline = time.monotonic() + timeout
+        reply = None
+        while reply is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no execute_reply within {timeout} s; so far {out}")
+            try:
+                msg = self.kc.get_shell_msg(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_reply":
+                reply = msg["content"]
+        self._drain_iopub(msg_id, out, deadline if until_idle else time.monotonic())
+        out["reply"] = reply
+        return out
+
+    def _drain_iopub(self, msg_id: str, out: dict, deadline: float) -> None:
+        while True:
+            remaining = max(deadline - time.monotonic(), 0.05)
+            try:
+                msg = self.kc.get_iopub_msg(timeout=remaining)
+            except queue.Empty:
+                return
+            self._route(msg, msg_id, out)
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle"):
+                return
+
+    def _route(self, msg: dict, msg_id: str | None, out: dict | None) -> None:
+        t, c = msg["msg_type"], msg["content"]
+        if t == "comm_msg":
+            self.comm_msgs.append(c)
+        if out is None or msg["parent_header"].get("msg_id") != msg_id:
+            return
+        if t == "stream":
+            out[c["name"]] += c["text"]
+        elif t == "error":
+            out["errors"].append(c)
+        elif t == "execute_result":
+            out["results"].append(c["data"].get("text/plain", ""))
+
+    def run(self, code: str, timeout: float = 120) -> dict:
+        return self.collect(self.send(code), timeout)
+
+    def ok(self, code: str, timeout: float = 120) -> dict:
+        r = self.run(code, timeout)
+        assert r["reply"]["status"] == "ok", (code, r)
+        return r
+
+    def wait_stream(self, msg_id: str, text: str, timeout: float) -> str:
+        """Read iopub until the running cell printed ``text``."""
+        out = {"stdout": "", "stderr": "", "errors": [], "results": []}
+        deadline = time.monotonic() + timeout
+        while text not in out["stdout"]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{text!r} not printed within {timeout} s: {out}")
+            try:
+                self._route(self.kc.get_iopub_msg(timeout=remaining), msg_id, out)
+            except queue.Empty:
+                pass
+        return out["stdout"]
+
+    def stop(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+
+
+def gateway_sessions(address: str) -> int:
+    """How many client sessions the gateway holds (from its WELCOME to a probe)."""
+    import zmq
+
+    from remotecuda.session import _connect, hello
+    ctx = zmq.Context()
+    sock = _connect(ctx, "tcp://" + address)
+    try:
+        return hello(sock, {"device": None}, 10.0, address)["sessions"]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def jgw():
+    """A gateway of this module's own, so its session count is this module's alone."""
+    gw = GatewayProcess("--spare", "2")
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def kernelspec_prefix(tmp_path_factory):
+    """The kernelspec installed the documented way: python -m remotecuda_kernel install --prefix."""
+    prefix = tmp_path_factory.mktemp("jupyter-prefix")
+    r = subprocess.run([sys.executable, "-m", "remotecuda_kernel", "install", "--prefix", str(prefix)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def kernel_env(jgw):
+    env = dict(os.environ)
+    env.update(REMOTECUDA_SERVERS=jgw.address, REMOTECUDA_FALLBACK="error", PYTHONUNBUFFERED="1")
+    env.pop("REMOTECUDA_SYNC", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def kernel_dirs(kernelspec_prefix):
+    return [str(kernelspec_prefix / "share" / "jupyter" / "kernels")]
+
+
+@pytest.fixture(scope="module")
+def rc(kernel_dirs, kernel_env):
+    k = Kernel("remotecuda", kernel_dirs, kernel_env)
+    yield k
+    k.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(kernel_env):
+    k = Kernel("python3", [], kernel_env)
+    yield k
+    k.stop()
+
+
+# ---------------------------------------------------------------------------- kernelspec
+
+def test_kernelspec_installs_and_is_listed(kernelspec_prefix):
+    env = dict(os.environ, JUPYTER_PATH=str(kernelspec_prefix / "share" / "jupyter"))
+    r = subprocess.run([sys.executable, "-m", "jupyter_client.kernelspecapp", "list", "--json"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    specs = json.loads(r.stdout)["kernelspecs"]
+    assert "remotecuda" in specs, specs
+    spec = specs["remotecuda"]["spec"]
+    assert spec["display_name"] == "Python (RemoteCUDA)"
+    assert spec["argv"][1:] == ["-m", "remotecuda_kernel", "-f", "{connection_file}"]
+    assert os.path.samefile(spec["argv"][0], sys.executable)
+    folder = specs["remotecuda"]["resource_dir"]
+    for logo in ("logo-32x32.png", "logo-64x64.png"):
+        with open(os.path.join(folder, logo), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # the static kernelspec the wheel ships: "python" is replaced by Jupyter's own interpreter
+    with open(os.path.join(ROOT, "kernelspec", "remotecuda", "kernel.json")) as f:
+        assert json.load(f)["argv"] == ["python", "-m", "remotecuda_kernel", "-f", "{connection_file}"]
+
+
+# ---------------------------------------------------------------------------- the RemoteCUDA kernel
+
+def test_kernel_identity_and_cuda(rc, jgw):
+    msg_id = rc.kc.kernel_info()
+    info = rc.kc.get_shell_msg(timeout=30)
+    while info["parent_header"].get("msg_id") != msg_id:
+        info = rc.kc.get_shell_msg(timeout=30)
+    assert info["content"]["implementation"] == "remotecuda"
+    assert "RemoteCUDA" in info["content"]["banner"]
+    r = rc.ok("import torch\nprint(torch.cuda.is_available(), torch.cuda.device_count())")
+    assert r["stdout"].split() == ["True", "1"], r
+
+
+def test_training_cell(rc):
+    r = rc.ok("""
+import torch, torch.nn as nn
+torch.manual_seed(0)
+X = torch.randn(256, 8)
+y = (X[:, 0] + X[:, 1] > 0).long()
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2)).cuda()
+opt = torch.optim.Adam(model.parameters(), lr=0.02)
+Xc, yc = X.cuda(), y.cuda()
+losses = []
+for step in range(60):
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(Xc), yc)
+    loss.backward()
+    opt.step()
+    if step in (0, 59):
+        losses.append(loss.item())
+acc = (model(Xc).argmax(1) == yc).float().mean().item()
+print(next(model.parameters()).device, losses[0], losses[1], acc)
+""")
+    dev, first, last, acc = r["stdout"].split()
+    assert dev == "cuda:0"
+    assert float(last) < float(first) * 0.7, r["stdout"]
+    assert float(acc) > 0.85, r["stdout"]
+
+
+def test_async_remote_error_ends_its_own_cell(rc):
+    r = rc.run("y = torch.randn(3, device='cuda')[torch.tensor([5], device='cuda')]")
+    assert r["reply"]["status"] == "error", r
+    assert r["reply"]["ename"] == "IndexError", r["reply"]
+    assert "out of bounds" in r["reply"]["evalue"]
+    assert r["errors"] and r["errors"][0]["ename"] == "IndexError", r  # shown in THAT cell
+    r2 = rc.ok("print(torch.ones(4, device='cuda').sum().item())")
+    assert r2["stdout"].strip() == "4.0"
+    assert not r2["errors"] and not r2["stderr"], r2
+    # the error was reported once: a cell with its own sync runs clean too
+    r3 = rc.ok("z = torch.arange(3., device='cuda') * 2\nprint(z.tolist())")
+    assert r3["stdout"].strip() == "[0.0, 2.0, 4.0]"
+
+
+def test_cell_display_value_kept(rc):
+    r = rc.ok("torch.tensor([1.5, 2.5], device='cuda').sum().item()")
+    assert r["results"] == ["4.0"], r
+
+
+def test_status_and_last_magics(rc, jgw):
+    r = rc.ok("%remotecuda status")
+    assert jgw.address in r["stdout"], r["stdout"]
+    assert "cuda:0" in r["stdout"] and "strategy: adaptive" in r["stdout"]
+    rc.ok("w = torch.randn(64, 64).cuda() @ torch.randn(64, 64).cuda()")
+    r = rc.ok("%remotecuda last")
+    m = re.search(r"(\d+) ops, (\d+) messages", r["stdout"])
+    assert m and int(m.group(1)) >= 3 and int(m.group(2)) >= 1, r["stdout"]
+    assert "cuda:0" in r["stdout"]
+    r = rc.ok("%remotecuda strategy memory-aware\n%remotecuda status")
+    assert "strategy: memory-aware" in r["stdout"]
+    r = rc.run("%remotecuda strategy fastest")
+    assert r["reply"]["status"] == "error" and "unknown strategy" in r["reply"]["evalue"]
+    r = rc.ok("%remotecuda servers")
+    assert jgw.address in r["stdout"]
+    # use: a failing address with the fallback off leaves it inactive; the right one works again
+    r = rc.ok("%remotecuda fallback off")
+    assert "fallback: off" in r["stdout"]
+    r = rc.run("%remotecuda use 127.0.0.1:1")
+    assert r["reply"]["status"] == "error" and "not active" in r["reply"]["evalue"], r["reply"]
+    r = rc.ok("print(torch.cuda.is_available())")
+    assert r["stdout"].strip() == "False"
+    r = rc.ok(f"%remotecuda use {jgw.address}")
+    assert "1 GPU(s)" in r["stdout"], r
+    r = rc.ok("print(torch.cuda.is_available(), torch.ones(2, device='cuda').sum().item())")
+    assert r["stdout"].split() == ["True", "2.0"]
+
+
+def test_comm_publishes_per_cell_accounting(rc, jgw):
+    comm_id = uuid.uuid4().hex
+    msg = rc.kc.session.msg("comm_open", {"comm_id": comm_id, "target_name": "remotecuda", "data": {}})
+    rc.kc.shell_channel.send(msg)
+    assert wait_for(lambda: _drain(rc) or any(c["comm_id"] == comm_id for c in rc.comm_msgs), 30)
+    status = next(c["data"] for c in rc.comm_msgs if c["comm_id"] == comm_id)
+    assert status["type"] == "status" and status["active"] is True
+    assert status["gateways"][0]["endpoint"] == "tcp://" + jgw.address
+    assert status["devices"][0]["device"] == "cuda:0"
+    rc.comm_msgs.clear()
+    r = rc.ok("a = torch.randn(128, 128)\nb = (a.cuda() @ a.cuda()).relu()\nc = b.sum()")
+    n = r["reply"]["execution_count"]
+    cells = [c["data"] for c in rc.comm_msgs if c["comm_id"] == comm_id and c["data"]["type"] == "cell"]
+    assert len(cells) == 1, rc.comm_msgs
+    cell = cells[0]
+    assert cell["execution_count"] == n and cell["status"] == "ok"
+    assert cell["ops"] >= 4, cell
+    assert cell["bytes_up"] > 128 * 128 * 4, cell  # a's bytes went up (the second .cuda() may hit the cache)
+    assert cell["uploads"] == 2, cell
+    assert cell["messages"] >= 1 and cell["blocking_round_trips"] >= 1  # the end-of-cell sync
+    assert cell["wait_seconds"] >= 0 and cell["wall_seconds"] >= cell["wait_seconds"]
+    assert [d["device"] for d in cell["devices"]] == ["cuda:0"]
+    assert cell["devices"][0]["gateway"] == "tcp://" + jgw.address
+    # a cell without remote work: zeros, still published
+    rc.comm_msgs.clear()
+    rc.ok("x = 1 + 1")
+    cells = [c["data"] for c in rc.comm_msgs if c["comm_id"] == comm_id]
+    assert len(cells) == 1 and cells[0]["ops"] == 0 and cells[0]["bytes_up"] == 0, cells
+    # an error cell is published with status error
+    rc.comm_msgs.clear()
+    rc.run("torch.zeros(2, device='cuda')[torch.tensor([7], device='cuda')]")
+    cells = [c["data"] for c in rc.comm_msgs if c["comm_id"] == comm_id]
+    assert cells and cells[0]["status"] == "error" and "IndexError" in cells[0]["error"], cells
+    # the panel may ask for a status snapshot
+    rc.comm_msgs.clear()
+    rc.kc.shell_channel.send(rc.kc.session.msg("comm_msg", {"comm_id": comm_id, "data": {"request": "status"}}))
+    assert wait_for(lambda: _drain(rc) or any(c["data"].get("type") == "status" for c in rc.comm_msgs), 30)
+    rc.kc.shell_channel.send(rc.kc.session.msg("comm_close", {"comm_id": comm_id, "data": {}}))
+
+
+def _drain(k: Kernel) -> bool:
+    while True:
+        try:
+            k._route(k.kc.get_iopub_msg(timeout=0.05), None, None)
+        except queue.Empty:
+            return False
+
+
+def test_interrupt_long_remote_loop(rc):
+    rc.ok("keep = torch.arange(5., device='cuda')\nm = torch.randn(256, 256, device='cuda') / 16")
+    msg_id = rc.send("""
+print('started', flush=True)
+h = m
+for i in range(1_000_000):
+    h = torch.tanh(h @ m)
+    if i % 20 == 0:
+        h.sum().item()
+""")
+    rc.wait_stream(msg_id, "started", 60)
+    time.sleep(1.5)  # well inside the loop: remote work queued and in flight
+    t0 = time.monotonic()
+    rc.km.interrupt_kernel()
+    r = rc.collect(msg_id, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert r["reply"]["status"] == "error" and r["reply"]["ename"] == "KeyboardInterrupt", r["reply"]
+    assert elapsed < 5.0, f"control came back {elapsed:.1f} s after the interrupt"
+    r = rc.ok("print(keep.sum().item(), (m @ m).shape)")
+    assert r["stdout"].strip() == "10.0 torch.Size([256, 256])", r
+
+
+def test_restart_frees_gateway_sessions(rc, jgw):
+    rc.ok("torch.ones(1, device='cuda').item()")
+    n = gateway_sessions(jgw.address)
+    assert n >= 1
+    rc.km.restart_kernel(now=False)
+    rc.kc.wait_for_ready(timeout=START_TIMEOUT)
+    assert wait_for(lambda: gateway_sessions(jgw.address) == n - 1, 20), gateway_sessions(jgw.address)
+    r = rc.ok("import torch\nprint(torch.cuda.is_available(), torch.ones(2, device='cuda').sum().item())")
+    assert r["stdout"].split() == ["True", "2.0"]
+
+
+# ---------------------------------------------------------------------------- a plain kernel
+
+def test_load_and_unload_extension_in_plain_kernel(plain, jgw):
+    r = plain.ok("import torch\nprint(torch.cuda.is_available())")
+    assert r["stdout"].strip() == "False"
+    plain.ok("%load_ext remotecuda")
+    r = plain.ok("x = torch.randn(2, device='cuda')\nprint(torch.cuda.is_available(), x.device, x.shape)")
+    assert r["stdout"].split() == ["True", "cuda:0", "torch.Size([2])"], r
+    r = plain.ok("%remotecuda status")
+    assert jgw.address in r["stdout"]
+    # the end-of-cell sync works in a plain kernel too
+    r = plain.run("bad = x[torch.tensor([9], device='cuda')]")
+    assert r["reply"]["status"] == "error" and r["reply"]["ename"] == "IndexError"
+    n = gateway_sessions(jgw.address)
+    plain.ok("%unload_ext remotecuda")
+    assert wait_for(lambda: gateway_sessions(jgw.address) == n - 1, 20)  # BYE: gateway memory freed
+    r = plain.ok("print(torch.cuda.is_available())")
+    assert r["stdout"].strip() == "False"
+    r = plain.run("torch.randn(2, device='cuda')")
+    assert r["reply"]["status"] == "error" and "CUDA" in r["reply"]["evalue"], r["reply"]
+    plain.ok("%load_ext remotecuda")  # and back again, and reloaded
+    plain.ok("%reload_ext remotecuda")
+    r = plain.ok("print(torch.ones(3, device='cuda').sum().item())")
+    assert r["stdout"].strip() == "3.0"
+    r = plain.ok("%remotecuda last")
+    assert re.match(r"cell \[\d+\] ok: [1-9]\d* ops", r["stdout"]), r
+    # a shutdown/restart of a kernel that loaded the extension frees its gateway sessions too
+    n = gateway_sessions(jgw.address)
+    plain.km.restart_kernel(now=False)
+    plain.kc.wait_for_ready(timeout=START_TIMEOUT)
+    assert wait_for(lambda: gateway_sessions(jgw.address) == n - 1, 20), gateway_sessions(jgw.address)
+
+
+# ---------------------------------------------------------------------------- the quickstart notebook
+
+def test_quickstart_notebook(kernel_dirs, kernel_env):
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", "quickstart.ipynb"), as_version=4)
+    assert nb.metadata.kernelspec.name == "remotecuda"
+    km = KernelManager(kernel_name="remotecuda", kernel_spec_manager=KernelSpecManager(kernel_dirs=kernel_dirs))
+    client = NotebookClient(nb, km=km, timeout=300, startup_timeout=START_TIMEOUT,
+                            resources={"metadata": {"path": ROOT}})
+    client.execute(env=kernel_env)
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                     for o in c.outputs if o.output_type == "stream")
+    assert "CUDA available: True" in text, text
+    loss = float(re.search(r"final loss: ([0-9.]+)", text).group(1))
+    acc = float(re.search(r"accuracy: ([0-9.]+)", text).group(1))
+    assert loss < 0.3 and acc > 0.9, text
+    assert re.search(r"cell \[\d+\] ok: \d+ ops", text), text  # %remotecuda last
+
+
+# ---------------------------------------------------------------------------- local CPU fallback
+
+def test_fallback_gateway_survives_interrupt_and_ends_with_kernel(kernel_dirs, kernel_env):
+    """No gateway answers: the kernel says so in the first cell and runs on a local CPU gateway;
+    "Interrupt kernel" (SIGINT to the kernel's process group) must not kill that gateway."""
+    env = dict(kernel_env, REMOTECUDA_SERVERS="127.0.0.1:1", REMOTECUDA_FALLBACK="cpu")
+    k = Kernel("remotecuda", kernel_dirs, env)
+    try:
+        r = k.ok("import torch, remotecuda\nprint(remotecuda.runtime().fallback_gateway.pid)")
+        pid = int(r["stdout"])
+        assert "running 'cuda' work on the local CPU" in r["stderr"], r  # the notice, in cell 1
+        msg_id = k.send("keep = torch.arange(4., device='cuda')\nprint('started', flush=True)\n"
+                        "import time\nwhile True:\n    keep.sum().item()\n")
+        k.wait_stream(msg_id, "started", 60)
+        time.sleep(0.5)
+        k.km.interrupt_kernel()
+        r = k.collect(msg_id, timeout=30)
+        assert r["reply"]["ename"] == "KeyboardInterrupt", r["reply"]
+        r = k.ok("print(keep.sum().item())", timeout=30)
+        assert r["stdout"].strip() == "6.0"
+    finally:
+        k.stop()
+    assert wait_for(lambda: not _alive(pid), 20), "the fallback gateway outlived its kernel"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie of a process we did not start cannot be reaped here: count it as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
