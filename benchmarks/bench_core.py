@@ -106,8 +106,9 @@ def transfers(nbytes: int, reps: int) -> tuple[float, float]:
     return statistics.median(up), statistics.median(down)
 
 
-def raw_socket_ceiling(sizes: list) -> dict:
-    """Median seconds to move nbytes one way over loopback TCP (sendall / recv_into + 1-byte ack)."""
+def raw_socket_ceiling(sizes: list, reduce=statistics.median) -> dict:
+    """Seconds (median of the runs, or ``reduce``) to move nbytes one way over loopback TCP
+    (sendall / recv_into + 1-byte ack)."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -154,7 +155,7 @@ def raw_socket_ceiling(sizes: list) -> dict:
             t2 = time.perf_counter()
             ups.append(t1 - t0)
             downs.append(t2 - t1)
-        out[nbytes] = (statistics.median(ups), statistics.median(downs))
+        out[nbytes] = (reduce(ups), reduce(downs))
     c.close()
     srv.close()
     return out
@@ -187,9 +188,11 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-def start_gateway() -> tuple[subprocess.Popen, str]:
+def start_gateway(spare: int = 0) -> tuple[subprocess.Popen, str]:
+    """A CPU gateway on 127.0.0.1, a free port. ``spare=0``: the session's worker starts on demand
+    and no further spare is started, so no ``import torch`` competes with the measurements."""
     p = subprocess.Popen([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--host", "127.0.0.1",
-                          "--port", "0", "--no-discovery", "--quiet"], stdout=subprocess.PIPE,
+                          "--port", "0", "--no-discovery", "--quiet", "--spare", str(spare)], stdout=subprocess.PIPE,
                          stdin=subprocess.DEVNULL, text=True, cwd=ROOT)
     line = p.stdout.readline()
     if not line.startswith("READY "):
@@ -204,12 +207,9 @@ def mbps(nbytes: int, secs: float) -> float:
     return nbytes / secs / 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    ap.add_argument("--no-write", action="store_true", help="do not write RESULTS.md")
-    a = ap.parse_args()
-    repeats = 1 if a.quick else 3
+def measure(quick: bool = False) -> dict:
+    """Run every core measurement (starts and stops its own gateway); the figures as a dict."""
+    repeats = 1 if quick else 3
     t_start = time.perf_counter()
     info = machine()
     load_before = os.getloadavg()
@@ -242,7 +242,7 @@ def main() -> None:
         remote_item_runs = [mlp_steps("cuda", sync_every_step=True) for _ in range(repeats)]
         remote_mlp_item, remote_loss = min(r[0] for r in remote_item_runs), remote_item_runs[0][1]
         assert abs(remote_loss - local_loss) <= 1e-4 * max(1.0, abs(local_loss)), (remote_loss, local_loss)
-        xfer = {n: transfers(n, reps if not a.quick else min(reps, 3)) for n, _, reps in SIZES}
+        xfer = {n: transfers(n, reps if not quick else min(reps, 3)) for n, _, reps in SIZES}
         stats = remotecuda.stats()
         remotecuda.deactivate()
     finally:
@@ -252,76 +252,120 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             gw.kill()
     elapsed = time.perf_counter() - t_start
-    info["load average (1 min) before / after"] = f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}"
-
+    load_after = os.getloadavg()
+    info["load average (1 min) before / after"] = f"{load_before[0]:.2f} / {load_after[0]:.2f}"
     n_ops = 2 * CHAIN_ITERS
+    return {
+        "info": info, "repeats": repeats, "local_repeats": local_repeats, "elapsed_s": elapsed,
+        "load_before": list(load_before), "load_after": list(load_after),
+        "chain_ops": n_ops,
+        "local_chain_us_per_op": local_chain / n_ops * 1e6,
+        "remote_chain_client_us_per_op": remote_chain_client / n_ops * 1e6,
+        "remote_chain_total_us_per_op": remote_chain_total / n_ops * 1e6,
+        "local_mlp_ms": local_mlp * 1e3, "remote_mlp_ms": remote_mlp * 1e3,
+        "local_mlp_item_ms": local_mlp_item * 1e3, "remote_mlp_item_ms": remote_mlp_item * 1e3,
+        "mlp_ops_per_step": mlp_ops, "local_loss": local_loss, "remote_loss": remote_loss,
+        "transfers": [{"nbytes": n, "label": label, "up_s": xfer[n][0], "down_s": xfer[n][1],
+                       "tcp_up_s": tcp[n][0], "tcp_down_s": tcp[n][1]} for n, label, _ in SIZES],
+        "stats": {k: stats[k] for k in ("ops", "messages", "blocking_round_trips", "bytes_up", "bytes_down")},
+    }
+
+
+def _table(header: tuple, body: list) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(out)
+
+
+def tables(r: dict) -> tuple[str, str]:
+    """(per-op / training-step table, transfer table) in markdown."""
     rows = []
-    rows.append(("Elementwise chain, client cost per op (64x8 f32, 4000 ops, 1 sync)",
-                 f"{local_chain / n_ops * 1e6:.1f} µs/op", f"{remote_chain_client / n_ops * 1e6:.1f} µs/op",
-                 f"{remote_chain_client / local_chain:.2f}x"))
+    rows.append((f"Elementwise chain, client cost per op (64x8 f32, {r['chain_ops']} ops, 1 sync)",
+                 f"{r['local_chain_us_per_op']:.1f} µs/op", f"{r['remote_chain_client_us_per_op']:.1f} µs/op",
+                 f"{r['remote_chain_client_us_per_op'] / r['local_chain_us_per_op']:.2f}x"))
     rows.append(("Elementwise chain incl. final sync (gateway done)",
-                 f"{local_chain / n_ops * 1e6:.1f} µs/op", f"{remote_chain_total / n_ops * 1e6:.1f} µs/op",
-                 f"{remote_chain_total / local_chain:.2f}x"))
+                 f"{r['local_chain_us_per_op']:.1f} µs/op", f"{r['remote_chain_total_us_per_op']:.1f} µs/op",
+                 f"{r['remote_chain_total_us_per_op'] / r['local_chain_us_per_op']:.2f}x"))
     rows.append(("MLP train step 32-64-64-1, Adam, batch 256 (sync at end)",
-                 f"{local_mlp * 1e3:.3f} ms", f"{remote_mlp * 1e3:.3f} ms", f"{remote_mlp / local_mlp:.2f}x"))
+                 f"{r['local_mlp_ms']:.3f} ms", f"{r['remote_mlp_ms']:.3f} ms",
+                 f"{r['remote_mlp_ms'] / r['local_mlp_ms']:.2f}x"))
     rows.append(("MLP train step with loss.item() every step",
-                 f"{local_mlp_item * 1e3:.3f} ms", f"{remote_mlp_item * 1e3:.3f} ms",
-                 f"{remote_mlp_item / local_mlp_item:.2f}x"))
+                 f"{r['local_mlp_item_ms']:.3f} ms", f"{r['remote_mlp_item_ms']:.3f} ms",
+                 f"{r['remote_mlp_item_ms'] / r['local_mlp_item_ms']:.2f}x"))
     xrows = []
-    for n, label, _ in SIZES:
-        up, down = xfer[n]
-        tup, tdown = tcp[n]
-        xrows.append((label, f"{mbps(n, up):,.0f} MB/s ({up * 1e3:.2f} ms)", f"{mbps(n, down):,.0f} MB/s ({down * 1e3:.2f} ms)",
+    for x in r["transfers"]:
+        n, up, down, tup, tdown = x["nbytes"], x["up_s"], x["down_s"], x["tcp_up_s"], x["tcp_down_s"]
+        xrows.append((x["label"], f"{mbps(n, up):,.0f} MB/s ({up * 1e3:.2f} ms)",
+                      f"{mbps(n, down):,.0f} MB/s ({down * 1e3:.2f} ms)",
                       f"{mbps(n, tup):,.0f} / {mbps(n, tdown):,.0f} MB/s",
                       f"{up / tup:.1f}x / {down / tdown:.1f}x"))
+    t1 = _table(("benchmark", "local CPU eager", "remote (gateway --device cpu)", "remote / local"), rows)
+    t2 = _table(("tensor (float32)", "upload (.to('cuda') + sync)", "download (.cpu())",
+                 "raw loopback TCP up / down", "remote time / TCP time (up / down)"), xrows)
+    return t1, t2
 
-    def table(header: tuple, body: list) -> str:
-        out = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-        out += ["| " + " | ".join(r) + " |" for r in body]
-        return "\n".join(out)
 
-    t1 = table(("benchmark", "local CPU eager", "remote (gateway --device cpu)", "remote / local"), rows)
-    t2 = table(("tensor (float32)", "upload (.to('cuda') + sync)", "download (.cpu())",
-                "raw loopback TCP up / down", "remote time / TCP time (up / down)"), xrows)
-    machine_lines = "\n".join(f"- {k}: {v}" for k, v in info.items())
-    report = f"""# RemoteCUDA core benchmarks
-
-Produced by `python benchmarks/bench_core.py` (one run; gateway and client on the same machine,
-over 127.0.0.1; the gateway runs aten ops on the CPU, `--device cpu`). Best of {repeats} runs remote and
-{local_repeats} local for the chain and the MLP; medians for transfers. Total benchmark time {elapsed:.0f} s.
-Client, gateway supervisor and session worker share the machine's CPUs; other work running at the
-same time (see the load average) inflates every figure, the remote ones most.
-
-## Machine
-
-{machine_lines}
-
-## Per-op cost and training step
+def markdown(r: dict, heading: str = "##") -> str:
+    """The core figures as markdown sections (without the machine section)."""
+    t1, t2 = tables(r)
+    st = r["stats"]
+    h = heading
+    return f"""{h} Per-op cost and training step
 
 {t1}
 
 - client cost per op = time for the Python loop to issue the ops (they are queued and sent in
   batches without waiting); "incl. final sync" adds the wait until the gateway has executed all of them.
-- the MLP step sends ~{mlp_ops:.0f} ops to the gateway (forward, backward, Adam; setup included);
-  final losses local {local_loss:.6f} vs remote {remote_loss:.6f}.
+- the MLP step sends ~{r['mlp_ops_per_step']:.0f} ops to the gateway (forward, backward, Adam; setup included);
+  final losses local {r['local_loss']:.6f} vs remote {r['remote_loss']:.6f}.
+- best of {r['repeats']} runs remote and {r['local_repeats']} local.
 
-## Transfers
+{h} Transfers (core sizes)
 
 {t2}
 
-- the raw TCP ceiling is plain Python sockets over loopback in the same run (sendall / recv_into,
+- medians; the raw TCP ceiling is plain Python sockets over loopback in the same run (sendall / recv_into,
   one-byte ack for uploads); remote transfers go through the client library, ZeroMQ, the gateway
   supervisor and the session worker process (one extra IPC hop), and include one blocking round trip.
 - random float32 data: not compressible, sent raw.
 
-Client counters over the remote part of the run: ops {stats['ops']}, messages {stats['messages']},
-blocking round trips {stats['blocking_round_trips']}, bytes up {stats['bytes_up']:,}, bytes down {stats['bytes_down']:,}.
+Client counters over the remote part of the core run: ops {st['ops']}, messages {st['messages']},
+blocking round trips {st['blocking_round_trips']}, bytes up {st['bytes_up']:,}, bytes down {st['bytes_down']:,}.
 """
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    ap.add_argument("--no-write", action="store_true", help="do not write RESULTS.md")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON (benchmarks/run_all.py)")
+    a = ap.parse_args()
+    r = measure(quick=a.quick)
+    info = r["info"]
+    t1, t2 = tables(r)
+    machine_lines = "\n".join(f"- {k}: {v}" for k, v in info.items())
+    report = f"""# RemoteCUDA core benchmarks
+
+Produced by `python benchmarks/bench_core.py` (one run; gateway and client on the same machine,
+over 127.0.0.1; the gateway runs aten ops on the CPU, `--device cpu`). Total benchmark time {r['elapsed_s']:.0f} s.
+Client, gateway supervisor and session worker share the machine's CPUs; other work running at the
+same time (see the load average) inflates every figure, the remote ones most.
+(`python benchmarks/run_all.py` writes the full report, with the transfer suite.)
+
+## Machine
+
+{machine_lines}
+
+{markdown(r)}"""
     print(f"\nmachine: {info['cpu']}, {info['nproc']} CPUs, {info['ram']}, torch {info['torch']}, {info['date']}\n")
     print(t1)
     print()
     print(t2)
-    print(f"\ntotal {elapsed:.0f} s")
+    print(f"\ntotal {r['elapsed_s']:.0f} s")
+    if a.json:
+        import json
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=1)
     if not a.no_write:
         with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
             f.write(report)

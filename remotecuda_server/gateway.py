@@ -10,6 +10,7 @@ all of its memory.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -95,7 +96,7 @@ class Gateway:
         ident = f"w{self._n}".encode()
         cmd = [sys.executable, "-m", "remotecuda_server.worker", "--backend", self.backend,
                "--ident", ident.decode(), "--device", self.devices[device].torch_device]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env())
         self.workers[ident] = WorkerProc(ident, device, proc)
 
     def _maintain_spares(self) -> None:
@@ -326,6 +327,15 @@ class Gateway:
         self.back.close()
         self.ctx.term()
         self._tmp.cleanup()
+
+
+def worker_env() -> dict:
+    """Large host buffers (received payloads, CPU-device tensors) on transparent huge pages:
+    faulting in 4 KiB pages costs more than the copies themselves (64 MiB: ~55 ms vs ~17 ms)."""
+    env = dict(os.environ)
+    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # torch's CPU allocator
+    env.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")  # malloc, which ZeroMQ's buffers use
+    return env
 
 
 def _torch_version() -> str:

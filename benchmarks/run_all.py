@@ -1,0 +1,111 @@
+"""Every RemoteCUDA benchmark in one command; rewrites benchmarks/RESULTS.md completely.
+
+    python benchmarks/run_all.py [--quick] [--no-256]
+
+Runs benchmarks/bench_core.py (per-op cost, MLP step, core transfers) and
+benchmarks/bench_transfer.py (round trips through a delay proxy, latency hiding, throughput
+4 KB-256 MB, epoch-2 bytes, compression, pipelining), each in a fresh Python process with its
+own gateway on 127.0.0.1, then writes one report with the machine, the figures, the issue's
+targets and a short reading of each. About 4-6 minutes on a 2-CPU machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_core  # noqa: E402
+import bench_transfer  # noqa: E402
+
+
+def run(script: str, args: list, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        cmd = [sys.executable, os.path.join(HERE, script), *args, "--json", out]
+        print(f"$ {' '.join(cmd[1:])}", flush=True)
+        subprocess.run(cmd, check=True, timeout=timeout, cwd=os.path.dirname(HERE))
+        with open(out) as f:
+            return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    ap.add_argument("--no-256", action="store_true", help="skip the 256 MB transfer")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    info = bench_core.machine()
+    load_before = os.getloadavg()
+    quick = ["--quick"] if a.quick else []
+    core = run("bench_core.py", quick + ["--no-write"], timeout=300)
+    transfer = run("bench_transfer.py", quick + (["--no-256"] if a.no_256 else []), timeout=480)
+    load_after = os.getloadavg()
+    elapsed = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ targets
+    op_us = core["remote_chain_client_us_per_op"]
+    targets = [("client cost per op ≤ 25 µs", f"{op_us:.1f} µs/op (local eager {core['local_chain_us_per_op']:.1f} µs/op)",
+                op_us <= 25.0)]
+    targets += [(name, text, ok) for name, (text, ok) in bench_transfer.targets(transfer).items()]
+    target_rows = [(name, text, "met" if ok else "**MISSED**") for name, text, ok in targets]
+    rt = transfer["round_trips"]
+    target_rows.append(("(no target) blocking round trips per step, derived from outside vs counted",
+                        f"no read: {rt['no_read']['derived_rt_per_step']:.3f} vs {rt['no_read']['counted_rt_per_step']:.3f}; "
+                        f"`item()` each step: {rt['item_each_step']['derived_rt_per_step']:.3f} vs "
+                        f"{rt['item_each_step']['counted_rt_per_step']:.3f}", "—"))
+
+    quiet = "; ".join(f"{q['section']} {q['idle']:.0%}" + (f" (waited {q['waited_s']:.0f} s)" if q["waited_s"] >= 1 else "")
+                      for q in transfer.get("quiet", []))
+    machine = dict(info)
+    machine.pop("load average (1 min) before / after", None)
+    machine["load average (1 / 5 / 15 min) before the run"] = " / ".join(f"{x:.2f}" for x in load_before)
+    machine["load average (1 / 5 / 15 min) after the run"] = " / ".join(f"{x:.2f}" for x in load_after)
+    machine["load average (1 min) around the core part"] = (f"{core['load_before'][0]:.2f} → {core['load_after'][0]:.2f}")
+    machine["load average (1 min) around the transfer part"] = (f"{transfer['load_before'][0]:.2f} → "
+                                                                f"{transfer['load_after'][0]:.2f}")
+    machine["CPUs idle at the start of each transfer section"] = quiet
+    machine_lines = "\n".join(f"- {k}: {v}" for k, v in machine.items())
+
+    report = f"""# RemoteCUDA benchmarks
+
+Produced by `python benchmarks/run_all.py`{' --quick' if a.quick else ''} on {info['date']} (total {elapsed:.0f} s:
+core part {core['elapsed_s']:.0f} s, transfer part {transfer['elapsed_s']:.0f} s). Gateway and client run on the same machine
+over 127.0.0.1; the gateway executes aten ops on the CPU (`--device cpu`, `--spare 0` so no worker process starts
+while measuring). Latency is injected by `benchmarks/delay_proxy.py` (a userspace TCP proxy; no `tc netem` here).
+Every comparison is measured in the same run; times are best of N runs (minimum) unless a table says median.
+
+**This machine is shared**: other sessions run test suites and gateways on the same {info['nproc']} CPUs, which
+inflates and scatters every figure (the remote ones most, as client, gateway supervisor and session worker
+are three processes on two CPUs). The load averages below include this benchmark's own processes.
+
+## Machine
+
+{machine_lines}
+
+## The issue's targets
+
+| target | measured | verdict |
+| --- | --- | --- |
+""" + "\n".join(f"| {a_} | {b_} | {c_} |" for a_, b_, c_ in target_rows) + f"""
+
+# Part 1: core (benchmarks/bench_core.py)
+
+{bench_core.markdown(core)}
+# Part 2: latency, transfers, cache, compression, pipelining (benchmarks/bench_transfer.py)
+
+{bench_transfer.markdown(transfer)}"""
+    path = os.path.join(HERE, "RESULTS.md")
+    with open(path, "w") as f:
+        f.write(report)
+    print("\n".join(f"{n}: {t} -> {v}" for n, t, v in target_rows))
+    print(f"wrote {path} ({elapsed:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
