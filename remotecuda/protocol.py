@@ -91,9 +91,11 @@ class Message:
 
 # ---------------------------------------------------------------------------- encoding
 
-def handle_ext(handle: int) -> msgpack.ExtType:
-    """A handle in its wire form; built once per tensor, so sending it costs nothing per op."""
-    return msgpack.ExtType(EXT_HANDLE, _u64.pack(handle))
+def handle_ext(handle: int) -> bytes:
+    """A handle in its wire form inside op arguments: 8 bytes little-endian, msgpack ``bin``
+    (no aten argument is ever ``bytes``). Built once per tensor, so sending it costs nothing
+    per op; ``Handle`` (an extension type) is accepted too."""
+    return _u64.pack(handle)
 
 
 #: dtypes in their wire form, so an op's dtype argument needs no encoding callback
@@ -169,6 +171,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
+    if t.stride(0) != 1:  # one element under a stride-0 (expanded) size-1 dim counts as contiguous
+        t = t.clone(memory_format=torch.contiguous_format)
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 

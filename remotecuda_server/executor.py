@@ -61,11 +61,12 @@ class Executor:
     # ------------------------------------------------------------------ arguments
     def _arg(self, a: Any) -> Any:
         t = type(a)
-        if t is Handle:
-            x = self.handles.get(a.id)
+        if t is bytes or t is Handle:
+            h = int.from_bytes(a, "little") if t is bytes else a.id
+            x = self.handles.get(h)
             if x is None:
-                why = self.invalid.get(a.id)
-                raise RuntimeError(why or f"remotecuda: tensor handle {a.id} is unknown to the gateway "
+                why = self.invalid.get(h)
+                raise RuntimeError(why or f"remotecuda: tensor handle {h} is unknown to the gateway "
                                           "(freed, or never created)")
             return x
         if t is list:
@@ -287,11 +288,11 @@ class Executor:
             return torch.cuda.memory_allocated(self.device)
         seen, total = set(), 0
         for t in list(self.handles.values()):  # also read by the I/O thread's stats report
-            s = t.untyped_storage()
-            key = s.data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += s.nbytes()
+            for s in _storages(t):
+                key = s.data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += s.nbytes()
         return total
 
     def _track_peak(self) -> None:
@@ -326,6 +327,21 @@ def _set_backend_flag(key: str, value: Any) -> None:
     if setter is None:
         raise UnknownOpError(f"unknown backend flag {key!r}")
     setter(value)
+
+
+def _storages(t: torch.Tensor) -> list:
+    """The storages holding a tensor's data; sparse layouts have no storage of their own."""
+    if t.layout is torch.strided:
+        return [t.untyped_storage()]
+    if t.layout is torch.sparse_coo:
+        return [x.untyped_storage() for x in (t._indices(), t._values())]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values())
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (t.ccol_indices(), t.row_indices(), t.values())
+    else:
+        return []
+    return [x.untyped_storage() for x in parts]
 
 
 def _flatten(v: Any, out: list) -> None:
