@@ -245,3 +245,23 @@ def test_cuda_generator():
     assert torch.equal(a.cpu(), b.cpu())
     assert isinstance(g, torch.Generator)
     assert torch.Generator().device.type == "cpu"  # CPU generators unchanged
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True, weight_decay=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, foreach=False),
+], ids=["adam-fused", "adamw-foreach", "sgd-for-loop"])
+def test_optimizer_implementations_match_local(make_opt):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+    model = copy.deepcopy(ref).cuda()
+    opt_ref, opt = make_opt(ref.parameters()), make_opt(model.parameters())
+    x = torch.randn(8, 6)
+    for _ in range(3):
+        for m, o, inp in ((ref, opt_ref, x), (model, opt, x.cuda())):
+            o.zero_grad()
+            m(inp).pow(2).mean().backward()
+            o.step()
+    for p_ref, p in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(p.cpu(), p_ref, rtol=1e-5, atol=1e-6)
