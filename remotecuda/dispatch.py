@@ -337,15 +337,23 @@ class Dispatcher:
         if dtype is not None and dtype != cpu.dtype:
             cpu = cpu.to(dtype)
         mf = kwargs.get("memory_format")
-        contiguous = cpu.contiguous()
-        h = s.upload(contiguous, non_blocking=bool(kwargs.get("non_blocking")))
-        t = make(s, h, contiguous.shape, contiguous.stride(), 0, contiguous.dtype)
+        non_blocking = bool(kwargs.get("non_blocking"))
         if mf is not None and mf not in (torch.preserve_format, torch.contiguous_format):
-            t = t.contiguous(memory_format=mf)
-        elif mf is torch.preserve_format and not cpu.is_contiguous() and cpu.dim() == 4 and \
-                cpu.is_contiguous(memory_format=torch.channels_last):
-            t = t.contiguous(memory_format=torch.channels_last)
-        return t
+            contiguous = cpu.contiguous()
+            t = make(s, s.upload(contiguous, non_blocking), contiguous.shape, contiguous.stride(), 0,
+                     contiguous.dtype)
+            return t.contiguous(memory_format=mf)
+        if mf is not torch.contiguous_format and not cpu.is_contiguous():
+            # preserve_format keeps the strides of a dense layout (a transpose, channels_last):
+            # send the bytes in memory order and rebuild the same view on the gateway
+            perm = sorted(range(cpu.dim()), key=lambda d: (-cpu.stride(d), -cpu.shape[d]))
+            base = cpu.permute(perm)
+            if base.is_contiguous():
+                t = make(s, s.upload(base, non_blocking), base.shape, base.stride(), 0, base.dtype)
+                return t.permute([perm.index(d) for d in range(cpu.dim())])
+        contiguous = cpu.contiguous()
+        return make(s, s.upload(contiguous, non_blocking), contiguous.shape, contiguous.stride(), 0,
+                    contiguous.dtype)
 
     def target_vdev(self, dev: Any) -> int | None:
         """Where a CPU tensor goes: an explicit cuda index, the one ``Tensor.to`` asked for, else current."""

@@ -84,8 +84,14 @@ def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
         other = rest[0]
         device, dtype = other.device, other.dtype
         non_blocking = kw.get("non_blocking", rest[1] if len(rest) > 1 else False)
+        copy = rest[2] if len(rest) > 2 else copy
         memory_format = None
     else:
+        # copy given positionally: to(dtype, non_blocking, copy) / to(device, dtype, non_blocking, copy);
+        # _parse_to refuses it
+        n = 3 if rest and isinstance(rest[0], torch.dtype) else 4
+        if len(rest) >= n:
+            copy, rest = rest[n - 1], rest[:n - 1]
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kw)
     if device is not None and device.type == "meta":
         with _UserMeta():

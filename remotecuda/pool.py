@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import zmq
 
 from . import cache
-from .errors import GatewayUnavailableError
+from .errors import GatewayUnavailableError, RemoteCUDAError
 from .session import Session, _connect, hello
 
 DEFAULT_SERVER = "127.0.0.1:55555"
@@ -135,8 +135,8 @@ class Pool:
             for s in list(self.sessions.values()):
                 try:
                     s.maybe_flush(now)
-                except zmq.ZMQError:
-                    pass
+                except (zmq.ZMQError, RemoteCUDAError):
+                    pass  # the session is marked lost; the user's next call says so
 
     def synchronize(self) -> None:
         for s in list(self.sessions.values()):

@@ -31,6 +31,8 @@ BATCH_WINDOW = 0.002
 PING_EVERY = 2.0
 #: a gateway that answers nothing (not even a ping) for this long is gone
 LIVENESS = 20.0
+#: with no connection to the gateway at all, a send gives up after this long
+SEND_TIMEOUT = 5.0
 
 STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved",
@@ -161,9 +163,14 @@ class Session:
             self._last_send = time.monotonic()
             if self._inflight:
                 self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
-            if track:
-                return self.sock.send_multipart(frames, copy=False, track=True)
-            self.sock.send_multipart(frames, copy=False)
+            try:
+                if track:
+                    return self.sock.send_multipart(frames, copy=False, track=True)
+                self.sock.send_multipart(frames, copy=False)
+            except zmq.Again:
+                self.closed = True
+                raise GatewayLostError(f"gateway {self.endpoint} is not connected "
+                                       f"(a send waited {SEND_TIMEOUT:.0f} s)") from None
             return None
 
     def maybe_flush(self, now: float) -> None:
@@ -265,15 +272,16 @@ class Session:
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         with self.lock:
-            if self.closed:
-                return
-            try:
-                self.flush()
-                self._send(protocol.BYE, {})
-            except zmq.ZMQError:
-                pass
-            self.closed = True
-            self.sock.close(linger=1000)
+            if not self.closed:
+                try:
+                    self.sock.setsockopt(zmq.SNDTIMEO, 1000)  # a gone gateway must not hang the exit
+                    self.flush()
+                    self._send(protocol.BYE, {})
+                except (zmq.ZMQError, GatewayLostError):
+                    pass
+                self.closed = True
+            if not self.sock.closed:
+                self.sock.close(linger=1000)
 
 
 def _connect(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -282,6 +290,7 @@ def _connect(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT * 1000))  # a send never blocks forever on a dead link
     sock.connect(endpoint)
     return sock
 

@@ -269,3 +269,29 @@ def test_deactivate_restores_torch(gateway):
     """)
     r = run_python(code, env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error"})
     assert "CUDA OFF" in r.stdout and r.stdout.strip().endswith("OK"), r.stdout + r.stderr[-3000:]
+
+
+def test_a_gateway_that_dies_gives_a_clear_error_and_no_hang():
+    gw = GatewayProcess()
+    code = textwrap.dedent(f"""
+        import os, signal, time, torch, remotecuda
+        remotecuda.activate({gw.address!r}, fallback='error')
+        x = torch.ones(3, device='cuda')
+        assert x.sum().item() == 3
+        os.kill({gw.proc.pid}, signal.SIGKILL)
+        time.sleep(0.5)
+        t = time.monotonic()
+        try:
+            (x * 2).sum().item()
+        except remotecuda.GatewayLostError as e:
+            print('LOST', round(time.monotonic() - t))
+        t = time.monotonic()
+        remotecuda.deactivate()
+        print('CLOSED', round(time.monotonic() - t))
+    """)
+    try:
+        r = run_python(code, timeout=120)
+    finally:
+        gw.stop()
+    assert "LOST" in r.stdout and "CLOSED" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert int(r.stdout.split("CLOSED")[1].split()[0]) <= 3
