@@ -8,7 +8,13 @@ import signal
 import sys
 
 
-def _start(a: argparse.Namespace) -> int:
+def _start(a: argparse.Namespace, argv: list[str]) -> int:
+    from remotecuda_server.gateway import worker_env
+    env = worker_env()
+    if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES") and sys.platform.startswith("linux"):
+        # malloc reads its tunables at process start: restart once with huge pages for the large
+        # receive buffers (same pid, same stdout), as the session workers get them
+        os.execve(sys.executable, [sys.executable, "-m", "remotecuda", *argv], env)
     from remotecuda_server.devices import detect
     from remotecuda_server.gateway import VERSION, Gateway
     devices, note = detect(a.device)
@@ -85,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run a Python script with 'cuda' on the gateways")
     r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT] (default REMOTECUDA_SERVERS)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="python SCRIPT.py [ARGS...]")
+    argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
-    return _start(a) if a.cmd == "start" else _run(a)
+    return _start(a, argv) if a.cmd == "start" else _run(a)
 
 
 if __name__ == "__main__":
