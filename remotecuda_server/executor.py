@@ -81,6 +81,11 @@ class Executor:
         return a
 
     def _store(self, outs: list, result: Any) -> None:
+        if type(result) is torch.Tensor and len(outs) == 1 and outs[0] is not None:  # the common case
+            self.handles[outs[0]] = result
+            if self.invalid:
+                self.invalid.pop(outs[0], None)
+            return
         flat: list = []
         _flatten(result, flat)
         if len(flat) != len(outs):
@@ -143,7 +148,6 @@ class Executor:
                 self.invalid.pop(h, None)
         self.stats["ops"] += len(ops)
         self.stats["messages"] += 1
-        self._track_peak()
         err = None
         if "req" in body and self.failed is not None:
             err, self.failed = self.failed, None
@@ -261,7 +265,7 @@ class Executor:
             self.peak_bytes = 0
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            self._track_peak()
+            self.sample_memory()
             return None
         if name == "empty_cache":
             if self.device.type == "cuda":
@@ -295,9 +299,13 @@ class Executor:
                     total += s.nbytes()
         return total
 
-    def _track_peak(self) -> None:
+    def sample_memory(self) -> int:
+        """On the CPU the peak is sampled (stats reports, memory queries): summing every held
+        tensor after each message would cost O(tensors) per message."""
+        alloc = self.allocated_bytes()
         if self.device.type != "cuda":
-            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes())
+            self.peak_bytes = max(self.peak_bytes, alloc)
+        return alloc
 
     def memory_stats(self) -> dict:
         if self.device.type == "cuda":

@@ -84,7 +84,7 @@ class Worker:
 
     def _report_stats(self) -> None:
         """Tell the supervisor this session's counters (for gateway-wide status), when they change."""
-        stats = dict(self.executor.stats, memory=self.executor.allocated_bytes(),
+        stats = dict(self.executor.stats, memory=self.executor.sample_memory(),
                      cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
                      cache_evictions=self.executor.cache.evictions if self.executor.cache else 0)
         if stats != self._last_stats and self.client is not None:
