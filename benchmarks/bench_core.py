@@ -51,14 +51,15 @@ def chain(device: str, iters: int = CHAIN_ITERS) -> tuple[float, float, torch.Te
     return t1 - t0, t2 - t0, x
 
 
-def mlp_steps(device: str, sync_every_step: bool = False) -> tuple[float, float]:
-    """(seconds per step, final loss) over MLP_STEPS steps after MLP_WARMUP warm-up steps."""
+def small_mlp(device: str, init_scale: float | None = 0.1):
+    """The benchmark MLP (32-64-64-1, Adam, batch 256) on ``device``; returns its training step."""
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
                                 torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    if init_scale is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * init_scale)
     x = torch.randn(256, 32, generator=g)
     y = x[:, :1].sin()
     model, x, y = model.to(device), x.to(device), y.to(device)
@@ -70,7 +71,12 @@ def mlp_steps(device: str, sync_every_step: bool = False) -> tuple[float, float]
         loss.backward()
         opt.step()
         return loss
+    return step
 
+
+def mlp_steps(device: str, sync_every_step: bool = False) -> tuple[float, float]:
+    """(seconds per step, final loss) over MLP_STEPS steps after MLP_WARMUP warm-up steps."""
+    step = small_mlp(device)
     for _ in range(MLP_WARMUP):
         step()
     if device != "cpu":

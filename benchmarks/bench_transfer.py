@@ -84,23 +84,9 @@ class ProxyProcess:
 def proxy_round_trips(delays=(0.0, DELAY_MS), n: int = 20) -> dict:
     """Round trip of a 64-byte message through the proxy process to an echo server: what the proxy adds."""
     import socket
-    import threading
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
 
-    def echo() -> None:
-        conn, _ = srv.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while True:
-            d = conn.recv(65536)
-            if not d:
-                conn.close()
-                return
-            conn.sendall(d)
-
-    th = threading.Thread(target=echo, daemon=True)
-    th.start()
+    from delay_proxy import echo_server
+    srv = echo_server()
     proxy = ProxyProcess(srv.getsockname()[1])
     out = {}
     try:
@@ -199,21 +185,7 @@ def session():
 # ---------------------------------------------------------------------------- (a) round trips per step
 
 def small_mlp(device: str):
-    g = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                                torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    x = torch.randn(256, 32, generator=g)
-    y = x[:, :1].sin()
-    model, x, y = model.to(device), x.to(device), y.to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-    return step
+    return bench_core.small_mlp(device, init_scale=None)
 
 
 def timed_loop(step, steps: int, read_each: bool) -> tuple[float, int]:

@@ -177,8 +177,8 @@ class DelayProxy:
 
 # ---------------------------------------------------------------------------- script
 
-def _selftest() -> None:
-    """Round trip of a 64-byte message through an echo server, direct and via the proxy."""
+def echo_server() -> socket.socket:
+    """A one-connection TCP echo server on 127.0.0.1 (in a thread): what the proxy's own delay is measured against."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -189,10 +189,17 @@ def _selftest() -> None:
         while True:
             d = conn.recv(65536)
             if not d:
+                conn.close()
                 return
             conn.sendall(d)
 
     threading.Thread(target=echo, daemon=True).start()
+    return srv
+
+
+def _selftest() -> None:
+    """Round trip of a 64-byte message through an echo server, direct and via the proxy."""
+    srv = echo_server()
     with DelayProxy(srv.getsockname()[1]) as p:
         c = socket.create_connection(("127.0.0.1", p.port))
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
