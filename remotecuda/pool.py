@@ -20,7 +20,7 @@ import zmq
 
 from . import cache
 from .errors import GatewayUnavailableError, RemoteCUDAError
-from .session import Session, _connect, hello
+from .session import BATCH_WINDOW, PING_EVERY, Session, _connect, hello
 
 DEFAULT_SERVER = "127.0.0.1:55555"
 
@@ -74,6 +74,7 @@ class Pool:
                           "running 'cuda' work on the local CPU instead", RuntimeWarning, stacklevel=3)
             self._start_local_gateway()
         self._stop = threading.Event()
+        self._pending = threading.Event()
         self._flusher = threading.Thread(target=self._background, name="remotecuda-flush", daemon=True)
         self._flusher.start()
         atexit.register(self.close)
@@ -123,18 +124,25 @@ class Pool:
                 if s is None:
                     d = self.device(index)
                     s = Session(self.ctx, d.endpoint, d.gpu, index, connect_timeout=60.0, sync=self.sync,
-                                cache_bytes=self.cache_bytes, cache_policy=self.cache_policy)
+                                cache_bytes=self.cache_bytes, cache_policy=self.cache_policy,
+                                wake=self._pending.set)
                     if self.seed is not None:
                         s.enqueue("rc::seed", [self.seed], None, None)
                     self.sessions[index] = s
         return s
 
     def _background(self) -> None:
-        while not self._stop.wait(BACKGROUND_TICK):
+        """Flush ops that waited a batch window while the user's code did something else, and
+        keep idle sessions alive; asleep (no wake-ups) while nothing is queued."""
+        while not self._stop.is_set():
+            if self._pending.wait(PING_EVERY):
+                self._pending.clear()
+                time.sleep(BATCH_WINDOW)
             now = time.monotonic()
             for s in list(self.sessions.values()):
                 try:
-                    s.maybe_flush(now)
+                    if s.maybe_flush(now):
+                        self._pending.set()  # it was busy: look again after another window
                 except (zmq.ZMQError, RemoteCUDAError):
                     pass  # the session is marked lost; the user's next call says so
 
@@ -162,7 +170,6 @@ class Pool:
         self.ctx.term()
 
 
-BACKGROUND_TICK = 0.002
 
 
 def _die_with_parent() -> None:

@@ -42,8 +42,10 @@ STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips"
 class Session:
     def __init__(self, ctx: zmq.Context, endpoint: str, gpu: int, vdev: int,
                  connect_timeout: float = 5.0, sync: bool = False,
-                 cache_bytes: int = cache.DEFAULT_BYTES, cache_policy: str = "lru"):
+                 cache_bytes: int = cache.DEFAULT_BYTES, cache_policy: str = "lru",
+                 wake: Any = None):
         self.endpoint, self.gpu, self.vdev, self.sync = endpoint, gpu, vdev, sync
+        self.wake = wake  # tells the background flusher that ops are waiting
         self.lock = threading.RLock()
         self.sock = _connect(ctx, endpoint)
         want = {"bytes": cache_bytes, "policy": cache_policy}
@@ -74,6 +76,8 @@ class Session:
         with self.lock:
             if not self._ops:
                 self._first_pending = time.monotonic()
+                if self.wake is not None:
+                    self.wake()
             self._ops.append([name, args, kwargs, outs])
             if self.sync:
                 self.request("rc::sync", [])
@@ -107,6 +111,8 @@ class Session:
         with self.lock:
             if not self._ops:
                 self._first_pending = time.monotonic()
+                if self.wake is not None:
+                    self.wake()
             self.stats["uploads"] += 1
             key = None
             if self.cache is not None and n >= cache.MIN_BYTES:
@@ -173,19 +179,23 @@ class Session:
                                        f"(a send waited {SEND_TIMEOUT:.0f} s)") from None
             return None
 
-    def maybe_flush(self, now: float) -> None:
-        """Called by the runtime's background thread: flush old ops, keep the session alive."""
+    def maybe_flush(self, now: float) -> bool:
+        """Called by the pool's background thread: flush old ops, keep the session alive.
+
+        Returns True when ops are still waiting (the session was busy), so the caller looks again.
+        """
         if not self.lock.acquire(blocking=False):
-            return
+            return bool(self._ops)
         try:
             if self.closed:
-                return
+                return False
             if self._ops and now - self._first_pending >= BATCH_WINDOW:
                 self.flush()
             elif self._release and len(self._release) > 1024:
                 self.flush()
             elif now - self._last_send > PING_EVERY:
                 self._send(protocol.PING, {"t": now})
+            return bool(self._ops)
         finally:
             self.lock.release()
 

@@ -116,3 +116,18 @@ def test_prefetch_keeps_batches_in_order():
     for i, b in enumerate(got):
         assert b["x"].is_cuda and b["x"].cpu().tolist() == [float(i)] * 3
         assert b["y"][0].is_cuda and b["y"][1] == i
+
+
+def test_queued_ops_go_out_while_the_client_is_busy_elsewhere(remote):
+    """A batch is not held back until the next sync: the background flusher sends it after
+    the batch window, so the gateway works while the user's code does something else."""
+    x = torch.ones(3, device="cuda")
+    torch.cuda.synchronize()
+    s = remote.session(0)
+    y = x * 2
+    assert s._ops, "the op is queued, not sent at once"
+    deadline = time.monotonic() + 2.0
+    while s._ops and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not s._ops, "queued ops were not flushed in the background"
+    assert y.cpu().tolist() == [2.0, 2.0, 2.0]
