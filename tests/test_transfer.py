@@ -46,8 +46,8 @@ def test_compression_policy():
 
 @pytest.mark.usefixtures("remote")
 def test_second_epoch_sends_almost_nothing():
-    data = [(torch.randn(128, 64), torch.randint(0, 10, (128,))) for _ in range(24)]
-    w = torch.randn(64, 10, device="cuda")
+    data = [(torch.randn(256, 256), torch.randint(0, 10, (256,))) for _ in range(24)]  # 6 MiB
+    w = torch.randn(256, 10, device="cuda")
     sent, losses = [], []
     for _ in range(2):
         torch.cuda.synchronize()
