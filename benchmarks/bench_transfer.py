@@ -602,7 +602,6 @@ def measure_pipelining(steps: int, repeats: int, batch_bytes: int = 16 * MB) -> 
 def measure(quick: bool = False, with_256: bool = True) -> dict:
     import remotecuda
     t_start = time.perf_counter()
-    repeats = 2 if quick else 3
     res: dict = {"load_before": list(os.getloadavg()), "delay_ms": DELAY_MS}
     torch.manual_seed(0)
 
@@ -753,7 +752,7 @@ MLP 32-64-64-1, Adam, batch 256: N steps then one `loss.item()`, through the del
   (nominal {2 * r['delay_ms']:.0f} ms; medians {r['proxy_rtt']['0']['median_s'] * 1e3:.2f} → {r['proxy_rtt']['25']['median_s'] * 1e3:.2f} ms).
 - reading: the two columns should agree. A no-read loop should cost ~0 round trips per step (ops stream
   without waiting); `item()` every step costs exactly 1. Here they differ by """ + ", ".join(
-        f"{abs(rt[v]['derived_rt_per_step'] - rt[v]['counted_rt_per_step']):.3f}" for v in ("no_read", "item_each_step")) + f""" per step
+        f"{abs(rt[v]['derived_rt_per_step'] - rt[v]['counted_rt_per_step']):.3f}" for v in ("no_read", "item_each_step")) + """ per step
   (no read, `item()`): the derived figure carries the timing noise of this shared machine, ±(noise in t) / 50 ms / N.
 """)
 

@@ -25,7 +25,6 @@ import traceback
 import warnings
 from typing import Any
 
-import pytest
 import torch
 from torch.utils import _pytree as pytree
 
