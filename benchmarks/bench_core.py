@@ -63,8 +63,11 @@ def small_mlp(device: str, init_scale: float | None = 0.1):
     x = torch.randn(256, 32, generator=g)
     y = x[:, :1].sin()
     model, x, y = model.to(device), x.to(device), y.to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return train_step(model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y)
 
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    """One MSE training step on fixed data, as a function returning the loss."""
     def step() -> torch.Tensor:
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)

@@ -85,7 +85,7 @@ def proxy_round_trips(delays=(0.0, DELAY_MS), n: int = 20) -> dict:
     """Round trip of a 64-byte message through the proxy process to an echo server: what the proxy adds."""
     import socket
 
-    from delay_proxy import echo_server
+    from delay_proxy import echo_server, round_trips
     srv = echo_server()
     proxy = ProxyProcess(srv.getsockname()[1])
     out = {}
@@ -95,14 +95,7 @@ def proxy_round_trips(delays=(0.0, DELAY_MS), n: int = 20) -> dict:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for d in delays:
             proxy.set_delay(d)
-            rtts = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                c.sendall(b"x" * 64)
-                got = 0
-                while got < 64:
-                    got += len(c.recv(64 - got))
-                rtts.append(time.perf_counter() - t0)
+            rtts = round_trips(c, n)
             out[d] = {"min_s": min(rtts), "median_s": statistics.median(rtts)}
         c.close()
     finally:
@@ -248,14 +241,7 @@ def big_model(device: str, batch: int):
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(batch, WIDTH, device=device)
     target = torch.zeros(batch, WIDTH, device=device)
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), target)
-        loss.backward()
-        opt.step()
-        return loss
-    return step
+    return bench_core.train_step(model, opt, x, target)
 
 
 def step_seconds(step, n: int = 3) -> float:

@@ -197,6 +197,19 @@ def echo_server() -> socket.socket:
     return srv
 
 
+def round_trips(conn: socket.socket, n: int) -> list[float]:
+    """Seconds for n round trips of a 64-byte message on a connection to an echo server."""
+    rtts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        conn.sendall(b"x" * 64)
+        got = 0
+        while got < 64:
+            got += len(conn.recv(64 - got))
+        rtts.append(time.perf_counter() - t0)
+    return rtts
+
+
 def _selftest() -> None:
     """Round trip of a 64-byte message through an echo server, direct and via the proxy."""
     srv = echo_server()
@@ -205,14 +218,7 @@ def _selftest() -> None:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for ms in (0, 25, 5):
             p.delay_ms = ms
-            rtts = []
-            for _ in range(10):
-                t0 = time.perf_counter()
-                c.sendall(b"x" * 64)
-                got = 0
-                while got < 64:
-                    got += len(c.recv(64 - got))
-                rtts.append(time.perf_counter() - t0)
+            rtts = round_trips(c, 10)
             print(f"delay {ms:5.1f} ms each way: round trip min {min(rtts) * 1e3:.2f} ms, "
                   f"max {max(rtts) * 1e3:.2f} ms (expected {2 * ms:.1f} ms + loopback)")
         c.close()

@@ -110,19 +110,22 @@ class _Walk:
         self.key: list = []
         self.float_values = float_values
 
+    def remote(self, a: RemoteTensor) -> bytes:
+        s = a._s
+        if s is not self.session:
+            if self.session is None:
+                self.session = s
+            else:
+                raise DeviceMismatch(
+                    "Expected all tensors to be on the same device, but found at least two "
+                    f"devices, cuda:{self.session.vdev} and cuda:{s.vdev}!")
+        self.key.append(a._k)
+        return a._w
+
     def arg(self, a: Any) -> Any:
         t = type(a)
         if t is RemoteTensor:
-            s = a._s
-            if s is not self.session:
-                if self.session is None:
-                    self.session = s
-                else:
-                    raise DeviceMismatch(
-                        "Expected all tensors to be on the same device, but found at least two "
-                        f"devices, cuda:{self.session.vdev} and cuda:{s.vdev}!")
-            self.key.append(a._k)
-            return a._w
+            return self.remote(a)
         if t in _ATOMIC:
             # a float's value only matters where it can shape the output: optimizer steps with a
             # new learning rate each step must still hit the cache
@@ -141,8 +144,8 @@ class _Walk:
             self.key.append(a)
             return a
         if isinstance(a, torch.Tensor):
-            if isinstance(a, RemoteTensor):  # e.g. a Parameter subclass swapped onto the wrapper
-                return self.arg(_as_plain_remote(a))
+            if isinstance(a, RemoteTensor):  # a subclass of the wrapper
+                return self.remote(a)
             raise _NeedUpload()
         if isinstance(a, torch.SymInt):
             return self.arg(int(a))
@@ -150,11 +153,6 @@ class _Walk:
             self.key.append("gen")
             return wire_ref(a)
         raise NotImplementedError(f"remotecuda cannot send an argument of type {t.__name__} to the gateway")
-
-
-def _as_plain_remote(a: RemoteTensor) -> RemoteTensor:
-    a.__class__ = RemoteTensor
-    return a
 
 
 def _arg_at(args: tuple, kwargs: dict, pos: int | None, name: str) -> Any:
@@ -518,3 +516,4 @@ _SPECIAL = {
 }
 
 DISPATCHER = Dispatcher()
+RemoteTensor.dispatch = staticmethod(DISPATCHER.dispatch)

@@ -54,11 +54,12 @@ class RemoteTensor(torch.Tensor):
     _owner: HandleOwner
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+    #: set by dispatch.py (which builds on this module) to its Dispatcher's entry point
+    dispatch: Any = None
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import DISPATCHER
-        return DISPATCHER.dispatch(func, args, kwargs or {})
+        return cls.dispatch(func, args, kwargs or {})
 
     # ---------------------------------------------------------------- identity
     @property

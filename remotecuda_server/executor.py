@@ -192,9 +192,8 @@ class Executor:
                 torch.cuda.current_stream(self.device).wait_event(ready)
             self.stats["uploads"] += 1
             if key is not None and self.cache is not None:
-                if digest(payloads[idx]) != key:
+                if not self._cache_put(key, payloads[idx]):
                     raise ProtocolError("upload does not match its content digest")
-                self.cache.put(key, payloads[idx], payloads[idx].nbytes)
                 self.stats["cache_misses"] += 1
             if t is None:
                 t = protocol.tensor_from_bytes(payloads[idx], dtype, shape).to(self.device, copy=True)
@@ -281,10 +280,17 @@ class Executor:
         """Keep the content cache in step with the client's mirror even for a skipped upload."""
         if self.cache is None:
             return
-        if name == "rc::upload" and args[4] is not None and digest(payloads[args[1]]) == args[4]:
-            self.cache.put(args[4], payloads[args[1]], payloads[args[1]].nbytes)
+        if name == "rc::upload" and args[4] is not None:
+            self._cache_put(args[4], payloads[args[1]])
         elif name == "rc::upload_cached":
             self.cache.get(args[1])
+
+    def _cache_put(self, key: bytes, buf: memoryview) -> bool:
+        """Enter an upload's bytes under its digest; False if they do not match it."""
+        if digest(buf) != key:
+            return False
+        self.cache.put(key, buf, buf.nbytes)
+        return True
 
     # ------------------------------------------------------------------ memory
     def allocated_bytes(self) -> int:
