@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ipaddress
 import socket
 import sys
 import threading
@@ -89,12 +90,16 @@ class _Pipe:
 
 
 class DelayProxy:
-    """TCP proxy 127.0.0.1:port -> 127.0.0.1:target_port adding ``delay_ms`` each way."""
+    """TCP proxy 127.0.0.1:port -> target_host:target_port adding ``delay_ms`` each way.
 
-    def __init__(self, target_port: int, delay_ms: float = 0.0, port: int = 0, host: str = "127.0.0.1"):
-        if host not in ("127.0.0.1", "localhost"):
+    ``target_host`` may be another loopback address (127.0.0.2): a gateway bound there is
+    reachable only through the proxy, as a gateway behind a tunnel is."""
+
+    def __init__(self, target_port: int, delay_ms: float = 0.0, port: int = 0, host: str = "127.0.0.1",
+                 target_host: str = "127.0.0.1"):
+        if host not in ("127.0.0.1", "localhost") or not ipaddress.ip_address(target_host).is_loopback:
             raise ValueError("the delay proxy only runs on loopback")
-        self.target = ("127.0.0.1", int(target_port))
+        self.target = (target_host, int(target_port))
         self.delay_s = delay_ms / 1e3
         self._lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -227,7 +232,8 @@ def _selftest() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", type=int, help="port on 127.0.0.1 to forward to")
+    ap.add_argument("--target", type=int, help="port to forward to")
+    ap.add_argument("--target-host", default="127.0.0.1", help="loopback address to forward to")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="delay added in each direction")
     ap.add_argument("--port", type=int, default=0, help="port to listen on (0: a free one)")
     ap.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long (0: never)")
@@ -238,7 +244,7 @@ def main() -> None:
         return
     if a.target is None:
         ap.error("--target is required")
-    p = DelayProxy(a.target, a.delay_ms, a.port).start()
+    p = DelayProxy(a.target, a.delay_ms, a.port, target_host=a.target_host).start()
     print(f"READY {p.address}", flush=True)
     done = threading.Event()
 

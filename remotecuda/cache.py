@@ -1,6 +1,6 @@
 """The content-addressed upload cache, run identically on both ends.
 
-The gateway keeps recently uploaded payloads keyed by their xxh3-128 digest, bounded by
+The gateway keeps recently uploaded payloads keyed by their content key, bounded by
 bytes, evicting by LRU or LFU. The client keeps a mirror of the same bookkeeping: both
 see the same sequence of uploads in the same order (ops execute in issue order), so
 both evict the same entries, and the client knows, without asking, whether the gateway
@@ -15,14 +15,29 @@ from typing import Any
 
 import xxhash
 
+from .protocol import payload_digest
+
 DEFAULT_BYTES = 512 << 20
 #: payloads smaller than this are sent as they are: the digest would cost more than it saves
 MIN_BYTES = 1 << 10
 POLICIES = ("lru", "lfu")
 
 
-def digest(buf: memoryview) -> bytes:
-    return xxhash.xxh3_128_digest(buf)
+def content_key(part_digests: list[bytes]) -> bytes:
+    """The cache key of a payload sent as parts with these digests (one part: its digest).
+
+    Built from the digests the wire already carries, so the gateway checks integrity and
+    finds the key in one pass over the bytes, part by part as they arrive."""
+    if len(part_digests) == 1:
+        return part_digests[0]
+    return xxhash.xxh3_128_digest(b"".join(part_digests))
+
+
+def digest(buf: memoryview, part_bytes: int) -> tuple[list[bytes], bytes]:
+    """(part digests, content key) of a payload cut into parts of ``part_bytes``."""
+    parts = [payload_digest(buf[i:i + part_bytes]) for i in range(0, buf.nbytes, part_bytes)]
+    parts = parts or [payload_digest(buf)]
+    return parts, content_key(parts)
 
 
 class ContentCache:

@@ -19,7 +19,7 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
     from remotecuda_server.gateway import VERSION, Gateway
     devices, note = detect(a.device)
     gw = Gateway(devices, host=a.host, port=a.port, spare=a.spare, session_timeout=a.session_timeout,
-                 cache_bytes=a.cache_bytes)
+                 cache_bytes=a.cache_bytes, direct=not a.no_direct)
     if not a.quiet:
         print(f"RemoteCUDA gateway {VERSION}: {note}", flush=True)
         for d in devices:
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds without a message before a session is dropped")
     s.add_argument("--cache-bytes", type=int, default=512 << 20,
                    help="the most a session's upload cache may hold (default 512 MiB)")
+    s.add_argument("--no-direct", action="store_true",
+                   help="carry all session traffic through the one port (no per-session data ports)")
     s.add_argument("--quiet", action="store_true", help="print only the READY line")
     r = sub.add_parser("run", help="run a Python script with 'cuda' on the gateways")
     r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT] (default REMOTECUDA_SERVERS)")

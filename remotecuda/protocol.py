@@ -11,7 +11,9 @@ A message is a list of ZeroMQ frames::
   types (never pickle); everything else is plain msgpack data.
 * payloads are raw tensor bytes, one frame each, described in ``body["pl"]`` by
   ``[raw_nbytes, codec, digest]``; they are never copied into the msgpack body.
-  ``codec`` is ``"raw"`` or ``"zstd"``; ``digest`` is the xxh3-64 of the frame as sent.
+  ``codec`` is ``"raw"`` or ``"zstd"``; ``digest`` is the xxh3-128 of the raw bytes: the
+  integrity check, and the same digest the upload cache keys by (cache.py), so each side
+  hashes a payload once.
 
 docs/PROTOCOL.md describes the message types and the op encoding.
 """
@@ -176,31 +178,38 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def encode_payload(buf: memoryview, compress: bool = False) -> tuple[list, Any]:
-    """The descriptor and the frame for one payload (see compression.py for when to compress)."""
+def payload_digest(buf: memoryview) -> bytes:
+    return xxhash.xxh3_128_digest(buf)
+
+
+def encode_payload(buf: memoryview, compress: bool = False, digest: bytes | None = None) -> tuple[list, Any]:
+    """The descriptor and the frame for one payload (see compression.py for when to compress);
+    ``digest`` is the payload's digest when the caller already has it."""
     n = buf.nbytes
+    desc = [n, "raw", digest if digest is not None else payload_digest(buf)]
     if compress:
         frame = zstandard.ZstdCompressor(level=1).compress(buf)
         if len(frame) < n * 0.9:
-            return [n, "zstd", xxhash.xxh3_64_intdigest(frame)], frame
-    return [n, "raw", xxhash.xxh3_64_intdigest(buf)], buf
+            desc[1] = "zstd"
+            return desc, frame
+    return desc, buf
 
 
 def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> memoryview:
-    """Check and (if needed) decompress one payload frame; raise ProtocolError on any mismatch."""
-    if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], int)):
+    """Decompress (if needed) and check one payload frame against its descriptor's digest;
+    raise ProtocolError on any mismatch."""
+    if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], int)
+            and isinstance(desc[2], bytes)):
         raise ProtocolError("malformed payload descriptor")
     raw_n, codec, digest = desc
     buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
     if raw_n < 0 or raw_n > max_bytes:
         raise ProtocolError(f"payload declares {raw_n} bytes, over the limit of {max_bytes}")
-    if xxhash.xxh3_64_intdigest(buf) != digest:
-        raise ProtocolError("payload integrity check failed")
     if codec == "raw":
         if buf.nbytes != raw_n:
             raise ProtocolError(f"payload is {buf.nbytes} bytes, descriptor says {raw_n}")
-        return buf
-    if codec == "zstd":
+        out = buf
+    elif codec == "zstd":
         try:
             declared = zstandard.frame_content_size(buf)
         except zstandard.ZstdError as e:
@@ -213,8 +222,12 @@ def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES) ->
             raise ProtocolError(f"bad zstd frame: {e}") from None
         if len(out) != raw_n:
             raise ProtocolError("decompressed payload has the wrong size")
-        return memoryview(out)
-    raise ProtocolError(f"unknown payload codec {codec!r}")
+        out = memoryview(out)
+    else:
+        raise ProtocolError(f"unknown payload codec {codec!r}")
+    if payload_digest(out) != digest:
+        raise ProtocolError("payload integrity check failed")
+    return out
 
 
 def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -231,14 +244,11 @@ def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: Sequence[int])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # zmq frames are read-only buffers
         flat = torch.frombuffer(buf, dtype=torch.uint8)
-    if flat.data_ptr() % _ALIGN:
-        # frame memory is only 8-byte aligned (small zmq messages live inside the message
-        # struct): typed kernels on e.g. complex128 (alignas 16) crash on it; copy as bytes
+    if flat.data_ptr() % itemsize:
+        # frame memory is only 8-byte aligned (zmq keeps its bookkeeping in front of the
+        # data): typed kernels on e.g. complex128 (alignas 16) crash on it; copy as bytes
         flat = flat.clone()
     return flat.view(dtype).view(tuple(shape))
-
-
-_ALIGN = 64  # what PyTorch's CPU allocator guarantees, and what kernels may assume
 
 
 # ---------------------------------------------------------------------------- framing

@@ -26,6 +26,8 @@ from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableEr
 BATCH_OPS = 256
 #: flush when this many payload bytes are queued; larger uploads go out at once
 BATCH_BYTES = 1 << 20
+#: uploads larger than this travel in parts of this size, so the gateway's work overlaps the transfer
+PART_BYTES = 4 << 20
 #: flush ops that have waited this long (seconds), so the GPU is not kept idle
 BATCH_WINDOW = 0.002
 PING_EVERY = 2.0
@@ -33,6 +35,8 @@ PING_EVERY = 2.0
 LIVENESS = 20.0
 #: with no connection to the gateway at all, a send gives up after this long
 SEND_TIMEOUT = 5.0
+#: how long a new session tries the direct path before it settles for the forwarded one
+DIRECT_TIMEOUT = 1.5
 
 STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved",
@@ -47,9 +51,14 @@ class Session:
         self.endpoint, self.gpu, self.vdev, self.sync = endpoint, gpu, vdev, sync
         self.wake = wake  # tells the background flusher that ops are waiting
         self.lock = threading.RLock()
-        self.sock = _connect(ctx, endpoint)
+        self.front = _connect(ctx, endpoint)  # the gateway's port: placement, and word of a lost worker
         want = {"bytes": cache_bytes, "policy": cache_policy}
-        self.info = hello(self.sock, {"device": gpu, "cache": want}, connect_timeout, endpoint)
+        self.info = hello(self.front, {"device": gpu, "cache": want}, connect_timeout, endpoint)
+        self.sock = self._open_direct(ctx, self.info.get("direct")) or self.front  # the op stream's socket
+        self.direct = self.sock is not self.front
+        self._poller = zmq.Poller()
+        for sock in {self.sock, self.front}:
+            self._poller.register(sock, zmq.POLLIN)
         granted = self.info.get("cache") or {}
         self.cache = (cache.ContentCache(granted["bytes"], granted["policy"])
                       if granted.get("bytes") else None)  # the mirror of the gateway's
@@ -67,6 +76,21 @@ class Session:
         self._last_send = time.monotonic()
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.closed = False
+
+    def _open_direct(self, ctx: zmq.Context, offer: Any) -> zmq.Socket | None:
+        """The session worker's own data port, when this client can reach it: tensor bytes then
+        cross one socket, not two. Behind a tunnel or firewall that passes only the gateway's
+        port the HELLO there goes unanswered, and the session stays on the forwarded path."""
+        if not isinstance(offer, dict) or os.environ.get("REMOTECUDA_DIRECT", "1") == "0":
+            return None
+        endpoint = f"{self.endpoint.rsplit(':', 1)[0]}:{offer.get('port')}"
+        sock = _connect(ctx, endpoint, routing_id=os.urandom(16))
+        try:
+            hello(sock, {"token": offer.get("token")}, DIRECT_TIMEOUT, endpoint)
+        except (GatewayUnavailableError, protocol.ProtocolError):
+            sock.close(linger=0)
+            return None
+        return sock
 
     # ------------------------------------------------------------------ hot path
     def new_handle(self) -> int:
@@ -98,15 +122,17 @@ class Session:
     def upload(self, t: torch.Tensor, non_blocking: bool = False) -> int:
         """Queue a CPU tensor's bytes for the gateway; return its handle.
 
-        A payload the gateway's content cache already holds is sent as its digest only.
-        Large payloads go out at once, straight from the tensor's memory (zero-copy); a
-        blocking upload then waits until ZeroMQ has let go of that memory, as a
-        synchronous host-to-device copy would.
+        A payload the gateway's content cache already holds is sent as its key only.
+        Large payloads go out at once, straight from the tensor's memory (zero-copy), in
+        parts of PART_BYTES, each its own message: the gateway checks and places part k
+        while part k+1 is on the wire. A blocking upload then waits until ZeroMQ has let
+        go of that memory, as a synchronous host-to-device copy would.
         """
         h = self.new_handle()
         t = t.detach()
         buf = protocol.tensor_bytes(t)
         n = buf.nbytes
+        digests, key = cache.digest(buf, PART_BYTES)
         dtype, shape = t.dtype, list(t.shape)
         with self.lock:
             if not self._ops:
@@ -114,39 +140,75 @@ class Session:
                 if self.wake is not None:
                     self.wake()
             self.stats["uploads"] += 1
-            key = None
-            if self.cache is not None and n >= cache.MIN_BYTES:
-                key = cache.digest(buf)
-                if self.cache.get(key) is not None:
-                    self.stats["cache_hits"] += 1
-                    self.stats["cache_bytes_saved"] += n
-                    self._ops.append(["rc::upload_cached", [h, key, dtype, shape], None, None])
-                    if self.sync:
-                        self.request("rc::sync", [])
-                    return h
+            if self.cache is None or n < cache.MIN_BYTES:
+                key = None
+            elif self.cache.get(key) is not None:
+                self.stats["cache_hits"] += 1
+                self.stats["cache_bytes_saved"] += n
+                self._ops.append(["rc::upload_cached", [h, key, dtype, shape], None, None])
+                if self.sync:
+                    self.request("rc::sync", [])
+                return h
+            else:
                 self.cache.put(key, True, n)
                 self.stats["cache_misses"] += 1
-            desc, frame = protocol.encode_payload(buf, self.link.should_compress(buf))
-            big = n >= BATCH_BYTES
-            if not big and frame is buf:
-                frame = bytes(buf)  # the caller may overwrite the tensor as soon as we return
-            sent = len(frame) if isinstance(frame, bytes) else frame.nbytes
-            self._ops.append(["rc::upload", [h, len(self._payloads), dtype, shape, key], None, None])
-            self._payloads.append((desc, frame))
-            self._pending_bytes += sent
-            self.stats["compressed_bytes_saved"] += n - sent
-            if big or self._pending_bytes >= BATCH_BYTES:
-                t0 = time.perf_counter()
-                tracker = self.flush(track=frame is buf)
-                if tracker is not None:
-                    if non_blocking:
-                        self._inflight.append((tracker, t))
-                    else:
-                        tracker.wait()
-                        self.link.observe(sent, time.perf_counter() - t0)
-            elif self.sync:
-                self.request("rc::sync", [])
+            compress = self.link.should_compress(buf)
+            if len(digests) == 1:
+                self._send_whole(h, buf, digests[0], compress, [h, 0, dtype, shape, key], non_blocking, t)
+            else:
+                self._send_parts(h, buf, digests, compress, [h, None, dtype, shape, key], non_blocking, t)
         return h
+
+    def _send_whole(self, h: int, buf: memoryview, digest: bytes, compress: bool, upload_args: list,
+                    non_blocking: bool, t: torch.Tensor) -> None:
+        n = buf.nbytes
+        desc, frame = protocol.encode_payload(buf, compress, digest)
+        big = n >= BATCH_BYTES
+        if not big and frame is buf:
+            frame = bytes(buf)  # the caller may overwrite the tensor as soon as we return
+        sent = len(frame) if isinstance(frame, bytes) else frame.nbytes
+        upload_args[1] = len(self._payloads)
+        self._ops.append(["rc::upload", upload_args, None, None])
+        self._payloads.append((desc, frame))
+        self._pending_bytes += sent
+        self.stats["compressed_bytes_saved"] += n - sent
+        if big or self._pending_bytes >= BATCH_BYTES:
+            t0 = time.perf_counter()
+            tracker = self.flush(track=frame is buf)
+            self._settle([tracker] if tracker is not None else [], sent, t0, non_blocking, t)
+        elif self.sync:
+            self.request("rc::sync", [])
+
+    def _send_parts(self, h: int, buf: memoryview, digests: list, compress: bool, upload_args: list,
+                    non_blocking: bool, t: torch.Tensor) -> None:
+        """One message per part (queued ops go with the first); the upload op itself rides
+        with the last part, after the gateway has placed every part."""
+        n, t0, sent, trackers = buf.nbytes, time.perf_counter(), 0, []
+        for i, digest in enumerate(digests):
+            part = buf[i * PART_BYTES:(i + 1) * PART_BYTES]
+            desc, frame = protocol.encode_payload(part, compress, digest)
+            self._ops.append(["rc::upload_part", [h, len(self._payloads), i * PART_BYTES, n], None, None])
+            if i == len(digests) - 1:
+                self._ops.append(["rc::upload", upload_args, None, None])
+            self._payloads.append((desc, frame))
+            size = len(frame) if isinstance(frame, bytes) else frame.nbytes
+            sent += size
+            tracker = self.flush(track=frame is part)
+            if tracker is not None:
+                trackers.append(tracker)
+        self.stats["compressed_bytes_saved"] += n - sent
+        self._settle(trackers, sent, t0, non_blocking, t)
+
+    def _settle(self, trackers: list, sent: int, t0: float, non_blocking: bool, t: torch.Tensor) -> None:
+        """Hold a zero-copy upload's source until ZeroMQ is done with it: the caller's return
+        (blocking copy) or the tensor's life (non_blocking, as with pinned memory and CUDA)."""
+        if non_blocking:
+            self._inflight.extend((tr, t) for tr in trackers)
+            return
+        for tr in trackers:
+            tr.wait()
+        if trackers:
+            self.link.observe(sent, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ sending
     def flush(self, req: int | None = None, track: bool = False) -> Any:
@@ -238,8 +300,8 @@ class Session:
         last_ping = last_heard
         try:
             while True:
-                if self.sock.poll(100):
-                    frames = self.sock.recv_multipart(copy=False)
+                for sock in dict(self._poller.poll(100)):
+                    frames = sock.recv_multipart(copy=False)
                     last_heard = time.monotonic()
                     self.stats["bytes_down"] += sum(len(f) for f in frames)
                     msg = protocol.decode(frames)
@@ -247,7 +309,7 @@ class Session:
                         return msg
                     if msg.type == protocol.ERROR:
                         self._raise_error(msg.body)
-                    continue  # PONG, or the reply to a request abandoned by an interrupt
+                    # else PONG, or the reply to a request abandoned by an interrupt
                 now = time.monotonic()
                 if now - last_heard > LIVENESS:
                     self.closed = True
@@ -290,16 +352,23 @@ class Session:
                 except (zmq.ZMQError, GatewayLostError):
                     pass
                 self.closed = True
-            if not self.sock.closed:
-                self.sock.close(linger=1000)
+            for sock in (self.sock, self.front):
+                if not sock.closed:
+                    sock.close(linger=1000)
 
 
-def _connect(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+def _connect(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) -> zmq.Socket:
+    """A DEALER to a gateway. With ``routing_id`` (a session's direct connection) a reconnect keeps
+    the peer's identity, and messages wait for it: the session's worker, if it died, is reported
+    on the gateway's port at once, instead of a send blocking until SEND_TIMEOUT."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.IMMEDIATE, 1)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    else:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT * 1000))  # a send never blocks forever on a dead link
     sock.connect(endpoint)
     return sock

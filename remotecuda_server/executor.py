@@ -9,15 +9,16 @@ error is returned with the reply to the client's next request.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from remotecuda import protocol
-from remotecuda.protocol import GeneratorRef, Handle, ProtocolError
-
-from remotecuda.cache import ContentCache, digest
+from remotecuda.cache import ContentCache, content_key
 from remotecuda.compression import LinkModel
+from remotecuda.protocol import GeneratorRef, Handle, ProtocolError
 
 from .ops import OpResolver, UnknownOpError
 
@@ -40,6 +41,59 @@ def _error_type(exc: BaseException) -> str:
     if isinstance(exc, ProtocolError):
         return "ProtocolError"
     return type(exc).__name__
+
+
+@dataclass
+class Upload:
+    """An upload the worker's I/O thread has checked and copied to the device ahead of its op."""
+
+    tensor: torch.Tensor
+    ready: Any  # the copy stream's CUDA event, or None on the CPU
+    digests: list  # the verified digests of its parts
+    parts: list  # its host buffers, which the content cache keeps
+    nbytes: int
+
+
+def assemble(parts: list, dtype: torch.dtype, shape: list, device: torch.device) -> torch.Tensor:
+    """A device tensor holding these host buffers one after another."""
+    flat = Assembly(sum(p.nbytes for p in parts), device)
+    for p in parts:
+        flat.add(flat.filled, p)
+    return flat.finish(dtype, shape)
+
+
+class Assembly:
+    """A tensor's bytes arriving in parts, each copied into place as it comes.
+
+    Copies go byte-wise into fresh, aligned memory: received frames are only 8-byte
+    aligned, and a byte copy needs no alignment (nor, on the CPU, an OpenMP hand-off
+    that costs more than a memcpy when the machine is busy)."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._host = None if self.flat.is_cuda else self.flat.numpy()
+        self.filled = 0
+
+    def add(self, offset: int, buf: memoryview) -> None:
+        n = buf.nbytes
+        if offset != self.filled or offset + n > self.flat.numel():
+            raise ProtocolError(f"upload part at byte {offset} (+{n}) does not continue the "
+                                f"{self.filled} of {self.flat.numel()} bytes received")
+        if self._host is not None:
+            np.copyto(self._host[offset:offset + n], np.frombuffer(buf, dtype=np.uint8))
+        else:
+            src = protocol.tensor_from_bytes(buf, torch.uint8, [n])
+            self.flat[offset:offset + n].copy_(src, non_blocking=True)
+        self.filled += n
+
+    def finish(self, dtype: torch.dtype, shape: list) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if self.filled != self.flat.numel() or numel * itemsize != self.filled:
+            raise ProtocolError(f"payload of {self.filled} bytes cannot hold {tuple(shape)} {dtype}")
+        return self.flat.view(dtype).view(tuple(shape))
 
 
 class Executor:
@@ -107,8 +161,8 @@ class Executor:
             prepared: dict | None = None) -> tuple[Any, dict | None, list]:
         """Execute one OPS message; return (result of the request op, error, reply payloads).
 
-        ``payloads`` are checked, decompressed buffers; ``prepared`` maps a payload index to
-        the tensor the I/O thread already copied to the device (see worker.py).
+        ``payloads`` are checked, decompressed buffers; ``prepared`` maps an uploaded handle to
+        its ``Upload`` (or to why it could not be prepared), made by the worker's I/O thread.
         """
         self._prepared = prepared or {}
         ops = body.get("ops") or []
@@ -185,32 +239,39 @@ class Executor:
 
     # ------------------------------------------------------------------ internal ops
     def _internal(self, name: str, args: list, payloads: list, out_payloads: list) -> Any:
-        if name == "upload":  # [handle, payload index, dtype, shape, digest or None]
-            h, idx, dtype, shape, key = args
-            t, ready = self._prepared.get(idx, (None, None))
-            if ready is not None:  # copied on the worker's copy stream
-                torch.cuda.current_stream(self.device).wait_event(ready)
+        if name == "upload_part":  # the worker's I/O thread placed it; the upload op follows
+            if isinstance(self._prepared.get(args[0]), BaseException):
+                raise self._prepared[args[0]]
+            return None
+        if name == "upload":  # [handle, payload index or None when sent in parts, dtype, shape, key or None]
+            h = args[0]
+            up = self._prepared.get(h)
+            if isinstance(up, BaseException):  # found by the I/O thread
+                raise up
+            if up is None:
+                raise ProtocolError(f"upload of tensor {h}: its bytes are missing")
+            if up.ready is not None:  # copied on the worker's copy stream
+                torch.cuda.current_stream(self.device).wait_event(up.ready)
             self.stats["uploads"] += 1
+            key = args[4]
             if key is not None and self.cache is not None:
-                if not self._cache_put(key, payloads[idx]):
-                    raise ProtocolError("upload does not match its content digest")
+                if not self._cache_put(key, up):
+                    raise ProtocolError("upload does not match its content key")
                 self.stats["cache_misses"] += 1
-            if t is None:
-                t = protocol.tensor_from_bytes(payloads[idx], dtype, shape).to(self.device, copy=True)
-            self.handles[h] = t
+            self.handles[h] = up.tensor
             self.invalid.pop(h, None)
             return None
-        if name == "upload_cached":  # [handle, digest, dtype, shape]: the bytes came earlier
+        if name == "upload_cached":  # [handle, key, dtype, shape]: the bytes came earlier
             h, key, dtype, shape = args
-            buf = self.cache.get(key) if self.cache is not None else None
-            if buf is None:
+            parts = self.cache.get(key) if self.cache is not None else None
+            if parts is None:
                 raise RuntimeError("remotecuda: the gateway's upload cache lost a payload the client "
                                    "expected it to hold")
-            self.handles[h] = protocol.tensor_from_bytes(buf, dtype, shape).to(self.device, copy=True)
+            self.handles[h] = assemble(parts, dtype, shape, self.device)
             self.invalid.pop(h, None)
             self.stats["uploads"] += 1
             self.stats["cache_hits"] += 1
-            self.stats["cache_bytes_saved"] += buf.nbytes
+            self.stats["cache_bytes_saved"] += sum(p.nbytes for p in parts)
             return None
         if name == "fetch":  # [handle] → payload
             t = self._arg(Handle(args[0])).detach()
@@ -281,15 +342,17 @@ class Executor:
         if self.cache is None:
             return
         if name == "rc::upload" and args[4] is not None:
-            self._cache_put(args[4], payloads[args[1]])
+            up = self._prepared.get(args[0])
+            if isinstance(up, Upload):
+                self._cache_put(args[4], up)
         elif name == "rc::upload_cached":
             self.cache.get(args[1])
 
-    def _cache_put(self, key: bytes, buf: memoryview) -> bool:
-        """Enter an upload's bytes under its digest; False if they do not match it."""
-        if digest(buf) != key:
+    def _cache_put(self, key: bytes, up: Upload) -> bool:
+        """Enter an upload's bytes under its key; False if its verified digests do not give that key."""
+        if content_key(up.digests) != key:
             return False
-        self.cache.put(key, buf, buf.nbytes)
+        self.cache.put(key, up.parts, up.nbytes)
         return True
 
     # ------------------------------------------------------------------ memory

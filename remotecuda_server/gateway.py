@@ -2,7 +2,8 @@
 
 The supervisor never runs an op. It checks each message's header, answers HELLO and
 PING itself, and forwards a session's frames (without copying them) to the worker
-process that owns the session. Workers are started ahead of time, one spare per
+process that owns the session — or, when the client reaches the worker's own data port
+(the direct path, see worker.py), only places the session and keeps its accounts. Workers are started ahead of time, one spare per
 device, so a new session does not wait for ``import torch``. A session ends on BYE,
 after ``session_timeout`` seconds without a message (the client pings every few
 seconds while alive), or when its worker dies; its worker then exits, which frees
@@ -11,6 +12,7 @@ all of its memory.
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,10 @@ from .devices import DeviceInfo
 
 VERSION = "0.1.0"
 
+#: a worker's counts of direct-path traffic, and the session counters they add to
+_DIRECT_KEYS = {"direct_messages_in": "messages_in", "direct_bytes_in": "bytes_in",
+                "direct_bytes_out": "bytes_out"}
+
 
 @dataclass
 class WorkerProc:
@@ -37,6 +43,7 @@ class WorkerProc:
     proc: subprocess.Popen
     ready: bool = False
     client: bytes | None = None
+    data_port: int = 0  # the worker's direct-path port (0: none)
 
 
 @dataclass
@@ -55,8 +62,10 @@ class SessionState:
 class Gateway:
     def __init__(self, devices: list[DeviceInfo], host: str = "127.0.0.1", port: int = 55555,
                  spare: int = 1, session_timeout: float = 60.0, max_frame: int = protocol.MAX_PAYLOAD_BYTES,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, direct: bool = True):
         self.devices = devices
+        self.direct = direct
+        self.max_frame = max_frame
         self.spare = spare
         self.session_timeout = session_timeout
         self.ctx = zmq.Context()
@@ -95,7 +104,10 @@ class Gateway:
         self._n += 1
         ident = f"w{self._n}".encode()
         cmd = [sys.executable, "-m", "remotecuda_server.worker", "--backend", self.backend,
-               "--ident", ident.decode(), "--device", self.devices[device].torch_device]
+               "--ident", ident.decode(), "--device", self.devices[device].torch_device,
+               "--max-frame", str(self.max_frame)]
+        if self.direct:
+            cmd += ["--host", self.host]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env())
         self.workers[ident] = WorkerProc(ident, device, proc)
 
@@ -126,9 +138,13 @@ class Gateway:
             w.client = client
             self.sessions[client] = SessionState(client, w.ident, dev)
             conf = self._cache_conf(self.cache_requests.pop(client, None))
-            self.back.send_multipart([w.ident, b"ATTACH", client, protocol.pack_body({"cache": conf})])
-            self._send_client(client, protocol.encode(protocol.WELCOME,
-                                                      dict(self._inventory(session=True), cache=conf)))
+            token = secrets.token_bytes(16)
+            self.back.send_multipart([w.ident, b"ATTACH", client,
+                                      protocol.pack_body({"cache": conf, "token": token})])
+            welcome = dict(self._inventory(session=True), cache=conf)
+            if w.data_port:
+                welcome["direct"] = {"port": w.data_port, "token": token}
+            self._send_client(client, protocol.encode(protocol.WELCOME, welcome))
         self.waiting = still
 
     def _cache_conf(self, asked: Any) -> dict:
@@ -151,12 +167,14 @@ class Gateway:
         total = dict(self.totals)
         for st in self.sessions.values():
             row = {"device": st.device, "age_s": round(time.time() - st.started, 1),
-                   "messages_in": st.messages_in, "bytes_in": st.bytes_in, "bytes_out": st.bytes_out,
-                   **st.worker_stats}
-            sessions.append(row)
+                   "path": "direct" if st.worker_stats.get("direct_messages_in") else "forwarded",
+                   "messages_in": st.messages_in, "bytes_in": st.bytes_in, "bytes_out": st.bytes_out}
             for k, v in st.worker_stats.items():
+                k = _DIRECT_KEYS.get(k, k)
+                row[k] = row[k] + v if k in _DIRECT_KEYS.values() else v
                 if isinstance(v, int) and k not in ("memory", "cache_entries"):
                     total[k] = total.get(k, 0) + v
+            sessions.append(row)
         for k, v in self.finished.items():
             total[k] = total.get(k, 0) + v
         return dict(self._inventory(), sessions=sessions, totals=total)
@@ -228,6 +246,7 @@ class Gateway:
 
     def _keep_totals(self, state: SessionState) -> None:
         for k, v in state.worker_stats.items():
+            k = _DIRECT_KEYS.get(k, k)
             if isinstance(v, int) and k not in ("memory", "cache_entries"):
                 self.finished[k] = self.finished.get(k, 0) + v
 
@@ -254,7 +273,11 @@ class Gateway:
             return
         if kind == b"READY":
             w.ready = True
+            w.data_port = int(frames[2].bytes) if len(frames) > 2 else 0
             self._assign()
+        elif kind == b"BYE":  # the client said goodbye on the direct path
+            if w.client is not None:
+                self._close_session(w.client)
         elif kind == b"OUT":
             client = frames[2].bytes
             state = self.sessions.get(client)
@@ -266,7 +289,10 @@ class Gateway:
         elif kind == b"STATS":
             state = self.sessions.get(w.client) if w.client is not None else None
             if state is not None:
-                state.worker_stats = protocol.unpack_body(frames[2].bytes)
+                stats = protocol.unpack_body(frames[2].bytes)
+                if stats.get("direct_messages_in") != state.worker_stats.get("direct_messages_in"):
+                    state.last_seen = time.monotonic()  # the client is alive on the direct path
+                state.worker_stats = stats
         elif kind == b"CLOSED":
             try:
                 w.proc.wait(timeout=30)

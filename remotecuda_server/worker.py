@@ -7,27 +7,36 @@ session's memory is returned completely when its process ends.
 The supervisor starts workers ahead of time (``import torch`` takes seconds) and
 hands each one a session. The worker's main thread does socket I/O only, so an
 interrupt (CANCEL) is seen while ops run; a second thread executes ops in order.
+
+A session's messages reach the worker forwarded by the supervisor, or, when the
+client can reach it, straight from the client on the worker's own data port (the
+direct path): tensor bytes then cross one socket instead of two. The client proves it
+owns the session with the token the supervisor gave it in WELCOME.
 """
 from __future__ import annotations
 
 import argparse
+import hmac
 import os
 import queue
 import sys
 import threading
+from contextlib import nullcontext
+from typing import Any
 
+import torch
 import zmq
 
 from remotecuda import protocol
 from remotecuda.cache import ContentCache
 from remotecuda.protocol import ProtocolError
 
+from .executor import Assembly, Executor, Upload
+
 
 class Worker:
-    def __init__(self, backend: str, ident: bytes, device: str):
-        import torch  # imported here so that the spare worker pays for it before a client waits
-
-        from .executor import Executor
+    def __init__(self, backend: str, ident: bytes, device: str, host: str | None = None,
+                 max_frame: int = protocol.MAX_PAYLOAD_BYTES):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -38,9 +47,20 @@ class Worker:
         self.sock.setsockopt(zmq.IDENTITY, ident)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.connect(backend)
+        self.data, self.data_port = None, 0  # the direct path's socket, on the gateway's host
+        if host:
+            self.data = self.ctx.socket(zmq.ROUTER)
+            for opt, v in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.LINGER, 0),
+                           (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.MAXMSGSIZE, max_frame + 64)):
+                self.data.setsockopt(opt, v)
+            self.data_port = self.data.bind_to_random_port(f"tcp://{host}")
+        self.token = b""
+        self.direct_client: bytes | None = None  # the client's identity on the data socket
+        self.direct = {"direct_messages_in": 0, "direct_bytes_in": 0, "direct_bytes_out": 0}
         self.outbox = self.ctx.socket(zmq.PULL)
         self.outbox.bind(f"inproc://out-{id(self)}")
         self.inbox: queue.Queue = queue.Queue()
+        self.assemblies: dict = {}  # handle → (Assembly, parts, digests): uploads arriving in parts
         self.client: bytes | None = None
         self.cancel_upto = -1  # messages with seq <= this are dropped
         self.current_seq = -1
@@ -49,12 +69,14 @@ class Worker:
 
     # ------------------------------------------------------------------ I/O thread
     def serve(self) -> None:
-        self.sock.send_multipart([b"READY"])
+        self.sock.send_multipart([b"READY", str(self.data_port).encode()])
         exec_thread = threading.Thread(target=self._execute_loop, daemon=True)
         exec_thread.start()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.outbox, zmq.POLLIN)
+        if self.data is not None:
+            poller.register(self.data, zmq.POLLIN)
         while True:
             events = dict(poller.poll(500))
             self._report_stats()
@@ -67,24 +89,81 @@ class Worker:
                     if frames[0].bytes == b"DONE":
                         self.sock.send_multipart([b"CLOSED"])
                         return
-                    self.sock.send_multipart([b"OUT", self.client, *frames], copy=False)
+                    self._to_client(frames)
+            if self.data in events:
+                for _ in range(64):
+                    try:
+                        self._on_direct(self.data.recv_multipart(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
             if self.sock in events:
                 frames = self.sock.recv_multipart(copy=False)
                 kind = frames[0].bytes
                 if kind == b"ATTACH":
                     self.client = frames[1].bytes
-                    conf = protocol.unpack_body(frames[2].bytes)["cache"] if len(frames) > 2 else {}
-                    if conf.get("bytes"):
-                        self.executor.cache = ContentCache(conf["bytes"], conf["policy"])
+                    conf = protocol.unpack_body(frames[2].bytes) if len(frames) > 2 else {}
+                    cache = conf.get("cache") or {}
+                    if cache.get("bytes"):
+                        self.executor.cache = ContentCache(cache["bytes"], cache["policy"])
+                    self.token = conf.get("token") or b""
                 elif kind == b"MSG":
                     self._on_client_message(frames[1:])
                 elif kind == b"CLOSE":
                     self.closing = True
                     self.inbox.put(None)
 
+    def _to_client(self, frames: list) -> None:
+        if self.direct_client is None:
+            self.sock.send_multipart([b"OUT", self.client, *frames], copy=False)
+            return
+        self.direct["direct_bytes_out"] += sum(len(f) for f in frames)
+        try:
+            self.data.send_multipart([self.direct_client, *frames], copy=False)
+        except zmq.ZMQError:  # the client's connection is gone; the session times out
+            pass
+
+    def _on_direct(self, frames: list) -> None:
+        """A message on the data port: the session's own client after its HELLO, else refused."""
+        ident, frames = frames[0].bytes, frames[1:]
+        self.direct["direct_messages_in"] += 1
+        self.direct["direct_bytes_in"] += sum(len(f) for f in frames)
+        try:
+            msg_type = protocol.decode_header(frames[0])[0] if frames else None
+            if msg_type is None:
+                raise ProtocolError("empty message")
+            if ident != self.direct_client:
+                body = protocol.decode(frames).body if msg_type == protocol.HELLO else {}
+                token = body.get("token")
+                if not (self.token and isinstance(token, bytes) and hmac.compare_digest(token, self.token)):
+                    raise ProtocolError("this port serves one session: send HELLO with its token first")
+                self.direct_client = ident  # a reconnect (new identity) with the token takes over
+                self._reply_direct(ident, protocol.WELCOME, {"direct": True})
+                return
+        except ProtocolError as e:
+            self._reply_direct(ident, protocol.ERROR, {"msg": str(e), "kind": "protocol"})
+            return
+        if msg_type in (protocol.OPS, protocol.CANCEL):
+            self._on_client_message(frames)
+        elif msg_type == protocol.PING:
+            self._reply_direct(ident, protocol.PONG, {})
+        elif msg_type == protocol.BYE:
+            self.sock.send_multipart([b"BYE"])
+        else:
+            self._reply_direct(ident, protocol.ERROR, {
+                "msg": f"unexpected message type {protocol.TYPE_NAMES[msg_type]} in a session",
+                "kind": "protocol"})
+
+    def _reply_direct(self, ident: bytes, msg_type: int, body: dict) -> None:
+        frames = protocol.encode(msg_type, body)
+        self.direct["direct_bytes_out"] += sum(len(f) for f in frames)
+        try:
+            self.data.send_multipart([ident, *frames])
+        except zmq.ZMQError:
+            pass
+
     def _report_stats(self) -> None:
         """Tell the supervisor this session's counters (for gateway-wide status), when they change."""
-        stats = dict(self.executor.stats, memory=self.executor.sample_memory(),
+        stats = dict(self.executor.stats, **self.direct, memory=self.executor.sample_memory(),
                      cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
                      cache_evictions=self.executor.cache.evictions if self.executor.cache else 0)
         if stats != self._last_stats and self.client is not None:
@@ -114,27 +193,63 @@ class Worker:
         self.inbox.put(("msg", msg))
 
     def _prepare(self, msg: protocol.Message) -> None:
-        """Check and decompress payloads, and copy uploads to the device, while earlier ops run."""
+        """Check and decompress payloads, and copy uploads to the device, while earlier ops run.
+
+        Each payload's digest is checked once, here; the executor finds the verified
+        digests (and so the content key) in the ``Upload`` it gets."""
+        digests = [d[2] if isinstance(d, list) and len(d) == 3 else None for d, _ in msg.payloads]
         msg.payloads = [protocol.decode_payload(d, f) for d, f in msg.payloads]
         msg.prepared = {}
-        if msg.type != protocol.OPS or not msg.payloads:
+        if msg.type != protocol.OPS:
             return
-        import torch
         ops = msg.body.get("ops")
         for op in ops if isinstance(ops, list) else ():  # the executor reports a malformed list
-            if isinstance(op, list) and len(op) == 4 and op[0] == "rc::upload":
-                try:
-                    _, idx, dtype, shape, _key = op[1]
-                    cpu = protocol.tensor_from_bytes(msg.payloads[idx], dtype, shape)
-                except (ValueError, TypeError, IndexError, RuntimeError):
-                    continue  # the executor reports malformed upload ops to the client
-                if self.copy_stream is not None:
-                    with torch.cuda.stream(self.copy_stream):
-                        t = cpu.to(self.device, non_blocking=True)
-                    t.record_stream(torch.cuda.current_stream(self.device))
-                    msg.prepared[idx] = (t, self.copy_stream.record_event())
-                else:
-                    msg.prepared[idx] = (cpu.clone(), None)
+            if not (isinstance(op, list) and len(op) == 4 and op[0] in ("rc::upload", "rc::upload_part")):
+                continue
+            try:
+                with self._on_copy_stream():
+                    if op[0] == "rc::upload_part":
+                        self._add_part(op[1], msg.payloads, digests)
+                    else:
+                        self._finish_upload(op[1], msg, digests)
+            except (ProtocolError, ValueError, TypeError, IndexError, KeyError, RuntimeError) as e:
+                h = op[1][0] if isinstance(op[1], list) and op[1] else None
+                self.assemblies.pop(h, None)
+                msg.prepared[h] = e  # the executor raises it in order
+
+    def _on_copy_stream(self) -> Any:
+        return torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
+
+    def _add_part(self, args: list, payloads: list, digests: list) -> None:
+        h, idx, offset, total = args
+        if offset == 0:
+            if not isinstance(total, int) or not 0 < total <= protocol.MAX_PAYLOAD_BYTES:
+                raise ProtocolError(f"upload of {total!r} bytes in parts is not allowed")
+            self.assemblies[h] = (Assembly(total, self.device), [], [])
+        if h not in self.assemblies:
+            raise ProtocolError(f"upload part at byte {offset} of tensor {h}: no upload of it is under "
+                                "way (the first part starts at byte 0)")
+        flat, parts, part_digests = self.assemblies[h]
+        flat.add(offset, payloads[idx])
+        parts.append(payloads[idx])
+        part_digests.append(digests[idx])
+
+    def _finish_upload(self, args: list, msg: protocol.Message, digests: list) -> None:
+        h, idx, dtype, shape, _key = args
+        if idx is None:  # sent in parts
+            if h not in self.assemblies:
+                raise ProtocolError(f"upload of tensor {h}: none of its parts arrived")
+            flat, parts, part_digests = self.assemblies.pop(h)
+        else:
+            parts, part_digests = [msg.payloads[idx]], [digests[idx]]
+            flat = Assembly(parts[0].nbytes, self.device)
+            flat.add(0, parts[0])
+        t = flat.finish(dtype, shape)
+        ready = None
+        if self.copy_stream is not None:
+            t.record_stream(torch.cuda.current_stream(self.device))
+            ready = self.copy_stream.record_event()
+        msg.prepared[h] = Upload(t, ready, part_digests, parts, sum(p.nbytes for p in parts))
 
     # ------------------------------------------------------------------ executor thread
     def _execute_loop(self) -> None:
@@ -193,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", required=True)
     p.add_argument("--ident", required=True)
     p.add_argument("--device", required=True)
+    p.add_argument("--host", default="", help="bind a data port on this address for the direct path")
+    p.add_argument("--max-frame", type=int, default=protocol.MAX_PAYLOAD_BYTES)
     a = p.parse_args(argv)
     # a worker must not outlive its gateway
     if sys.platform.startswith("linux"):
@@ -202,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
             ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except OSError:
             pass
-    Worker(a.backend, a.ident.encode(), a.device).serve()
+    Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame).serve()
     os._exit(0)
 
 

@@ -513,26 +513,26 @@ def test_decompression_bombs_and_oversized_descriptors(gw, good, bad_session):
     # a ~8 KiB zstd frame whose header says it inflates to 256 MiB, sent as an 8 KiB tensor
     bomb = zstandard.ZstdCompressor(level=1).compress(bytes(big))
     assert len(bomb) < 64 << 10 and zstandard.frame_content_size(bomb) == big
-    msg = upload([8192, "zstd", xxhash.xxh3_64_intdigest(bomb)], bomb)
+    msg = upload([8192, "zstd", protocol.payload_digest(bomb)], bomb)
     assert msg == f"zstd frame declares {big} bytes, descriptor says 8192"
     # the same without a declared size: inflation is capped by the descriptor
     bomb2 = _zstd_without_size(bytes(16 << 20))
-    msg = upload([8192, "zstd", xxhash.xxh3_64_intdigest(bomb2)], bomb2)
+    msg = upload([8192, "zstd", protocol.payload_digest(bomb2)], bomb2)
     assert msg == "zstd frame declares -1 bytes, descriptor says 8192"
     # 8 KiB of zeros, compressed, with a descriptor claiming 256 MiB
     small = zstandard.ZstdCompressor(level=1).compress(bytes(8192))
-    msg = upload([big, "zstd", xxhash.xxh3_64_intdigest(small)], small, [big // 4])
+    msg = upload([big, "zstd", protocol.payload_digest(small)], small, [big // 4])
     assert msg == f"zstd frame declares 8192 bytes, descriptor says {big}"
     # a descriptor over the protocol's limit
     over = protocol.MAX_PAYLOAD_BYTES + 1
-    msg = upload([over, "raw", xxhash.xxh3_64_intdigest(b"abc")], b"abc", [over // 4])
+    msg = upload([over, "raw", protocol.payload_digest(b"abc")], b"abc", [over // 4])
     assert msg == f"payload declares {over} bytes, over the limit of {protocol.MAX_PAYLOAD_BYTES}"
-    msg = upload([-1, "raw", xxhash.xxh3_64_intdigest(b"abc")], b"abc")
+    msg = upload([-1, "raw", protocol.payload_digest(b"abc")], b"abc")
     assert "payload declares -1 bytes" in msg
-    msg = upload([3, "lz4", xxhash.xxh3_64_intdigest(b"abc")], b"abc")
+    msg = upload([3, "lz4", protocol.payload_digest(b"abc")], b"abc")
     assert msg == "unknown payload codec 'lz4'"
     junk = b"\x28\xb5\x2f\xfd" + os.urandom(30)
-    msg = upload([8192, "zstd", xxhash.xxh3_64_intdigest(junk)], junk)
+    msg = upload([8192, "zstd", protocol.payload_digest(junk)], junk)
     assert "zstd" in msg
     msg = upload(["8192", "raw", 0], b"abc")
     assert msg == "malformed payload descriptor"
@@ -552,7 +552,7 @@ def test_upload_descriptor_disagrees_with_frame(gw, good, bad_session):
     data = bytes(protocol.tensor_bytes(x))
     short = data[:3996]
     msg = bad.request([["rc::upload", [bad.handle(), 0, torch.float32, [1000], None], None, None]],
-                      [([4000, "raw", xxhash.xxh3_64_intdigest(short)], short)])
+                      [([4000, "raw", protocol.payload_digest(short)], short)])
     assert msg.type == protocol.ERROR and msg.body["msg"] == "payload is 3996 bytes, descriptor says 4000"
     # descriptor and frame agree, but not with the tensor the upload op declares
     msg = bad.request([["rc::upload", [bad.handle(), 0, torch.float32, [999], None], None, None]],
@@ -627,7 +627,7 @@ def test_library_client_keeps_working_during_an_attack(gw, good):
                 assert msg.body["err"]["type"] == "UnknownOpError"
                 bomb = zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20))
                 msg = bad.request([["rc::upload", [1, 0, torch.float32, [4], None], None, None]],
-                                  [([16, "zstd", xxhash.xxh3_64_intdigest(bomb)], bomb)])
+                                  [([16, "zstd", protocol.payload_digest(bomb)], bomb)])
                 assert msg.type == protocol.ERROR
             bad.send(protocol.BYE, {})
         finally:
@@ -675,4 +675,78 @@ def test_fuzzed_ops_messages_never_cost_the_session(gw, good, bad_session):
     assert gw.proc.poll() is None
     assert kinds.get("error", 0) > 10  # the mutations did reach the parser
     assert torch.equal(bad.add(x, x), x * 3)
+    assert_still_served(gw, good)
+
+
+# ============================================================================ the direct path's data port
+
+def test_data_port_serves_only_its_session(gw, good):
+    """A session worker's data port answers only the client holding the session's token;
+    everyone else gets a clear error, and the session and the gateway go on."""
+    owner = RawClient(gw.endpoint)
+    offer = owner.hello()["direct"]
+    data_ep = f"{gw.endpoint.rsplit(':', 1)[0]}:{offer['port']}"
+    try:
+        stranger = RawClient(data_ep)
+        stranger.send(protocol.OPS, {"ops": [], "req": 1})
+        assert "send HELLO with its token first" in stranger.error()
+        stranger.send(protocol.HELLO, {"token": b"\x00" * 16})
+        assert "send HELLO with its token first" in stranger.error()
+        stranger.send(protocol.HELLO, {"token": "not bytes"})
+        assert "send HELLO with its token first" in stranger.error()
+        stranger.send_frames([b"garbage"])
+        assert "header is 7 bytes" in stranger.error()
+        stranger.close()
+        direct = RawClient(data_ep)
+        direct.send(protocol.HELLO, {"token": offer["token"]})
+        assert direct.recv().type == protocol.WELCOME
+        x = torch.randn(5, 7)
+        assert torch.equal(direct.add(x, x), x * 3)
+        direct.send(protocol.PING, {})
+        assert direct.recv().type == protocol.PONG
+        direct.send(protocol.STATUS, {})
+        assert "unexpected message type STATUS" in direct.error()
+        direct.close()
+    finally:
+        owner.send(protocol.BYE, {})
+        owner.close()
+    assert_still_served(gw, good)
+
+
+def test_malformed_upload_parts(gw, good, bad_session):
+    bad = bad_session
+    part = protocol.encode_payload(memoryview(b"\x01" * 64))
+
+    def parts_request(ops: list, n_payloads: int = 1) -> protocol.Message:
+        return bad.request(ops, [part] * n_payloads)
+    h = bad.handle()
+    cases = [
+        # a part that does not start at byte 0
+        [["rc::upload_part", [h, 0, 64, 128], None, None]],
+        # a gap between parts
+        [["rc::upload_part", [h, 0, 0, 192], None, None], ["rc::upload_part", [h, 1, 128, 192], None, None]],
+        # more bytes than announced
+        [["rc::upload_part", [h, 0, 0, 32], None, None]],
+        # an absurd size
+        [["rc::upload_part", [h, 0, 0, 1 << 62], None, None]],
+        # finished before all parts came
+        [["rc::upload_part", [h, 0, 0, 128], None, None], ["rc::upload", [h, None, torch.float32, [32], None], None, None]],
+        # parts that cannot hold the shape
+        [["rc::upload_part", [h, 0, 0, 128], None, None], ["rc::upload_part", [h, 1, 64, 128], None, None],
+         ["rc::upload", [h, None, torch.float32, [33], None], None, None]],
+        # a finish with no parts at all
+        [["rc::upload", [h + 1, None, torch.float32, [4], None], None, None]],
+    ]
+    for ops in cases:
+        msg = parts_request(ops, sum(op[0] == "rc::upload_part" for op in ops))
+        assert msg.type == protocol.ERROR and msg.body["kind"] == "protocol", (ops, msg.body)
+        assert bad.quiet(0.05)
+    # and a well-formed upload in two parts works on the same session
+    ok = [["rc::upload_part", [h + 2, 0, 0, 128], None, None], ["rc::upload_part", [h + 2, 1, 64, 128], None, None],
+          ["rc::upload", [h + 2, None, torch.float32, [32], None], None, None]]
+    msg = bad.request(ok, [part, part], ["rc::fetch", [h + 2], None, {"base": None}])
+    assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
+    res = msg.body["res"]
+    out = protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"], res["shape"])
+    assert bytes(out.view(torch.uint8).numpy()) == b"\x01" * 128
     assert_still_served(gw, good)

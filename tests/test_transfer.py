@@ -1,12 +1,17 @@
 """The transfer path: content cache, compression policy, statistics, prefetch."""
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 import remotecuda
+from conftest import ROOT, GatewayProcess, run_python
 from remotecuda import protocol
 from remotecuda.cache import ContentCache
 from remotecuda.compression import LinkModel
@@ -131,3 +136,124 @@ def test_queued_ops_go_out_while_the_client_is_busy_elsewhere(remote):
         time.sleep(0.005)
     assert not s._ops, "queued ops were not flushed in the background"
     assert y.cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+# ---------------------------------------------------------------------------- the direct path and parts
+
+def test_sessions_take_the_direct_path(gateway, remote):
+    """The op stream goes straight to the session's worker; the supervisor still keeps its accounts."""
+    assert remote.session(0).direct
+    (torch.ones(5, device="cuda") + 1).sum().item()
+    deadline = time.monotonic() + 10
+    while True:  # workers report their counters every half second
+        row = (remotecuda.gateway_status(gateway.address)["sessions"] or [{}])[0]
+        if row.get("path") == "direct" and row.get("bytes_out", 0) > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert row["path"] == "direct" and row["messages_in"] > 0 and row["bytes_out"] > 0, row
+
+
+@pytest.mark.parametrize("dtype, numel", [(torch.float32, (2 << 20) + 3),  # 2 parts and a bit
+                                          (torch.int64, 1 << 20),  # exactly 2 parts
+                                          (torch.float64, (3 << 19) + 1)])
+def test_large_uploads_travel_in_parts_and_arrive_whole(remote, dtype, numel):
+    from remotecuda.session import PART_BYTES
+    g = torch.Generator().manual_seed(numel)
+    x = (torch.randn(numel, generator=g) * 1000).to(dtype)
+    parts = -(-x.nbytes // PART_BYTES)
+    assert parts >= 2
+    remotecuda.stats(reset=True)
+    y = x.cuda()
+    assert torch.equal(y.cpu(), x)
+    st = remotecuda.stats(reset=True)
+    assert st["cache_misses"] == 1 and st["messages"] >= parts and st["bytes_up"] >= x.nbytes
+    z = x.cuda()  # the same bytes again: only the key travels
+    assert torch.equal((z - y).abs().max().cpu(), torch.zeros((), dtype=dtype))
+    st = remotecuda.stats(reset=True)
+    assert st["cache_hits"] == 1 and st["bytes_up"] < 4096
+    x[-1] += 1  # one element changed, in the last part: new content, sent again
+    w = x.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(w.cpu(), x) and remotecuda.stats()["cache_misses"] == 1
+
+
+def test_parted_uploads_of_compressible_and_strided_tensors(remote):
+    zeros = torch.zeros(3 << 20)  # 12 MiB that compress to almost nothing
+    assert torch.equal(zeros.cuda().cpu(), zeros)
+    t = torch.arange(float(6 << 20)).view(2048, 3072).t()  # non-contiguous: uploaded as its dense copy
+    assert torch.equal(t.cuda().cpu(), t)
+    assert torch.equal((t.cuda() * 2).cpu(), t * 2)
+
+
+def _proxy(target_port: int, target_host: str):
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from delay_proxy import DelayProxy
+    return DelayProxy(target_port, 0.0, target_host=target_host).start()
+
+
+FORWARDED = r'''
+import sys, torch, remotecuda
+rt = remotecuda.activate(sys.argv[1], fallback="error")
+x = torch.randn(3 << 20)
+y = x.cuda()
+assert torch.equal((y * 2).cpu(), x * 2)
+print("direct", rt.session(0).direct)
+'''
+
+
+def test_forwarded_path_when_the_data_port_cannot_be_reached():
+    """Behind a tunnel that passes only the gateway's port (here: a proxy to a gateway on
+    127.0.0.2), the session's data port is out of reach: the session settles for the
+    forwarded path and works the same."""
+    gw = GatewayProcess("--host", "127.0.0.2")
+    proxy = _proxy(int(gw.address.rsplit(":", 1)[1]), "127.0.0.2")
+    try:
+        r = run_python("", args=["-c", FORWARDED, proxy.address], timeout=120)
+        assert r.returncode == 0 and "direct False" in r.stdout, r.stderr[-3000:]
+        assert proxy.connections >= 1
+    finally:
+        proxy.stop()
+        gw.stop()
+
+
+def test_forwarded_path_on_request(gateway):
+    r = run_python("", args=["-c", FORWARDED, gateway.address], env={"REMOTECUDA_DIRECT": "0"}, timeout=120)
+    assert r.returncode == 0 and "direct False" in r.stdout, r.stderr[-3000:]
+
+
+LOSER = r'''
+import sys, time, torch, remotecuda
+from remotecuda.errors import GatewayLostError
+rt = remotecuda.activate(sys.argv[1], fallback="error")
+x = torch.ones(4).cuda()
+torch.cuda.synchronize()
+print("direct", rt.session(0).direct, flush=True)
+sys.stdin.readline()  # the test kills the session's worker now
+t = time.monotonic()
+try:
+    (x + 1).cpu()
+except GatewayLostError as e:
+    print("LOST after %.1f s: %s" % (time.monotonic() - t, e), flush=True)
+'''
+
+
+def test_a_dead_worker_is_reported_on_the_direct_path():
+    """The worker's death reaches a client on the direct path through the supervisor, at once."""
+    import psutil
+    gw = GatewayProcess("--spare", "0")
+    try:
+        p = subprocess.Popen([sys.executable, "-c", LOSER, gw.address], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert p.stdout.readline().strip() == "direct True"
+        workers = psutil.Process(gw.proc.pid).children()
+        assert len(workers) == 1
+        workers[0].kill()
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=60)
+        m = re.search(r"LOST after ([\d.]+) s", out)
+        assert m and float(m.group(1)) < 5, (out, err[-3000:])
+        assert "worker" in out
+    finally:
+        gw.stop()
