@@ -197,10 +197,10 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
-def start_gateway(spare: int = 0) -> tuple[subprocess.Popen, str]:
-    """A CPU gateway on 127.0.0.1, a free port. ``spare=0``: the session's worker starts on demand
+def start_gateway(spare: int = 0, host: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
+    """A CPU gateway on a loopback address, a free port. ``spare=0``: the session's worker starts on demand
     and no further spare is started, so no ``import torch`` competes with the measurements."""
-    p = subprocess.Popen([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--host", "127.0.0.1",
+    p = subprocess.Popen([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--host", host,
                           "--port", "0", "--no-discovery", "--quiet", "--spare", str(spare)], stdout=subprocess.PIPE,
                          stdin=subprocess.DEVNULL, text=True, cwd=ROOT)
     line = p.stdout.readline()

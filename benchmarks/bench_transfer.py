@@ -40,6 +40,8 @@ sys.path.insert(0, HERE)
 import bench_core  # noqa: E402
 
 DELAY_MS = 25.0
+#: the proxied gateway's address: loopback, but not the one the client connects to
+PROXIED_HOST = "127.0.0.2"
 KB, MB = 1 << 10, 1 << 20
 # (bytes, label, repetitions)
 XFER_SIZES = [(4 * KB, "4 KB", 100), (64 * KB, "64 KB", 50), (1 * MB, "1 MB", 15), (16 * MB, "16 MB", 5),
@@ -55,9 +57,10 @@ def log(*a) -> None:
 class ProxyProcess:
     """benchmarks/delay_proxy.py as a child process (its threads do not share our GIL)."""
 
-    def __init__(self, target_port: int, delay_ms: float = 0.0):
+    def __init__(self, target_port: int, delay_ms: float = 0.0, target_host: str = "127.0.0.1"):
         self.p = subprocess.Popen([sys.executable, os.path.join(HERE, "delay_proxy.py"), "--target",
-                                   str(target_port), "--delay-ms", str(delay_ms), "--max-seconds", "900"],
+                                   str(target_port), "--target-host", target_host, "--delay-ms", str(delay_ms),
+                                   "--max-seconds", "900"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.p.stdout.readline()
         if not line.startswith("READY "):
@@ -601,15 +604,18 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
     res["proxy_rtt"] = {"0": pr[0.0], "25": pr[DELAY_MS]}
     log(f"proxy alone: round trip {pr[0.0]['median_s'] * 1e3:.2f} ms at 0, {pr[DELAY_MS]['median_s'] * 1e3:.2f} ms at 25 (medians)")
 
-    gw, address = bench_core.start_gateway(spare=0)
+    # (a), (b): a gateway on 127.0.0.2, reachable only through the proxy (as through a tunnel, so the
+    # session's direct data port is out of reach and every message takes the proxy's delay)
+    gw, address = bench_core.start_gateway(spare=0, host=PROXIED_HOST)
     gw_port = int(address.rsplit(":", 1)[1])
     global GATEWAY_PID
     GATEWAY_PID = gw.pid
     proxy = None
     try:
         # --- through the delay proxy: (a), (b)
-        proxy = ProxyProcess(gw_port)
+        proxy = ProxyProcess(gw_port, target_host=PROXIED_HOST)
         remotecuda.activate(proxy.address, fallback="error")
+        res["proxied_session_direct"] = remotecuda.runtime().session(0).direct  # False: all via the proxy
         wait_for_quiet("(a) round trips")
         res["round_trips"] = measure_round_trips(proxy, steps={"no_read": 20 if quick else 60,
                                                                "item_each_step": 15 if quick else 30},
@@ -628,8 +634,14 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
         res["big_step_local"] = {"batch": batch, "step_ms": step_seconds(big_model("cpu", batch)) * 1e3,
                                  "width": WIDTH, "layers": LAYERS}
 
+        assert not remotecuda.is_active()
+        stop(gw)
+
         # --- direct: (c)-(f)
+        gw, address = bench_core.start_gateway(spare=0)
+        GATEWAY_PID = gw.pid
         remotecuda.activate(address, fallback="error")
+        res["session_direct"] = remotecuda.runtime().session(0).direct
         x = torch.ones(4, device="cuda")
         x.sum().item()
         wait_for_quiet("(c) throughput")

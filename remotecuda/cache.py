@@ -10,7 +10,7 @@ it stays cached, and no round trip is spent finding out.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 import xxhash
@@ -33,11 +33,10 @@ def content_key(part_digests: list[bytes]) -> bytes:
     return xxhash.xxh3_128_digest(b"".join(part_digests))
 
 
-def digest(buf: memoryview, part_bytes: int) -> tuple[list[bytes], bytes]:
-    """(part digests, content key) of a payload cut into parts of ``part_bytes``."""
-    parts = [payload_digest(buf[i:i + part_bytes]) for i in range(0, buf.nbytes, part_bytes)]
-    parts = parts or [payload_digest(buf)]
-    return parts, content_key(parts)
+def part_digests(buf: memoryview, part_bytes: int) -> list[bytes]:
+    """The digests of a payload cut into parts of ``part_bytes``."""
+    return [payload_digest(buf[i:i + part_bytes]) for i in range(0, buf.nbytes, part_bytes)] \
+        or [payload_digest(buf)]
 
 
 class ContentCache:
@@ -72,14 +71,47 @@ class ContentCache:
         evicted = []
         while self.size + nbytes > self.capacity:
             victim = self._victim()
-            self.size -= self.entries.pop(victim)[1]
-            self.evictions += 1
+            self._evict(victim)
             evicted.append(victim)
         self.entries[key] = [value, nbytes, 1, next(self._tick)]
         self.size += nbytes
         return evicted
 
+    def _evict(self, key: bytes) -> list:
+        entry = self.entries.pop(key)
+        self.size -= entry[1]
+        self.evictions += 1
+        return entry
+
     def _victim(self) -> bytes:
         if self.policy == "lru":
             return next(iter(self.entries))
         return min(self.entries.items(), key=lambda kv: (kv[1][2], kv[1][3]))[0]
+
+
+class CacheMirror(ContentCache):
+    """The client's copy of the gateway's bookkeeping. Its values are each payload's
+    (size, first-part digest), so it can also say that a payload is certainly *not*
+    cached after hashing only its first part: a large upload then starts streaming while
+    the rest is hashed, instead of after."""
+
+    def __init__(self, capacity: int = DEFAULT_BYTES, policy: str = "lru"):
+        super().__init__(capacity, policy)
+        self._prefixes: Counter = Counter()
+
+    def put(self, key: bytes, prefix: tuple, nbytes: int) -> list[bytes]:
+        new = key not in self.entries
+        evicted = super().put(key, prefix, nbytes)
+        if new and key in self.entries:
+            self._prefixes[prefix] += 1
+        return evicted
+
+    def _evict(self, key: bytes) -> list:
+        entry = super()._evict(key)
+        self._prefixes[entry[0]] -= 1
+        if not self._prefixes[entry[0]]:
+            del self._prefixes[entry[0]]
+        return entry
+
+    def may_hold(self, prefix: tuple) -> bool:
+        return prefix in self._prefixes

@@ -60,7 +60,7 @@ class Session:
         for sock in {self.sock, self.front}:
             self._poller.register(sock, zmq.POLLIN)
         granted = self.info.get("cache") or {}
-        self.cache = (cache.ContentCache(granted["bytes"], granted["policy"])
+        self.cache = (cache.CacheMirror(granted["bytes"], granted["policy"])
                       if granted.get("bytes") else None)  # the mirror of the gateway's
         self.link = LinkModel()
         self._handles = itertools.count(1)
@@ -132,7 +132,6 @@ class Session:
         t = t.detach()
         buf = protocol.tensor_bytes(t)
         n = buf.nbytes
-        digests, key = cache.digest(buf, PART_BYTES)
         dtype, shape = t.dtype, list(t.shape)
         with self.lock:
             if not self._ops:
@@ -140,26 +139,37 @@ class Session:
                 if self.wake is not None:
                     self.wake()
             self.stats["uploads"] += 1
-            if self.cache is None or n < cache.MIN_BYTES:
-                key = None
-            elif self.cache.get(key) is not None:
-                self.stats["cache_hits"] += 1
-                self.stats["cache_bytes_saved"] += n
-                self._ops.append(["rc::upload_cached", [h, key, dtype, shape], None, None])
-                if self.sync:
-                    self.request("rc::sync", [])
-                return h
-            else:
-                self.cache.put(key, True, n)
-                self.stats["cache_misses"] += 1
+            mirror = self.cache if n >= cache.MIN_BYTES else None
+            digests = [protocol.payload_digest(buf[:PART_BYTES])]
+            if mirror is not None and (n <= PART_BYTES or mirror.may_hold((n, digests[0]))):
+                if n > PART_BYTES:  # it may be cached: hash it all before deciding
+                    digests = cache.part_digests(buf, PART_BYTES)
+                key = cache.content_key(digests)
+                if mirror.get(key) is not None:
+                    self.stats["cache_hits"] += 1
+                    self.stats["cache_bytes_saved"] += n
+                    self._ops.append(["rc::upload_cached", [h, key, dtype, shape], None, None])
+                    if self.sync:
+                        self.request("rc::sync", [])
+                    return h
             compress = self.link.should_compress(buf)
-            if len(digests) == 1:
-                self._send_whole(h, buf, digests[0], compress, [h, 0, dtype, shape, key], non_blocking, t)
+            if n <= PART_BYTES:
+                self._send_whole(buf, digests[0], compress, [h, 0, dtype, shape, self._enter(mirror, digests, n)],
+                                 non_blocking, t)
             else:
-                self._send_parts(h, buf, digests, compress, [h, None, dtype, shape, key], non_blocking, t)
+                self._send_parts(h, buf, digests, compress, [h, None, dtype, shape], mirror, non_blocking, t)
         return h
 
-    def _send_whole(self, h: int, buf: memoryview, digest: bytes, compress: bool, upload_args: list,
+    def _enter(self, mirror: cache.CacheMirror | None, digests: list, n: int) -> bytes | None:
+        """Count a payload into the cache mirror (as the gateway will at its upload op); its key."""
+        if mirror is None:
+            return None
+        key = cache.content_key(digests)
+        mirror.put(key, (n, digests[0]), n)
+        self.stats["cache_misses"] += 1
+        return key
+
+    def _send_whole(self, buf: memoryview, digest: bytes, compress: bool, upload_args: list,
                     non_blocking: bool, t: torch.Tensor) -> None:
         n = buf.nbytes
         desc, frame = protocol.encode_payload(buf, compress, digest)
@@ -180,16 +190,19 @@ class Session:
             self.request("rc::sync", [])
 
     def _send_parts(self, h: int, buf: memoryview, digests: list, compress: bool, upload_args: list,
-                    non_blocking: bool, t: torch.Tensor) -> None:
-        """One message per part (queued ops go with the first); the upload op itself rides
-        with the last part, after the gateway has placed every part."""
+                    mirror: cache.CacheMirror | None, non_blocking: bool, t: torch.Tensor) -> None:
+        """One message per part (queued ops go with the first), each part hashed just before it
+        goes if that is not done yet; the upload op itself rides with the last part."""
         n, t0, sent, trackers = buf.nbytes, time.perf_counter(), 0, []
-        for i, digest in enumerate(digests):
+        count = -(-n // PART_BYTES)
+        for i in range(count):
             part = buf[i * PART_BYTES:(i + 1) * PART_BYTES]
-            desc, frame = protocol.encode_payload(part, compress, digest)
+            if i == len(digests):
+                digests.append(protocol.payload_digest(part))
+            desc, frame = protocol.encode_payload(part, compress, digests[i])
             self._ops.append(["rc::upload_part", [h, len(self._payloads), i * PART_BYTES, n], None, None])
-            if i == len(digests) - 1:
-                self._ops.append(["rc::upload", upload_args, None, None])
+            if i == count - 1:
+                self._ops.append(["rc::upload", [*upload_args, self._enter(mirror, digests, n)], None, None])
             self._payloads.append((desc, frame))
             size = len(frame) if isinstance(frame, bytes) else frame.nbytes
             sent += size

@@ -13,7 +13,7 @@ import torch
 import remotecuda
 from conftest import ROOT, GatewayProcess, run_python
 from remotecuda import protocol
-from remotecuda.cache import ContentCache
+from remotecuda.cache import CacheMirror, ContentCache
 from remotecuda.compression import LinkModel
 
 
@@ -34,6 +34,19 @@ def test_content_cache_lru_and_lfu():
     assert lfu.put(b"huge", 0, 1000) == [] and b"huge" not in lfu  # larger than the whole cache
     with pytest.raises(ValueError):
         ContentCache(10, "fifo")
+
+
+def test_cache_mirror_knows_certain_misses_from_the_first_part():
+    m = CacheMirror(100, "lru")
+    m.put(b"a", (40, b"first-a"), 40)
+    m.put(b"b", (40, b"first-b"), 40)
+    assert m.may_hold((40, b"first-a")) and not m.may_hold((41, b"first-a"))
+    m.put(b"c", (40, b"first-a"), 40)  # same size and first part, other content: evicts a
+    assert b"a" not in m and m.may_hold((40, b"first-a"))
+    m.put(b"d", (40, b"first-d"), 40)  # evicts b, then c is the only one left with first-a
+    assert not m.may_hold((40, b"first-b")) and m.may_hold((40, b"first-a"))
+    m.put(b"e", (40, b"first-e"), 40)
+    assert not m.may_hold((40, b"first-a"))
 
 
 def test_compression_policy():
