@@ -334,8 +334,8 @@ def markdown(r: dict, heading: str = "##") -> str:
 {t2}
 
 - medians; the raw TCP ceiling is plain Python sockets over loopback in the same run (sendall / recv_into,
-  one-byte ack for uploads); remote transfers go through the client library, ZeroMQ, the gateway
-  supervisor and the session worker process (one extra IPC hop), and include one blocking round trip.
+  one-byte ack for uploads); remote transfers go through the client library and ZeroMQ straight to the
+  session's worker process (the direct path), and include one blocking round trip.
 - random float32 data: not compressible, sent raw.
 
 Client counters over the remote part of the core run: ops {st['ops']}, messages {st['messages']},

@@ -20,7 +20,8 @@ proxy (benchmarks/delay_proxy.py, a separate process) in front of it, and measur
     ``.item()``) vs pipelined (``remotecuda.prefetch``, one sync at the end), against
     max(transfer, compute) and transfer + compute.
 
-(a) and (b) go through the proxy; (c)-(f) connect to the gateway directly.
+(a) and (b) go through the proxy (to a gateway on 127.0.0.2, so nothing bypasses it); (c)-(f) connect to
+a gateway on 127.0.0.1 directly, and its sessions use the direct path to their worker.
 """
 from __future__ import annotations
 
@@ -740,6 +741,9 @@ def markdown(r: dict, heading: str = "##") -> str:
 
 MLP 32-64-64-1, Adam, batch 256: N steps then one `loss.item()`, through the delay proxy at 0 ms and
 {r['delay_ms']:.0f} ms each way (best of {len(rt['no_read']['times_0'])} runs per delay, the two delays interleaved).
+The gateway for (a) and (b) binds {PROXIED_HOST}, reachable only through the proxy, as through a tunnel: its
+sessions cannot use their direct data port (direct path used: {'yes' if r.get('proxied_session_direct') else 'no'}),
+so every message pays the proxy's delay.
 
 {_table(("loop", "step at 0 ms", f"step at {r['delay_ms']:.0f} ms", "round trips / step, derived (t25 − t0) / 2d", "`blocking_round_trips` / step"), rows)}
 
@@ -799,11 +803,14 @@ plain Python sockets (sendall / recv_into, 1-byte ack for uploads), best of ≥ 
 {_table(("size (float32)", "upload GB/s", "download GB/s", "raw TCP up / down GB/s", "remote as % of raw (up / down)", "upload: client part (median)", "cached re-upload (same bytes)"), rows)}
 
 - target: 64 MB upload ≥ 70 % of raw TCP — {verdict(tcp[64 * MB]['up_min_s'] / next(x for x in r['throughput'] if x['nbytes'] == 64 * MB)['up_min_s'] >= 0.70)}.
-- reading: small sizes are bounded by the round trip (client → supervisor → worker and back, each a Python
-  process), large sizes by copies and per-byte work (client hashing for the cache, ZeroMQ, the supervisor's
-  forward over ipc, the worker's digest check and copy), all on the same 2 CPUs as the benchmark.
+- the session uses the direct path ({'yes' if r.get('session_direct') else 'NO'}): one socket from the client to
+  the session's worker; uploads over 4 MiB go as 4 MiB parts, each checked and copied into place by the
+  worker while the next is on the wire.
+- reading: small sizes are bounded by the round trip (client → worker and back, two Python processes),
+  large sizes by copies and per-byte work (the client's xxh3-128 of the tensor, the kernel's two TCP copies,
+  the worker's digest check and its copy into the tensor), all on the same 2 CPUs as the benchmark.
 - "client part": time until `.to('cuda')` returns (hash for the cache, compression check, and for ≥ 1 MB
-  until ZeroMQ has sent the zero-copy frame); the rest of the upload time is the gateway side and the reply.
+  until ZeroMQ has sent the zero-copy frames); the rest of the upload time is the gateway side and the reply.
 - cached re-upload: the gateway already holds the bytes, so only the digest travels; the time is the client's
   hash of the tensor plus one round trip.
 """)
@@ -906,8 +913,8 @@ for the transfer's processes on this {p['nproc']}-CPU machine).
 - target: pipelined ≈ max(transfer, compute) (taken here as within 10 %): """ + "; ".join(
         f"{name}: x{v['pipelined_s'] / v['max_s']:.2f} of the max, {verdict(v['pipelined_s'] / v['max_s'] <= 1.10)} "
         f"(serial x{v['serial_s'] / v['sum_s']:.2f} of the sum)" for name, v in variants) + f""".
-- reading: on this {p['nproc']}-CPU machine the "transfer" is itself CPU work (client hash and send, supervisor
-  forward, worker receive, digest check and copy) competing with the compute's threads for the same cores, so
+- reading: on this {p['nproc']}-CPU machine the "transfer" is itself CPU work (client hash and send, worker
+  receive, digest check and copy) competing with the compute's threads for the same cores, so
   no schedule beats the CPU-bound floor; where the floor is below max(transfer, compute) and pipelined is still
   near transfer + compute, the overlap is being lost in the software, not the machine. On a GPU gateway the
   compute leaves the CPUs free and only the copies compete.
