@@ -27,11 +27,13 @@ from torch._C import _DisableTorchDispatch
 
 from .generator import wire_ref
 from .protocol import DTYPE_EXT
-from .tensor import RemoteTensor, make, refresh_key
+from .tensor import RemoteTensor, layout, make, refresh_key, wrap
 
 aten = torch.ops.aten
 _Tag = torch.Tag
-_ATOMIC = (int, float, bool, str, type(None), complex)
+_ATOMIC = frozenset((int, float, bool, str, type(None), complex))
+#: argument types that are never a wrapper (checked before the slower isinstance)
+_PLAIN = _ATOMIC | {list, tuple}
 _META = torch.device("meta")
 _CUDA = torch.device("cuda")
 #: return types whose values the meta kernel gets right (SymInts are shapes, e.g. flash attention's max_q)
@@ -49,9 +51,13 @@ class DeviceMismatch(RuntimeError):
     pass
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class OpMeta:
-    """What the schema says about an op, computed once per OpOverload."""
+    """What the schema says about an op, computed once per OpOverload.
+
+    Hashed by identity: it heads the op's dispatch-cache key, in place of the OpOverload,
+    whose ``__hash__`` is a Python function.
+    """
 
     func: Any
     name: str  # wire name, aten::name.overload
@@ -100,59 +106,61 @@ class _NeedUpload(Exception):
     """A CPU tensor sits among the arguments; take the slow path that uploads it."""
 
 
-class _Walk:
-    """One pass over an op's arguments: the session, the cache key and the wire form."""
-
-    __slots__ = ("session", "key", "float_values")
-
-    def __init__(self, session: Any = None, float_values: bool = True):
-        self.session = session
-        self.key: list = []
-        self.float_values = float_values
-
-    def remote(self, a: RemoteTensor) -> bytes:
-        s = a._s
-        if s is not self.session:
-            if self.session is None:
-                self.session = s
-            else:
-                raise DeviceMismatch(
-                    "Expected all tensors to be on the same device, but found at least two "
-                    f"devices, cuda:{self.session.vdev} and cuda:{s.vdev}!")
-        self.key.append(a._k)
-        return a._w
-
-    def arg(self, a: Any) -> Any:
+def _walk(values: Any, key: list, s: Any, float_values: bool) -> tuple[list, Any]:
+    """One pass over an op's arguments in schema order: their wire forms, their parts of the
+    cache key (appended to ``key``) and the session of the remote tensors among them (``s``,
+    or the one found). A function rather than an object: it runs on every op."""
+    out = []
+    for a in values:
         t = type(a)
-        if t is RemoteTensor:
-            return self.remote(a)
-        if t in _ATOMIC:
+        if t is RemoteTensor or (t not in _PLAIN and isinstance(a, RemoteTensor)):
+            if a._s is not s:
+                s = _join(s, a._s)
+            key.append(a._k)
+            out.append(a._w)
+        elif t in _ATOMIC:
             # a float's value only matters where it can shape the output: optimizer steps with a
             # new learning rate each step must still hit the cache
-            self.key.append((t, a) if t is not float or self.float_values else t)
-            return a
-        if t is list or t is tuple:
-            self.key.append(("[", len(a)))
-            return [self.arg(v) for v in a]
-        if t is torch.device:
-            self.key.append("dev")
-            return _CUDA if a.type in ("cuda", "meta") else a
-        if t is torch.dtype:
-            self.key.append(a)
-            return DTYPE_EXT[a]
-        if t is torch.memory_format or t is torch.layout:
-            self.key.append(a)
-            return a
-        if isinstance(a, torch.Tensor):
-            if isinstance(a, RemoteTensor):  # a subclass of the wrapper
-                return self.remote(a)
-            raise _NeedUpload()
-        if isinstance(a, torch.SymInt):
-            return self.arg(int(a))
-        if isinstance(a, torch._C.Generator):
-            self.key.append("gen")
-            return wire_ref(a)
-        raise NotImplementedError(f"remotecuda cannot send an argument of type {t.__name__} to the gateway")
+            key.append((t, a) if t is not float or float_values else t)
+            out.append(a)
+        elif t is list or t is tuple:
+            key.append(("[", len(a)))
+            w, s = _walk(a, key, s, float_values)
+            out.append(w)
+        else:
+            out.append(_wire_other(a, t, key))
+    return out, s
+
+
+def _join(s: Any, other: Any) -> Any:
+    """The session of an op whose arguments so far were on ``s`` (None: no tensor yet) and ``other``."""
+    if s is None:
+        return other
+    raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two "
+                         f"devices, cuda:{s.vdev} and cuda:{other.vdev}!")
+
+
+def _wire_other(a: Any, t: type, key: list) -> Any:
+    """``_walk`` for the rarer argument types (devices, dtypes, generators...)."""
+    if t is torch.device:
+        key.append("dev")
+        return _CUDA if a.type in ("cuda", "meta") else a
+    if t is torch.dtype:
+        key.append(a)
+        return DTYPE_EXT[a]
+    if t is torch.memory_format or t is torch.layout:
+        key.append(a)
+        return a
+    if isinstance(a, torch.Tensor):
+        raise _NeedUpload()
+    if isinstance(a, torch.SymInt):
+        a = int(a)
+        key.append((int, a))
+        return a
+    if isinstance(a, torch._C.Generator):
+        key.append("gen")
+        return wire_ref(a)
+    raise NotImplementedError(f"remotecuda cannot send an argument of type {t.__name__} to the gateway")
 
 
 def _arg_at(args: tuple, kwargs: dict, pos: int | None, name: str) -> Any:
@@ -183,7 +191,7 @@ class Dispatcher:
 
     def __init__(self) -> None:
         self.runtime: Any = None
-        self.ops: dict[Any, OpMeta] = {}
+        self.ops: dict[int, OpMeta] = {}
         self.cache: dict[tuple, Any] = {}
         self.cache_limit = 65536
         self.local = threading.local()
@@ -191,20 +199,23 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ entry points
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        m = self.ops.get(func)
-        if m is None:
-            m = self.ops[func] = _op_meta(func)
-            m.special = _SPECIAL.get(func)
+        m = self.ops.get(id(func)) or self.op_meta(func)
         if m.special is not None:
             return m.special(self, m, args, kwargs)
         return self.run(m, args, kwargs)
 
+    def op_meta(self, func: Any) -> OpMeta:
+        """``func``'s OpMeta, kept by ``id(func)`` (OpOverload hashes in Python); the entry
+        keeps ``func`` alive, so the id cannot be reused."""
+        m = self.ops.get(id(func))
+        if m is None:
+            m = self.ops[id(func)] = _op_meta(func)
+            m.special = _SPECIAL.get(func)
+        return m
+
     def factory(self, func: Any, args: tuple, kwargs: dict, vdev: int | None) -> Any:
         """An op with no remote tensor argument whose output goes to a 'cuda' device."""
-        m = self.ops.get(func)
-        if m is None:
-            m = self.ops[func] = _op_meta(func)
-            m.special = _SPECIAL.get(func)
+        m = self.op_meta(func)
         s = self.runtime.session(self.runtime.current_device if vdev is None else vdev)
         if func is aten._to_copy.default:
             return self.upload(args[0], s, kwargs)
@@ -212,22 +223,23 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ the common path
     def run(self, m: OpMeta, args: tuple, kwargs: dict, session: Any = None, factory: bool = False) -> Any:
-        w = _Walk(session, m.float_values)
+        key: list = [m]
+        wkw = None
         try:
-            wargs = [w.arg(a) for a in args]
-            wkw = {k: w.arg(v) for k, v in kwargs.items()} if kwargs else None
+            wargs, s = _walk(args, key, session, m.float_values)
+            if kwargs:
+                values, s = _walk(kwargs.values(), key, s, m.float_values)
+                wkw = dict(zip(kwargs, values))
+                key.append(tuple(kwargs))
         except _NeedUpload:
             args, kwargs = self._upload_cpu_args(m, args, kwargs, session)
             return self.run(m, args, kwargs, session, factory)
-        s = w.session
         if s is None:
             raise RuntimeError(f"remotecuda: op {m.name} has no remote tensor argument")
         self.local.vdev = s.vdev
-        if kwargs:
-            w.key.append(tuple(kwargs))
         if factory:
-            w.key.append(torch.get_default_dtype())
-        key = (m.func, *w.key)
+            key.append(torch.get_default_dtype())
+        key = tuple(key)
         entry = DESCRIBE if m.describe else self.cache.get(key)
         if entry is None:
             self.misses += 1
@@ -239,8 +251,13 @@ class Dispatcher:
             self.hits += 1
         if entry is DESCRIBE:
             return self._describe(m, s, wargs, wkw, args, kwargs)
-        outs: list = []
-        result = _build(entry, s, args, kwargs, outs)
+        if entry[0] == "new1":  # the common case, inline: one new tensor
+            h = s.new_handle()
+            outs = [h]
+            result = wrap(s, h, entry[1])
+        else:
+            outs = []
+            result = _build(entry, s, args, kwargs, outs)
         s.enqueue(m.name, wargs, wkw, outs)
         if m.metadata_mutation:
             _mutate_wrapper(m.func, args, kwargs)
@@ -277,7 +294,7 @@ class Dispatcher:
             else:
                 items.append(None)
         if not m.multi and len(items) == 1 and items[0] is not None and items[0][0] == "new":
-            return ("new1", items[0][1:])
+            return ("new1", items[0][1])
         return ("out", m.multi, tuple(items))
 
     def _describe(self, m: OpMeta, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict) -> Any:
@@ -372,19 +389,15 @@ def _is_data_dependent(e: Exception) -> bool:
 def _spec(r: torch.Tensor, alias: Any) -> tuple:
     if alias is not None and alias[2]:
         return ("arg", alias[0], alias[1])
-    meta = (tuple(r.shape), tuple(r.stride()), r.storage_offset(), r.dtype)
+    lay = layout(r.shape, r.stride(), r.storage_offset(), r.dtype)
     if alias is not None:
-        return ("view", alias[0], alias[1], *meta)
-    return ("new", *meta)
+        return ("view", alias[0], alias[1], lay)
+    return ("new", lay)
 
 
 def _build(entry: tuple, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
     """Output wrappers for a cache entry; appends the gateway handles to ``outs`` in flat order."""
-    kind = entry[0]
-    if kind == "new1":  # the common case: one new tensor
-        h = s.new_handle()
-        outs.append(h)
-        return make(s, h, *entry[1])
+    kind = entry[0]  # "new1" is handled inline by Dispatcher.run
     if kind == "inplace":
         return args[0] if args else None
     _, multi, items = entry
@@ -401,10 +414,10 @@ def _build(entry: tuple, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
         h = s.new_handle()
         outs.append(h)
         if kind == "new":
-            return make(s, h, spec[1], spec[2], spec[3], spec[4])
+            return wrap(s, h, spec[1])
         src = _arg_at(args, kwargs, spec[1], spec[2])
         sid = src._sid if isinstance(src, RemoteTensor) else None
-        return make(s, h, spec[3], spec[4], spec[5], spec[6], sid)
+        return wrap(s, h, spec[3], sid)
 
     built = [[one(x) for x in it] if type(it) is list else one(it) for it in items]
     if multi:
@@ -477,7 +490,7 @@ def _to(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
         kw["device"] = device
     if mf is not None:
         kw["memory_format"] = mf
-    return _to_copy(d, d.ops.get(aten._to_copy.default) or _op_meta(aten._to_copy.default), (src,), kw)
+    return _to_copy(d, d.op_meta(aten._to_copy.default), (src,), kw)
 
 
 def _copy_(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -41,7 +42,7 @@ class _UserMeta:
     def __enter__(self) -> None:
         _local.user_meta = getattr(_local, "user_meta", 0) + 1
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         _local.user_meta -= 1
 
 
@@ -235,6 +236,7 @@ _HANDLERS: dict[Callable, Callable] = {
     torch.Tensor.pin_memory: _pin_memory,
     torch.Tensor.is_pinned: _is_pinned,
     torch.nn.functional.scaled_dot_product_attention: autocast.sdpa,
+    _DATA.__set__: _set_data,  # ``p.data = x``; method-wrappers compare equal by (descriptor, object)
 }
 
 
@@ -244,24 +246,21 @@ def _with_policy(policy: Callable) -> Callable:
 
 #: every function with special handling, in one table: one lookup per call on the hot path
 _ROUTES: dict[Callable, Callable] = {**{f: _with_policy(p) for f, p in autocast.POLICY.items()}, **_HANDLERS}
-_METHOD_WRAPPER = type(_DATA.__set__)
 
 
 class RemoteFunctionMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         h = _ROUTES.get(func)
         if h is not None:
-            return h(func, args, kwargs)
-        if kwargs:
-            d = kwargs.get("device")
-            if type(d) is int:  # a bare ordinal means the accelerator, which C++ says is absent
-                kwargs = dict(kwargs, device=torch.device("cuda", d))
-            elif d is not None and (d == "meta" or getattr(d, "type", None) == "meta"):
-                with _UserMeta():
-                    return func(*args, **kwargs)
-        if type(func) is _METHOD_WRAPPER and func.__self__ is _DATA and func.__name__ == "__set__":
-            return _set_data(func, args, kwargs)
+            return h(func, args, kwargs or {})
+        if not kwargs:  # most calls: nothing to look at, and no dict to build
+            return func(*args)
+        d = kwargs.get("device")
+        if type(d) is int:  # a bare ordinal means the accelerator, which C++ says is absent
+            kwargs = dict(kwargs, device=torch.device("cuda", d))
+        elif d is not None and (d == "meta" or getattr(d, "type", None) == "meta"):
+            with _UserMeta():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -358,9 +357,9 @@ def install() -> None:
     p.set(torch.random, "manual_seed", _patched_manual_seed)
     p.set(torch, "compile", _compile)
     p.set(torch, "Generator", generator.Generator)
-    import torch.nn.utils.clip_grad as clip_grad
-    import torch.optim.optimizer as optimizer
-    import torch.utils._foreach_utils as foreach_utils
+    from torch.nn.utils import clip_grad
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils as foreach_utils
     grouped = _group_by_device(foreach_utils._group_tensors_by_device_and_dtype)
     for mod in (foreach_utils, clip_grad, optimizer):
         p.set(mod, "_group_tensors_by_device_and_dtype", grouped)

@@ -54,6 +54,7 @@ class Session:
         self.front = _connect(ctx, endpoint)  # the gateway's port: placement, and word of a lost worker
         want = {"bytes": cache_bytes, "policy": cache_policy}
         self.info = hello(self.front, {"device": gpu, "cache": want}, connect_timeout, endpoint)
+        self.direct_failure: str | None = None
         self.sock = self._open_direct(ctx, self.info.get("direct")) or self.front  # the op stream's socket
         self.direct = self.sock is not self.front
         self._poller = zmq.Poller()
@@ -87,7 +88,8 @@ class Session:
         sock = _connect(ctx, endpoint, routing_id=os.urandom(16))
         try:
             hello(sock, {"token": offer.get("token")}, DIRECT_TIMEOUT, endpoint)
-        except (GatewayUnavailableError, protocol.ProtocolError):
+        except (GatewayUnavailableError, protocol.ProtocolError) as e:
+            self.direct_failure = str(e)  # why this session took the forwarded path
             sock.close(linger=0)
             return None
         return sock

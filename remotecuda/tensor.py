@@ -30,12 +30,13 @@ def cuda_device(index: int) -> torch.device:
 
 
 class HandleOwner:
-    """Releases a gateway handle when the last wrapper using it goes away."""
+    """Releases a gateway handle when the last wrapper using it goes away.
 
-    __slots__ = ("session", "handle")
+    ``wrap`` fills the two slots; there is no ``__init__`` because one is made per op and
+    a Python-level constructor would cost more than the rest of the object's life.
+    """
 
-    def __init__(self, session: Any, handle: int):
-        self.session, self.handle = session, handle
+    __slots__ = ("handle", "session")
 
     def __del__(self) -> None:
         s = self.session
@@ -44,7 +45,7 @@ class HandleOwner:
 
 
 class RemoteTensor(torch.Tensor):
-    # set by make(); listed for readers
+    # set by wrap(); listed for readers
     _h: int  # the gateway handle
     _s: Any  # the Session
     _dev: int  # virtual device index
@@ -96,8 +97,8 @@ class RemoteTensor(torch.Tensor):
         if self.requires_grad and not force:
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
                                "Use tensor.detach().numpy() instead.")
-        raise TypeError("can't convert cuda:%d device type tensor to numpy. Use Tensor.cpu() to copy "
-                        "the tensor to host memory first." % self._dev)
+        raise TypeError(f"can't convert cuda:{self._dev} device type tensor to numpy. Use Tensor.cpu() "
+                        "to copy the tensor to host memory first.")
 
     def tolist(self) -> Any:
         return self.detach().cpu().tolist()
@@ -144,19 +145,48 @@ class RemoteTensor(torch.Tensor):
                 (cpu, self.dtype, str(self.device), self.requires_grad))
 
 
-def make(session: Any, handle: int, shape: Any, stride: Any, offset: int, dtype: torch.dtype,
-         sid: int | None = None) -> RemoteTensor:
-    """A wrapper for gateway tensor ``handle``; metadata is whatever the dispatcher computed."""
-    t = _new_wrapper(RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META)
+def contiguous_strides(shape: tuple) -> tuple:
+    """The strides torch gives a new tensor of ``shape`` when none are asked for."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def layout(shape: Any, stride: Any, offset: int, dtype: torch.dtype) -> tuple:
+    """What ``wrap`` needs to build a wrapper: its key part (``_k``) and whether the strides
+    are the default ones. The dispatcher keeps one per cached op output, so none of this is
+    recomputed per op; leaving out default strides halves ``_make_wrapper_subclass``'s cost."""
+    shape, stride = tuple(shape), tuple(stride)
+    return (dtype, shape, stride, offset), offset == 0 and stride == contiguous_strides(shape)
+
+
+def wrap(session: Any, handle: int, lay: tuple, sid: int | None = None) -> RemoteTensor:
+    """A wrapper for gateway tensor ``handle`` with the metadata of ``lay`` (see ``layout``)."""
+    k, dense = lay
+    dtype, shape, stride, offset = k
+    if dense:
+        t = _new_wrapper(RemoteTensor, shape, dtype=dtype, device=_META)
+    else:
+        t = _new_wrapper(RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=_META)
+    owner = HandleOwner()
+    owner.session, owner.handle = session, handle
     d = t.__dict__
     d["_h"] = handle
     d["_w"] = handle_ext(handle)
     d["_s"] = session
     d["_dev"] = session.vdev
     d["_sid"] = handle if sid is None else sid
-    d["_k"] = (dtype, tuple(shape), tuple(stride), offset)
-    d["_owner"] = HandleOwner(session, handle)
+    d["_k"] = k
+    d["_owner"] = owner
     return t
+
+
+def make(session: Any, handle: int, shape: Any, stride: Any, offset: int, dtype: torch.dtype,
+         sid: int | None = None) -> RemoteTensor:
+    """A wrapper for gateway tensor ``handle``; metadata is whatever the dispatcher computed."""
+    return wrap(session, handle, layout(shape, stride, offset, dtype), sid)
 
 
 def refresh_key(t: RemoteTensor) -> None:

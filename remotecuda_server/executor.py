@@ -8,7 +8,9 @@ error is returned with the reply to the client's next request.
 """
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,57 @@ def assemble(parts: list, dtype: torch.dtype, shape: list, device: torch.device)
     return flat.finish(dtype, shape)
 
 
+class HostBlocks:
+    """Upload memory on the CPU device, recycled as the CUDA caching allocator recycles a GPU's.
+
+    Fresh memory costs a page fault per page, more than the copy into it; a training loop
+    uploads same-sized batches, so a block whose tensors have all died serves the next upload
+    of its size. Each block is handed out as a fresh view, watched by a weak reference: the
+    block is free again when that view (kept alive by any tensor over it) is gone."""
+
+    def __init__(self, limit_bytes: int = 1 << 30):
+        self.limit = limit_bytes
+        self.blocks: list[list] = []  # [block, weak reference to the view in use], oldest first
+        self.lock = threading.Lock()  # the I/O thread and the executor (cache hits) both take
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self.lock:
+            for i, entry in enumerate(self.blocks):
+                if entry[0].nbytes == nbytes and entry[1]() is None:
+                    self.blocks.append(self.blocks.pop(i))  # most recently used last
+                    return self._lend(entry)
+            entry = [np.empty(nbytes, dtype=np.uint8), None]
+            if nbytes < _MIN_BLOCK:
+                return entry[0]
+            view = self._lend(entry)
+            self.blocks.append(entry)
+            held = sum(e[0].nbytes for e in self.blocks)
+            for e in [e for e in self.blocks if e[1]() is None]:  # over the limit: drop free ones, oldest first
+                if held <= self.limit:
+                    break
+                self.blocks.remove(e)
+                held -= e[0].nbytes
+            return view
+
+    @staticmethod
+    def _lend(entry: list) -> np.ndarray:
+        view = entry[0][:]
+        entry[1] = weakref.ref(view)
+        return view
+
+    def free_bytes(self) -> int:
+        with self.lock:
+            return sum(e[0].nbytes for e in self.blocks if e[1]() is None)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.blocks = [e for e in self.blocks if e[1]() is not None]
+
+
+_MIN_BLOCK = 1 << 20  # smaller uploads come from the allocator's own free lists
+HOST_BLOCKS = HostBlocks()
+
+
 class Assembly:
     """A tensor's bytes arriving in parts, each copied into place as it comes.
 
@@ -70,8 +123,12 @@ class Assembly:
     that costs more than a memcpy when the machine is busy)."""
 
     def __init__(self, nbytes: int, device: torch.device):
-        self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self._host = None if self.flat.is_cuda else self.flat.numpy()
+        if device.type == "cpu":
+            self._host = HOST_BLOCKS.take(nbytes)
+            self.flat = torch.from_numpy(self._host)
+        else:
+            self._host = None
+            self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.filled = 0
 
     def add(self, offset: int, buf: memoryview) -> None:
@@ -330,6 +387,8 @@ class Executor:
         if name == "empty_cache":
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            else:
+                HOST_BLOCKS.clear()
             return None
         if name == "set_flags":  # backend flags such as allow_tf32
             for key, value in args[0].items():
@@ -386,7 +445,7 @@ class Executor:
         import psutil
         vm = psutil.virtual_memory()
         alloc = self.allocated_bytes()
-        return {"allocated": alloc, "reserved": alloc, "peak": max(self.peak_bytes, alloc),
+        return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": max(self.peak_bytes, alloc),
                 "free": vm.available, "total": vm.total}
 
 

@@ -55,6 +55,7 @@ class Worker:
                 self.data.setsockopt(opt, v)
             self.data_port = self.data.bind_to_random_port(f"tcp://{host}")
         self.token = b""
+        self.early: list = []  # data-port messages that came before ATTACH
         self.direct_client: bytes | None = None  # the client's identity on the data socket
         self.direct = {"direct_messages_in": 0, "direct_bytes_in": 0, "direct_bytes_out": 0}
         self.outbox = self.ctx.socket(zmq.PULL)
@@ -106,6 +107,9 @@ class Worker:
                     if cache.get("bytes"):
                         self.executor.cache = ContentCache(cache["bytes"], cache["policy"])
                     self.token = conf.get("token") or b""
+                    for early in self.early:
+                        self._on_direct(early)
+                    self.early = []
                 elif kind == b"MSG":
                     self._on_client_message(frames[1:])
                 elif kind == b"CLOSE":
@@ -124,6 +128,10 @@ class Worker:
 
     def _on_direct(self, frames: list) -> None:
         """A message on the data port: the session's own client after its HELLO, else refused."""
+        if self.client is None:  # a HELLO may overtake the supervisor's ATTACH: keep it for then
+            if len(self.early) < 8:  # (a spare's port has no business with anyone else)
+                self.early.append(frames)
+            return
         ident, frames = frames[0].bytes, frames[1:]
         self.direct["direct_messages_in"] += 1
         self.direct["direct_bytes_in"] += sum(len(f) for f in frames)
@@ -319,6 +327,9 @@ def main(argv: list[str] | None = None) -> None:
             ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+    # the I/O thread must get the GIL soon while the executor thread runs Python op after op:
+    # a part or a CANCEL waiting out the default 5 ms would stall the transfer it overlaps
+    sys.setswitchinterval(0.0005)
     Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame).serve()
     os._exit(0)
 

@@ -155,7 +155,7 @@ def test_queued_ops_go_out_while_the_client_is_busy_elsewhere(remote):
 
 def test_sessions_take_the_direct_path(gateway, remote):
     """The op stream goes straight to the session's worker; the supervisor still keeps its accounts."""
-    assert remote.session(0).direct
+    assert remote.session(0).direct, remote.session(0).direct_failure
     (torch.ones(5, device="cuda") + 1).sum().item()
     deadline = time.monotonic() + 10
     while True:  # workers report their counters every half second
@@ -270,3 +270,29 @@ def test_a_dead_worker_is_reported_on_the_direct_path():
         assert "worker" in out
     finally:
         gw.stop()
+
+
+def test_host_blocks_come_back_only_when_no_tensor_uses_them():
+    from remotecuda_server.executor import Assembly, HostBlocks
+    pool = HostBlocks(limit_bytes=8 << 20)
+    a = pool.take(2 << 20)
+    a_ptr = a.ctypes.data
+    t = torch.from_numpy(a)[10:20]  # a view keeps the block in use
+    del a
+    b = pool.take(2 << 20)
+    assert b.ctypes.data != t.data_ptr() - 10
+    del t
+    c = pool.take(2 << 20)
+    assert c.ctypes.data == a_ptr  # a's block is free again (b is still held)
+    del b, c
+    assert pool.free_bytes() == 4 << 20
+    pool.take(8 << 20)  # over the limit: free blocks go, oldest first, never the one handed out
+    assert [e[0].nbytes for e in pool.blocks] == [8 << 20]
+    # an upload assembled in a recycled block holds exactly its bytes
+    x = torch.randn(1 << 19)
+    for _ in range(3):
+        asm = Assembly(x.nbytes, torch.device("cpu"))
+        asm.add(0, protocol.tensor_bytes(x))
+        y = asm.finish(torch.float32, [1 << 19])
+        assert torch.equal(y, x)
+        x = x + 1
