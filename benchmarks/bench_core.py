@@ -36,19 +36,20 @@ SIZES = [(4 << 10, "4 KB", 200), (1 << 20, "1 MB", 20), (64 << 20, "64 MB", 3)]
 
 # ---------------------------------------------------------------------------- workloads
 
-def chain(device: str, iters: int = CHAIN_ITERS) -> tuple[float, float, torch.Tensor]:
-    """(client seconds until the last op is issued, seconds including the final sync, result)."""
+def chain(device: str, iters: int = CHAIN_ITERS) -> tuple[float, float, torch.Tensor, float]:
+    """(client seconds until the last op is issued, seconds including the final sync, result,
+    CPU seconds this process spent issuing them, all threads: not inflated by waiting for a CPU)."""
     x = torch.ones(64, 8, device=device)
     if device != "cpu":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(iters):
         x = x * 1.0001 + 0.0001
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     if device != "cpu":
         torch.cuda.synchronize()
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t0, x
+    return t1 - t0, t2 - t0, x, c1 - c0
 
 
 def small_mlp(device: str, init_scale: float | None = 0.1):
@@ -226,7 +227,8 @@ def measure(quick: bool = False) -> dict:
     # --- local CPU eager, before remotecuda is active (its torch-function mode costs a little everywhere)
     chain("cpu", 200)
     local_repeats = 2 * repeats + 1  # cheap locally; the minimum filters out other load
-    local_chain = min(chain("cpu")[0] for _ in range(local_repeats))
+    local_runs = [chain("cpu") for _ in range(local_repeats)]
+    local_chain, local_chain_cpu = min(r[0] for r in local_runs), min(r[3] for r in local_runs)
     chain_ref = chain("cpu")[2]
     mlp_steps("cpu")
     local_mlp = min(mlp_steps("cpu")[0] for _ in range(local_repeats))
@@ -243,6 +245,7 @@ def measure(quick: bool = False) -> dict:
         runs = [chain("cuda") for _ in range(repeats)]
         remote_chain_client = min(r[0] for r in runs)
         remote_chain_total = min(r[1] for r in runs)
+        remote_chain_cpu = min(r[3] for r in runs)
         assert torch.allclose(runs[0][2].cpu(), chain_ref)
         remotecuda.stats(reset=True)
         mlp_steps("cuda")
@@ -271,6 +274,8 @@ def measure(quick: bool = False) -> dict:
         "local_chain_us_per_op": local_chain / n_ops * 1e6,
         "remote_chain_client_us_per_op": remote_chain_client / n_ops * 1e6,
         "remote_chain_total_us_per_op": remote_chain_total / n_ops * 1e6,
+        "local_chain_cpu_us_per_op": local_chain_cpu / n_ops * 1e6,
+        "remote_chain_client_cpu_us_per_op": remote_chain_cpu / n_ops * 1e6,
         "local_mlp_ms": local_mlp * 1e3, "remote_mlp_ms": remote_mlp * 1e3,
         "local_mlp_item_ms": local_mlp_item * 1e3, "remote_mlp_item_ms": remote_mlp_item * 1e3,
         "mlp_ops_per_step": mlp_ops, "local_loss": local_loss, "remote_loss": remote_loss,
@@ -292,6 +297,9 @@ def tables(r: dict) -> tuple[str, str]:
     rows.append((f"Elementwise chain, client cost per op (64x8 f32, {r['chain_ops']} ops, 1 sync)",
                  f"{r['local_chain_us_per_op']:.1f} µs/op", f"{r['remote_chain_client_us_per_op']:.1f} µs/op",
                  f"{r['remote_chain_client_us_per_op'] / r['local_chain_us_per_op']:.2f}x"))
+    rows.append(("Elementwise chain, client CPU time per op (all client threads, `time.process_time`)",
+                 f"{r['local_chain_cpu_us_per_op']:.1f} µs/op", f"{r['remote_chain_client_cpu_us_per_op']:.1f} µs/op",
+                 f"{r['remote_chain_client_cpu_us_per_op'] / r['local_chain_cpu_us_per_op']:.2f}x"))
     rows.append(("Elementwise chain incl. final sync (gateway done)",
                  f"{r['local_chain_us_per_op']:.1f} µs/op", f"{r['remote_chain_total_us_per_op']:.1f} µs/op",
                  f"{r['remote_chain_total_us_per_op'] / r['local_chain_us_per_op']:.2f}x"))
@@ -325,6 +333,8 @@ def markdown(r: dict, heading: str = "##") -> str:
 
 - client cost per op = time for the Python loop to issue the ops (they are queued and sent in
   batches without waiting); "incl. final sync" adds the wait until the gateway has executed all of them.
+  The CPU-time row counts what the client process itself spent (its Python thread, flusher and ZeroMQ
+  threads), which time spent waiting for a CPU held by the gateway's worker or other load does not inflate.
 - the MLP step sends ~{r['mlp_ops_per_step']:.0f} ops to the gateway (forward, backward, Adam; setup included);
   final losses local {r['local_loss']:.6f} vs remote {r['remote_loss']:.6f}.
 - best of {r['repeats']} runs remote and {r['local_repeats']} local.

@@ -69,8 +69,11 @@ def main() -> None:
 
     # ------------------------------------------------------------------ targets
     op_us = core["remote_chain_client_us_per_op"]
-    targets = [("client cost per op ≤ 25 µs", f"{op_us:.1f} µs/op (local eager {core['local_chain_us_per_op']:.1f} µs/op)",
-                op_us <= 25.0)]
+    cpu_us = core["remote_chain_client_cpu_us_per_op"]
+    targets = [("client cost per op ≤ 25 µs (wall clock)",
+                f"{op_us:.1f} µs/op (local eager {core['local_chain_us_per_op']:.1f} µs/op)", op_us <= 25.0),
+               ("client cost per op ≤ 25 µs (CPU time of all client threads)",
+                f"{cpu_us:.1f} µs/op (local eager {core['local_chain_cpu_us_per_op']:.1f} µs/op)", cpu_us <= 25.0)]
     if "skipped" not in instr:
         eq = instr["remote_us_per_op_equivalent"]
         targets.append(("client cost per op ≤ 25 µs, from instructions (load-independent)",
@@ -78,7 +81,7 @@ def main() -> None:
                         f"instructions/op (×{instr['ratio']:.2f}); × local {instr['local_us_per_op']:.1f} µs/op "
                         f"in this run = {eq:.1f} µs/op", eq <= 25.0))
     targets += [(name, text, ok) for name, (text, ok) in bench_transfer.targets(transfer).items()]
-    target_rows = [(name, text, "met" if ok else "**MISSED**") for name, text, ok in targets]
+    target_rows = [(name, text, "—" if ok is None else "met" if ok else "**MISSED**") for name, text, ok in targets]
     rt = transfer["round_trips"]
     target_rows.append(("(no target) blocking round trips per step, derived from outside vs counted",
                         f"no read: {rt['no_read']['derived_rt_per_step']:.3f} vs {rt['no_read']['counted_rt_per_step']:.3f}; "
