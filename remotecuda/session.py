@@ -56,7 +56,6 @@ class Session:
         self.info = hello(self.front, {"device": gpu, "cache": want}, connect_timeout, endpoint)
         self.direct_failure: str | None = None
         self.sock = self._open_direct(ctx, self.info.get("direct")) or self.front  # the op stream's socket
-        self.direct = self.sock is not self.front
         self._poller = zmq.Poller()
         for sock in {self.sock, self.front}:
             self._poller.register(sock, zmq.POLLIN)
@@ -77,6 +76,11 @@ class Session:
         self._last_send = time.monotonic()
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.closed = False
+
+    @property
+    def direct(self) -> bool:
+        """Whether the op stream goes straight to the session's worker (else through the gateway's port)."""
+        return self.sock is not self.front
 
     def _open_direct(self, ctx: zmq.Context, offer: Any) -> zmq.Socket | None:
         """The session worker's own data port, when this client can reach it: tensor bytes then
@@ -154,12 +158,8 @@ class Session:
                     if self.sync:
                         self.request("rc::sync", [])
                     return h
-            compress = self.link.should_compress(buf)
-            if n <= PART_BYTES:
-                self._send_whole(buf, digests[0], compress, [h, 0, dtype, shape, self._enter(mirror, digests, n)],
-                                 non_blocking, t)
-            else:
-                self._send_parts(h, buf, digests, compress, [h, None, dtype, shape], mirror, non_blocking, t)
+            send = self._send_whole if n <= PART_BYTES else self._send_parts
+            send(h, buf, digests, self.link.should_compress(buf), dtype, shape, mirror, non_blocking, t)
         return h
 
     def _enter(self, mirror: cache.CacheMirror | None, digests: list, n: int) -> bytes | None:
@@ -171,16 +171,17 @@ class Session:
         self.stats["cache_misses"] += 1
         return key
 
-    def _send_whole(self, buf: memoryview, digest: bytes, compress: bool, upload_args: list,
-                    non_blocking: bool, t: torch.Tensor) -> None:
+    def _send_whole(self, h: int, buf: memoryview, digests: list, compress: bool, dtype: torch.dtype,
+                    shape: list, mirror: cache.CacheMirror | None, non_blocking: bool, t: torch.Tensor) -> None:
+        """One payload frame; small ones wait in the batch (as a copy), large ones go at once."""
         n = buf.nbytes
-        desc, frame = protocol.encode_payload(buf, compress, digest)
+        desc, frame = protocol.encode_payload(buf, compress, digests[0])
         big = n >= BATCH_BYTES
         if not big and frame is buf:
             frame = bytes(buf)  # the caller may overwrite the tensor as soon as we return
-        sent = len(frame) if isinstance(frame, bytes) else frame.nbytes
-        upload_args[1] = len(self._payloads)
-        self._ops.append(["rc::upload", upload_args, None, None])
+        sent = _size(frame)
+        key = self._enter(mirror, digests, n)
+        self._ops.append(["rc::upload", [h, len(self._payloads), dtype, shape, key], None, None])
         self._payloads.append((desc, frame))
         self._pending_bytes += sent
         self.stats["compressed_bytes_saved"] += n - sent
@@ -191,8 +192,8 @@ class Session:
         elif self.sync:
             self.request("rc::sync", [])
 
-    def _send_parts(self, h: int, buf: memoryview, digests: list, compress: bool, upload_args: list,
-                    mirror: cache.CacheMirror | None, non_blocking: bool, t: torch.Tensor) -> None:
+    def _send_parts(self, h: int, buf: memoryview, digests: list, compress: bool, dtype: torch.dtype,
+                    shape: list, mirror: cache.CacheMirror | None, non_blocking: bool, t: torch.Tensor) -> None:
         """One message per part (queued ops go with the first), each part hashed just before it
         goes if that is not done yet; the upload op itself rides with the last part."""
         n, t0, sent, trackers = buf.nbytes, time.perf_counter(), 0, []
@@ -204,10 +205,9 @@ class Session:
             desc, frame = protocol.encode_payload(part, compress, digests[i])
             self._ops.append(["rc::upload_part", [h, len(self._payloads), i * PART_BYTES, n], None, None])
             if i == count - 1:
-                self._ops.append(["rc::upload", [*upload_args, self._enter(mirror, digests, n)], None, None])
+                self._ops.append(["rc::upload", [h, None, dtype, shape, self._enter(mirror, digests, n)], None, None])
             self._payloads.append((desc, frame))
-            size = len(frame) if isinstance(frame, bytes) else frame.nbytes
-            sent += size
+            sent += _size(frame)
             tracker = self.flush(track=frame is part)
             if tracker is not None:
                 trackers.append(tracker)
@@ -241,7 +241,7 @@ class Session:
             self._op_index += len(self._ops)
             self.stats["ops"] += len(self._ops)
             self.stats["messages"] += 1
-            self.stats["bytes_up"] += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+            self.stats["bytes_up"] += sum(_size(f) for f in frames)
             self._ops, self._payloads, self._pending_bytes = [], [], 0
             self._last_send = time.monotonic()
             if self._inflight:
@@ -370,6 +370,10 @@ class Session:
             for sock in (self.sock, self.front):
                 if not sock.closed:
                     sock.close(linger=1000)
+
+
+def _size(frame: Any) -> int:
+    return len(frame) if isinstance(frame, bytes) else frame.nbytes
 
 
 def _connect(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) -> zmq.Socket:

@@ -53,7 +53,6 @@ class Upload:
     ready: Any  # the copy stream's CUDA event, or None on the CPU
     digests: list  # the verified digests of its parts
     parts: list  # its host buffers, which the content cache keeps
-    nbytes: int
 
 
 def assemble(parts: list, dtype: torch.dtype, shape: list, device: torch.device) -> torch.Tensor:
@@ -411,7 +410,7 @@ class Executor:
         """Enter an upload's bytes under its key; False if its verified digests do not give that key."""
         if content_key(up.digests) != key:
             return False
-        self.cache.put(key, up.parts, up.nbytes)
+        self.cache.put(key, up.parts, sum(p.nbytes for p in up.parts))
         return True
 
     # ------------------------------------------------------------------ memory

@@ -57,7 +57,7 @@ class Worker:
         self.token = b""
         self.early: list = []  # data-port messages that came before ATTACH
         self.direct_client: bytes | None = None  # the client's identity on the data socket
-        self.direct = {"direct_messages_in": 0, "direct_bytes_in": 0, "direct_bytes_out": 0}
+        self.direct_counts = {"direct_messages_in": 0, "direct_bytes_in": 0, "direct_bytes_out": 0}
         self.outbox = self.ctx.socket(zmq.PULL)
         self.outbox.bind(f"inproc://out-{id(self)}")
         self.inbox: queue.Queue = queue.Queue()
@@ -120,7 +120,7 @@ class Worker:
         if self.direct_client is None:
             self.sock.send_multipart([b"OUT", self.client, *frames], copy=False)
             return
-        self.direct["direct_bytes_out"] += sum(len(f) for f in frames)
+        self.direct_counts["direct_bytes_out"] += sum(len(f) for f in frames)
         try:
             self.data.send_multipart([self.direct_client, *frames], copy=False)
         except zmq.ZMQError:  # the client's connection is gone; the session times out
@@ -133,8 +133,8 @@ class Worker:
                 self.early.append(frames)
             return
         ident, frames = frames[0].bytes, frames[1:]
-        self.direct["direct_messages_in"] += 1
-        self.direct["direct_bytes_in"] += sum(len(f) for f in frames)
+        self.direct_counts["direct_messages_in"] += 1
+        self.direct_counts["direct_bytes_in"] += sum(len(f) for f in frames)
         try:
             msg_type = protocol.decode_header(frames[0])[0] if frames else None
             if msg_type is None:
@@ -163,7 +163,7 @@ class Worker:
 
     def _reply_direct(self, ident: bytes, msg_type: int, body: dict) -> None:
         frames = protocol.encode(msg_type, body)
-        self.direct["direct_bytes_out"] += sum(len(f) for f in frames)
+        self.direct_counts["direct_bytes_out"] += sum(len(f) for f in frames)
         try:
             self.data.send_multipart([ident, *frames])
         except zmq.ZMQError:
@@ -171,7 +171,7 @@ class Worker:
 
     def _report_stats(self) -> None:
         """Tell the supervisor this session's counters (for gateway-wide status), when they change."""
-        stats = dict(self.executor.stats, **self.direct, memory=self.executor.sample_memory(),
+        stats = dict(self.executor.stats, **self.direct_counts, memory=self.executor.sample_memory(),
                      cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
                      cache_evictions=self.executor.cache.evictions if self.executor.cache else 0)
         if stats != self._last_stats and self.client is not None:
@@ -257,7 +257,7 @@ class Worker:
         if self.copy_stream is not None:
             t.record_stream(torch.cuda.current_stream(self.device))
             ready = self.copy_stream.record_event()
-        msg.prepared[h] = Upload(t, ready, part_digests, parts, sum(p.nbytes for p in parts))
+        msg.prepared[h] = Upload(t, ready, part_digests, parts)
 
     # ------------------------------------------------------------------ executor thread
     def _execute_loop(self) -> None:
