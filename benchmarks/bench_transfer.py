@@ -14,8 +14,9 @@ proxy (benchmarks/delay_proxy.py, a separate process) in front of it, and measur
 (c) upload and download throughput, 4 KB ... 256 MB, fresh content per upload, against a raw
     loopback socket (sendall / recv_into) in the same run; and re-uploads the content cache serves;
 (d) bytes sent in epoch 2 / epoch 1 for a dataset that fits in the upload cache;
-(e) compression: zeros, integer labels, random floats (16 MB each): the codec on its own
-    (``LinkModel`` / ``encode_payload``) and real uploads with compression forced off / on / automatic;
+(e) compression: zeros, integer labels, random floats (16 MB each): each codec on its own (bytes, encode
+    and decode time), ``LinkModel.choose`` at the default link speed, and real uploads raw, with each
+    codec forced, and automatic;
 (f) an upload-heavy loop (16 MB batch + ~equal compute per step): serial (``.cuda()``, compute,
     ``.item()``) vs pipelined (``remotecuda.prefetch``, one sync at the end), against
     max(transfer, compute) and transfer + compute.
@@ -414,49 +415,50 @@ def payload_kinds(nbytes: int) -> dict:
 
 
 def measure_codec(nbytes: int, reps: int) -> dict:
-    """The codec alone, on this machine's CPU: no network."""
+    """Each codec alone, on this machine's CPU: no network."""
     from remotecuda import protocol
     from remotecuda.compression import LinkModel
     out = {}
     link = LinkModel()
     for name, t in payload_kinds(nbytes).items():
         buf = protocol.tensor_bytes(t)
-        decisions = [link.should_compress(buf) for _ in range(20)]
-        decide = statistics.mode(decisions)
-        raw_t = min(_time(lambda: protocol.encode_payload(buf, False)) for _ in range(reps))
-        z_times, frames = [], None
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            frames = protocol.encode_payload(buf, True)
-            z_times.append(time.perf_counter() - t0)
-        desc, frame = frames
-        wire = len(frame) if isinstance(frame, bytes) else frame.nbytes
-        dec_t = min(_time(lambda: protocol.decode_payload(desc, frame)) for _ in range(reps))
-        out[name] = {"raw_bytes": buf.nbytes, "codec": desc[1], "wire_bytes": wire,
-                     "ratio": wire / buf.nbytes, "encode_raw_s": raw_t, "encode_zstd_s": min(z_times),
-                     "decode_s": dec_t, "default_link_decision": bool(decide),
-                     "default_link_compress_fraction": sum(decisions) / len(decisions),
-                     "default_link_bytes_per_s": link.bytes_per_s}
-        log(f"(e) codec {name}: {desc[1]} {wire:,} B ({wire / buf.nbytes:.3f}), encode {min(z_times) * 1e3:.1f} ms, "
-            f"decode {dec_t * 1e3:.1f} ms, auto decision {decide}")
+        choices = [link.choose(buf, protocol.CODECS) or "raw" for _ in range(20)]
+        row = {"raw_bytes": buf.nbytes, "default_link_bytes_per_s": link.bytes_per_s,
+               "encode_raw_s": min(_time(lambda: protocol.encode_payload(buf)) for _ in range(reps)),
+               "auto": {c: choices.count(c) for c in sorted(set(choices))}, "codecs": {}}
+        for codec in protocol.CODECS:
+            impl = protocol.CODEC_IMPLS[codec]
+            frame = impl.compress(buf)
+            row["codecs"][codec] = {
+                "wire_bytes": len(frame), "ratio": len(frame) / buf.nbytes,
+                "kept": len(frame) < buf.nbytes * protocol.MAX_RATIO,  # else encode_payload sends it raw
+                "encode_s": min(_time(lambda: impl.compress(buf)) for _ in range(reps)),
+                "decode_s": min(_time(lambda: impl.decompress(memoryview(frame), buf.nbytes)) for _ in range(reps))}
+        out[name] = row
+        log(f"(e) codec {name}: " + ", ".join(
+            f"{c} {v['wire_bytes']:,} B ({v['ratio']:.3f}) enc {v['encode_s'] * 1e3:.1f} ms dec {v['decode_s'] * 1e3:.1f} ms"
+            for c, v in row["codecs"].items()) + f"; auto {row['auto']}")
     return out
 
 
 def measure_compression_e2e(nbytes: int, reps: int) -> dict:
+    """Real uploads (and their downloads) of fresh content: raw, each codec forced, automatic."""
     import remotecuda
     s = session()
-    default_link = float(os.environ.get("REMOTECUDA_LINK_MBPS", "1000")) * 1e6
-    modes = {"off": 1e15, "on": 1.0, "auto": None}
+    default_link = float(os.environ.get("REMOTECUDA_LINK_MBPS", "1000")) * 1e6  # not what the session measured
+    negotiated = s.codecs
+    # mode: (link speed, codecs): a very fast link never compresses, a very slow one always does
+    modes = {"off": (1e15, negotiated), **{c: (1.0, (c,)) for c in negotiated}, "auto": (default_link, negotiated)}
     out = {}
     serial = 0
     for name, base in payload_kinds(nbytes).items():
         out[name] = {}
-        for mode, link_speed in modes.items():
+        for mode, (link_speed, codecs) in modes.items():
             times, wire, down_times, down_bytes = [], [], [], []
             for i in range(reps + 1):
                 serial += 1
                 t = fresh(base, serial)
-                s.link.bytes_per_s = link_speed if link_speed is not None else default_link
+                s.link.bytes_per_s, s.codecs = link_speed, codecs
                 sync()
                 remotecuda.stats(reset=True)
                 t0 = time.perf_counter()
@@ -481,7 +483,7 @@ def measure_compression_e2e(nbytes: int, reps: int) -> dict:
                                "bytes_down": int(statistics.median(down_bytes)), "bytes_down_all": down_bytes}
         log(f"(e) e2e {name}: " + ", ".join(f"{m} {v['upload_s'] * 1e3:.1f} ms/{v['bytes_up']:,} B"
                                             for m, v in out[name].items()))
-    s.link.bytes_per_s = default_link
+    s.link.bytes_per_s, s.codecs = default_link, negotiated
     return out
 
 
@@ -843,49 +845,7 @@ upload cache).
   are not data; they are why the second row's ratio is higher.
 """)
 
-    # (e)
-    codec, e2e = r["codec"], r["compression"]
-    codec_names = list(codec.items())
-    rows = []
-    for name, c in codec.items():
-        rows.append((name, f"{c['raw_bytes']:,}", f"{c['wire_bytes']:,} ({c['codec']})", f"{c['ratio']:.3f}",
-                     f"{c['encode_raw_s'] * 1e3:.1f} / {c['encode_zstd_s'] * 1e3:.1f} ms",
-                     f"{c['decode_s'] * 1e3:.1f} ms",
-                     (f"{c['raw_bytes'] / c['encode_zstd_s'] * (1 - c['ratio']) / 1e6:,.0f} MB/s"
-                      if c["codec"] == "zstd" else "never"),
-                     f"compress in {c['default_link_compress_fraction']:.0%} of 20 tries"))
-    rows2 = []
-    for name, modes in e2e.items():
-        cells = [name]
-        for m in ("off", "on", "auto"):
-            v = modes[m]
-            cells.append(f"{v['upload_s'] * 1e3:.1f} ms, {_mb_range(v.get('bytes_up_all', [v['bytes_up']]))}")
-        downs = [b for m in ("off", "on", "auto") for b in modes[m].get("bytes_down_all", [modes[m]["bytes_down"]])]
-        cells.append(f"{min(modes[m]['download_s'] for m in modes) * 1e3:.1f} ms, {_mb_range(downs)}")
-        rows2.append(tuple(cells))
-    link_mbps = next(iter(codec.values()))["default_link_bytes_per_s"] / 1e6
-    parts.append(f"""{h} (e) Compression: zeros, integer labels, random floats (16 MB each)
-
-Codec alone (`protocol.encode_payload`, zstd level 1; `LinkModel.should_compress` at the default link speed
-{link_mbps:,.0f} MB/s), best of 3 on this CPU:
-
-{_table(("payload", "raw bytes", "on the wire (codec)", "wire / raw", "encode raw / zstd", "decode (check + decompress)", "pays on links slower than z·(1−r)", "auto decision"), rows)}
-
-Real uploads (fresh content, `.to('cuda')` + sync; best of runs): compression forced off (link speed set very high), forced on
-(link speed set very low), and automatic (the default link model); bytes up as counted by the client (whole messages):
-
-{_table(("payload", "off: time, bytes up", "on: time, bytes up", "auto: time, bytes up", "download (gateway decides, all runs): best time, bytes down"), rows2)}
-
-- reading: zeros shrink ~{codec_names[0][1]['raw_bytes'] / codec_names[0][1]['wire_bytes']:,.0f}x at a small CPU cost, integer labels ~{1 / codec_names[1][1]['ratio']:.0f}x but zstd encodes
-  them at only ~{codec_names[1][1]['raw_bytes'] / codec_names[1][1]['encode_zstd_s'] / 1e6:,.0f} MB/s here; random floats do not compress (the frame would not be < 90 % of raw) and go
-  raw whatever is asked. "pays on links slower than" is `LinkModel`'s own criterion z·(1−r) evaluated on the
-  whole 16 MB: at the default 1,000 MB/s link estimate the automatic choice compresses zeros and sends labels raw,
-  which is {"right" if e2e[codec_names[1][0]]['on']['upload_s'] > e2e[codec_names[1][0]]['off']['upload_s'] else "not borne out"} on this loopback (labels forced on: {e2e[codec_names[1][0]]['on']['upload_s'] * 1e3:.0f} ms vs {e2e[codec_names[1][0]]['off']['upload_s'] * 1e3:.0f} ms raw) and wrong
-  on a real network slower than ~{codec_names[1][1]['raw_bytes'] / codec_names[1][1]['encode_zstd_s'] * (1 - codec_names[1][1]['ratio']) / 1e6:,.0f} MB/s unless the session's measured link speed replaces the default.
-  The decision rests on timing one 64 KiB sample, so on a loaded machine it can flip between runs for the
-  same content (a byte range in the table shows it did). Single 16 MB uploads on this shared machine scatter
-  by tens of ms; compare bytes first, times second.
-""")
+    parts.append(compression_markdown(r["codec"], r["compression"], h))
 
     # (f)
     p, q = r["pipelining"], r.get("pipelining_1thread")
@@ -926,6 +886,76 @@ for the transfer's processes on this {p['nproc']}-CPU machine).
   compute leaves the CPUs free and only the copies compete.
 """)
     return "\n".join(parts)
+
+
+def _pays_below(c: dict, raw_bytes: int) -> str:
+    """The link speed under which a codec saves time: n/L > n/z + r·n/L + n/d (compression.py)."""
+    if not c["kept"]:
+        return "never"
+    return f"{raw_bytes * (1 - c['ratio']) / (c['encode_s'] + c['decode_s']) / 1e6:,.0f} MB/s"
+
+
+def compression_markdown(codec: dict, e2e: dict, h: str = "##") -> str:
+    """Section (e) of the report."""
+    names = list(next(iter(codec.values()))["codecs"])
+    rows = []
+    for kind, c in codec.items():
+        cells = [kind, f"{c['raw_bytes']:,}", f"{c['encode_raw_s'] * 1e3:.1f} ms"]
+        for name in names:
+            v = c["codecs"][name]
+            cells += [f"{v['wire_bytes']:,} ({v['ratio']:.3f})" + ("" if v["kept"] else ", sent raw"),
+                      f"{v['encode_s'] * 1e3:.1f} / {v['decode_s'] * 1e3:.1f} ms", _pays_below(v, c["raw_bytes"])]
+        cells.append(", ".join(f"{choice} {k}/20" for choice, k in c["auto"].items()))
+        rows.append(tuple(cells))
+    head = ["payload", "raw bytes", "encode raw (digest)"]
+    for name in names:
+        head += [f"{name}: on the wire (wire/raw)", f"{name}: encode / decode", f"{name} pays on links slower than"]
+    head.append("automatic choice (20 tries)")
+    modes = list(next(iter(e2e.values())))
+    rows2 = []
+    for kind, per_mode in e2e.items():
+        cells = [kind]
+        for m in modes:
+            v = per_mode[m]
+            cells.append(f"{v['upload_s'] * 1e3:.1f} ms, {_mb_range(v['bytes_up_all'])}")
+        downs = [b for m in modes for b in per_mode[m]["bytes_down_all"]]
+        cells.append(f"{min(per_mode[m]['download_s'] for m in modes) * 1e3:.1f} ms, {_mb_range(downs)}")
+        rows2.append(tuple(cells))
+    link_mbps = next(iter(codec.values()))["default_link_bytes_per_s"] / 1e6
+    kinds = list(codec)
+    zeros, labels = codec[kinds[0]], codec[kinds[1]]
+
+    def shrink(c: dict) -> str:
+        return " and ".join(f"~{1 / c['codecs'][n]['ratio']:,.0f}x with {n}" for n in names)
+
+    def faster(kind: str) -> str:
+        """Which forced codec beat raw for this payload on this loopback, if any."""
+        won = [m for m in names if e2e[kind][m]["upload_s"] < e2e[kind]["off"]["upload_s"]]
+        return ", ".join(won) if won else "none"
+    return f"""{h} (e) Compression: zeros, integer labels, random floats (16 MB each)
+
+Each codec alone (`protocol.CODEC_IMPLS[...]`: lz4 block, zstd level 1; decode includes its size checks),
+best of 3 on this CPU, and `LinkModel.choose` at the default link speed {link_mbps:,.0f} MB/s (it samples 64 KiB):
+
+{_table(tuple(head), rows)}
+
+Real uploads (fresh content, `.to('cuda')` + sync; best of runs): raw (link speed set very high), each codec
+forced (link speed set very low, only that codec allowed), and automatic (the default link model, all codecs);
+bytes up as counted by the client (whole messages):
+
+{_table(("payload", *(f"{m}: time, bytes up" for m in modes), "download (gateway decides, all runs): best time, bytes down"), rows2)}
+
+- reading: zeros shrink {shrink(zeros)}; integer labels {shrink(labels)}; random floats do not
+  compress (no frame is < 90 % of raw) and go raw whatever is asked. "pays on links slower than" is the
+  policy's own criterion, n/L > n/z + r·n/L + n/d, evaluated on the whole 16 MB: lz4 encodes and decodes
+  faster, zstd shrinks more: the policy weighs both per payload, so lz4 tends to win on fast links and
+  zstd on slow ones.
+- forced codecs that beat raw on this loopback: zeros {faster(kinds[0])}; labels {faster(kinds[1])};
+  random floats {faster(kinds[2])}.
+- the decision rests on timing one 64 KiB sample, so on a loaded machine it can flip between runs for the
+  same content (the automatic-choice column and byte ranges show it did). Single 16 MB uploads on this
+  shared machine scatter by tens of ms; compare bytes first, times second.
+"""
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ A message is a list of ZeroMQ frames::
   types (never pickle); everything else is plain msgpack data.
 * payloads are raw tensor bytes, one frame each, described in ``body["pl"]`` by
   ``[raw_nbytes, codec, digest]``; they are never copied into the msgpack body.
-  ``codec`` is ``"raw"`` or ``"zstd"``; ``digest`` is the xxh3-128 of the raw bytes: the
+  ``codec`` is ``"raw"`` or one of ``CODECS`` that the receiver listed (the gateway in
+  WELCOME, the client in HELLO); ``digest`` is the xxh3-128 of the raw bytes: the
   integrity check, and the same digest the upload cache keys by (cache.py), so each side
   hashes a payload once.
 
@@ -19,15 +20,22 @@ docs/PROTOCOL.md describes the message types and the op encoding.
 """
 from __future__ import annotations
 
+import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import torch
 import xxhash
 import zstandard
+
+try:
+    import lz4.block
+except ImportError:  # lz4 is optional: zstd alone then
+    lz4 = None
 
 MAGIC = b"RCDA"
 VERSION = 1
@@ -161,6 +169,89 @@ def unpack_body(data: bytes | memoryview) -> dict:
     return body
 
 
+# ---------------------------------------------------------------------------- codecs
+
+#: a compressed frame is kept only if it is smaller than this fraction of the raw bytes
+MAX_RATIO = 0.9
+_local = threading.local()  # a zstd compressor per thread: making one costs ~100 µs, sharing one is unsafe
+
+
+def _zstd_compress(buf: memoryview) -> bytes:
+    if not hasattr(_local, "zstd"):
+        _local.zstd = zstandard.ZstdCompressor(level=1)
+    return _local.zstd.compress(buf)
+
+
+def _zstd_decompress(buf: memoryview, raw_n: int) -> bytes:
+    try:
+        declared = zstandard.frame_content_size(buf)
+    except zstandard.ZstdError as e:
+        raise ProtocolError(f"bad zstd frame: {e}") from None
+    if declared != raw_n:  # zstd ignores max_output_size when the header states a size
+        raise ProtocolError(f"zstd frame declares {declared} bytes, descriptor says {raw_n}")
+    try:
+        return zstandard.ZstdDecompressor().decompress(buf, max_output_size=raw_n)
+    except zstandard.ZstdError as e:
+        raise ProtocolError(f"bad zstd frame: {e}") from None
+
+
+#: an lz4 block inflates at most ~255-fold, so a larger claim is a decompression bomb
+LZ4_MAX_INFLATION = 256
+
+
+def _lz4_compress(buf: memoryview) -> bytes:
+    return lz4.block.compress(buf, store_size=False)  # the descriptor carries the size
+
+
+def _lz4_decompress(buf: memoryview, raw_n: int) -> bytes:
+    if raw_n > LZ4_MAX_INFLATION * buf.nbytes:
+        raise ProtocolError(f"lz4 block of {buf.nbytes} bytes cannot hold {raw_n} bytes")
+    try:  # the output buffer is raw_n bytes: a block that would write more fails
+        return lz4.block.decompress(buf, uncompressed_size=raw_n)
+    except (lz4.block.LZ4BlockError, OverflowError, ValueError) as e:
+        raise ProtocolError(f"bad lz4 block: {e}") from None
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A payload codec: how its frames are made, and undone without trusting them."""
+
+    compress: Callable[[memoryview], bytes]
+    #: the frame back to ``raw_n`` bytes, bounded by ``raw_n``; ProtocolError for a bad frame
+    decompress: Callable[[memoryview, int], bytes]
+    #: the largest payload it encodes
+    max_bytes: int = MAX_PAYLOAD_BYTES
+
+
+#: the codecs this installation has, fastest first (compression.py relies on that order)
+CODEC_IMPLS: dict[str, Codec] = {}
+if lz4 is not None:
+    CODEC_IMPLS["lz4"] = Codec(_lz4_compress, _lz4_decompress, max_bytes=0x7E000000)  # LZ4_MAX_INPUT_SIZE
+CODEC_IMPLS["zstd"] = Codec(_zstd_compress, _zstd_decompress)
+
+
+def enabled_codecs(setting: str | None) -> tuple[str, ...]:
+    """The codecs this process sends and accepts: ``REMOTECUDA_CODECS`` (comma-separated;
+    empty or ``none``: raw only) limited to those installed, or all installed when unset."""
+    if setting is None:
+        return tuple(CODEC_IMPLS)
+    wanted = {name.strip().lower() for name in setting.split(",")}
+    return tuple(name for name in CODEC_IMPLS if name in wanted)
+
+
+CODECS = enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))
+
+
+def common_codecs(offered: Any) -> tuple[str, ...]:
+    """Our codecs that a peer listed (in WELCOME or HELLO), fastest first; a peer that lists
+    none is from before codec negotiation and decodes zstd only."""
+    if offered is None:
+        offered = ["zstd"]
+    if not isinstance(offered, list):
+        raise ProtocolError("malformed codec list")
+    return tuple(name for name in CODECS if name in offered)
+
+
 # ---------------------------------------------------------------------------- payloads
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -182,22 +273,23 @@ def payload_digest(buf: memoryview) -> bytes:
     return xxhash.xxh3_128_digest(buf)
 
 
-def encode_payload(buf: memoryview, compress: bool = False, digest: bytes | None = None) -> tuple[list, Any]:
-    """The descriptor and the frame for one payload (see compression.py for when to compress);
-    ``digest`` is the payload's digest when the caller already has it."""
+def encode_payload(buf: memoryview, codec: str | None = None, digest: bytes | None = None) -> tuple[list, Any]:
+    """The descriptor and the frame for one payload, compressed with ``codec`` (see
+    compression.py for which) unless that saves less than 10 %; ``digest`` is the payload's
+    digest when the caller already has it."""
     n = buf.nbytes
     desc = [n, "raw", digest if digest is not None else payload_digest(buf)]
-    if compress:
-        frame = zstandard.ZstdCompressor(level=1).compress(buf)
-        if len(frame) < n * 0.9:
-            desc[1] = "zstd"
+    if codec is not None:
+        frame = CODEC_IMPLS[codec].compress(buf)
+        if len(frame) < n * MAX_RATIO:
+            desc[1] = codec
             return desc, frame
     return desc, buf
 
 
 def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> memoryview:
     """Decompress (if needed) and check one payload frame against its descriptor's digest;
-    raise ProtocolError on any mismatch."""
+    raise ProtocolError on any mismatch, or for a codec this side did not offer."""
     if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], int)
             and isinstance(desc[2], bytes)):
         raise ProtocolError("malformed payload descriptor")
@@ -209,22 +301,12 @@ def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES) ->
         if buf.nbytes != raw_n:
             raise ProtocolError(f"payload is {buf.nbytes} bytes, descriptor says {raw_n}")
         out = buf
-    elif codec == "zstd":
-        try:
-            declared = zstandard.frame_content_size(buf)
-        except zstandard.ZstdError as e:
-            raise ProtocolError(f"bad zstd frame: {e}") from None
-        if declared != raw_n:  # zstd ignores max_output_size when the header states a size
-            raise ProtocolError(f"zstd frame declares {declared} bytes, descriptor says {raw_n}")
-        try:
-            out = zstandard.ZstdDecompressor().decompress(buf, max_output_size=raw_n)
-        except zstandard.ZstdError as e:
-            raise ProtocolError(f"bad zstd frame: {e}") from None
-        if len(out) != raw_n:
-            raise ProtocolError("decompressed payload has the wrong size")
-        out = memoryview(out)
+    elif codec in CODECS:
+        out = memoryview(CODEC_IMPLS[codec].decompress(buf, raw_n))
+        if out.nbytes != raw_n:
+            raise ProtocolError(f"decompressed payload is {out.nbytes} bytes, descriptor says {raw_n}")
     else:
-        raise ProtocolError(f"unknown payload codec {codec!r}")
+        raise ProtocolError(f"unknown payload codec {codec!r} (this side decodes {', '.join(('raw', *CODECS))})")
     if payload_digest(out) != digest:
         raise ProtocolError("payload integrity check failed")
     return out

@@ -53,7 +53,10 @@ class Session:
         self.lock = threading.RLock()
         self.front = _connect(ctx, endpoint)  # the gateway's port: placement, and word of a lost worker
         want = {"bytes": cache_bytes, "policy": cache_policy}
-        self.info = hello(self.front, {"device": gpu, "cache": want}, connect_timeout, endpoint)
+        self.info = hello(self.front, {"device": gpu, "cache": want, "codecs": list(protocol.CODECS)},
+                          connect_timeout, endpoint)
+        #: the codecs uploads may use: ours that the gateway decodes
+        self.codecs = protocol.common_codecs(self.info.get("codecs"))
         self.direct_failure: str | None = None
         self.sock = self._open_direct(ctx, self.info.get("direct")) or self.front  # the op stream's socket
         self._poller = zmq.Poller()
@@ -159,7 +162,7 @@ class Session:
                         self.request("rc::sync", [])
                     return h
             send = self._send_whole if n <= PART_BYTES else self._send_parts
-            send(h, buf, digests, self.link.should_compress(buf), dtype, shape, mirror, non_blocking, t)
+            send(h, buf, digests, self.link.choose(buf, self.codecs), dtype, shape, mirror, non_blocking, t)
         return h
 
     def _enter(self, mirror: cache.CacheMirror | None, digests: list, n: int) -> bytes | None:
@@ -171,11 +174,11 @@ class Session:
         self.stats["cache_misses"] += 1
         return key
 
-    def _send_whole(self, h: int, buf: memoryview, digests: list, compress: bool, dtype: torch.dtype,
+    def _send_whole(self, h: int, buf: memoryview, digests: list, codec: str | None, dtype: torch.dtype,
                     shape: list, mirror: cache.CacheMirror | None, non_blocking: bool, t: torch.Tensor) -> None:
         """One payload frame; small ones wait in the batch (as a copy), large ones go at once."""
         n = buf.nbytes
-        desc, frame = protocol.encode_payload(buf, compress, digests[0])
+        desc, frame = protocol.encode_payload(buf, codec, digests[0])
         big = n >= BATCH_BYTES
         if not big and frame is buf:
             frame = bytes(buf)  # the caller may overwrite the tensor as soon as we return
@@ -192,7 +195,7 @@ class Session:
         elif self.sync:
             self.request("rc::sync", [])
 
-    def _send_parts(self, h: int, buf: memoryview, digests: list, compress: bool, dtype: torch.dtype,
+    def _send_parts(self, h: int, buf: memoryview, digests: list, codec: str | None, dtype: torch.dtype,
                     shape: list, mirror: cache.CacheMirror | None, non_blocking: bool, t: torch.Tensor) -> None:
         """One message per part (queued ops go with the first), each part hashed just before it
         goes if that is not done yet; the upload op itself rides with the last part."""
@@ -202,7 +205,7 @@ class Session:
             part = buf[i * PART_BYTES:(i + 1) * PART_BYTES]
             if i == len(digests):
                 digests.append(protocol.payload_digest(part))
-            desc, frame = protocol.encode_payload(part, compress, digests[i])
+            desc, frame = protocol.encode_payload(part, codec, digests[i])
             self._ops.append(["rc::upload_part", [h, len(self._payloads), i * PART_BYTES, n], None, None])
             if i == count - 1:
                 self._ops.append(["rc::upload", [h, None, dtype, shape, self._enter(mirror, digests, n)], None, None])

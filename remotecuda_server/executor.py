@@ -165,6 +165,7 @@ class Executor:
         self.events: dict[int, Any] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.peak_bytes = 0
+        self.codecs: tuple[str, ...] = ()  # what the client decodes, set when the session is attached
         self.stats = dict.fromkeys(("ops", "messages", "uploads", "downloads", "cache_hits",
                                     "cache_misses", "cache_bytes_saved", "errors"), 0)
 
@@ -333,7 +334,7 @@ class Executor:
             t = self._arg(Handle(args[0])).detach()
             cpu = t.to("cpu") if t.device.type != "cpu" else t
             buf = protocol.tensor_bytes(cpu)
-            out_payloads.append(protocol.encode_payload(buf, _LINK.should_compress(buf)))
+            out_payloads.append(protocol.encode_payload(buf, _LINK.choose(buf, self.codecs)))
             self.stats["downloads"] += 1
             return {"pl": len(out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
         if name == "seed":

@@ -93,6 +93,7 @@ class Gateway:
         self.sessions: dict[bytes, SessionState] = {}
         self.waiting: list[tuple[bytes, int]] = []  # (client, device) HELLOs waiting for a worker
         self.cache_requests: dict[bytes, Any] = {}
+        self.client_codecs: dict[bytes, tuple[str, ...]] = {}  # what each waiting client decodes
         self.totals = {"messages_in": 0, "bytes_in": 0, "bytes_out": 0}
         self.finished: dict[str, int] = {}  # worker counters of sessions that have ended
         self.cache_bytes = cache_bytes
@@ -139,8 +140,9 @@ class Gateway:
             self.sessions[client] = SessionState(client, w.ident, dev)
             conf = self._cache_conf(self.cache_requests.pop(client, None))
             token = secrets.token_bytes(16)
+            codecs = list(self.client_codecs.pop(client, ()))
             self.back.send_multipart([w.ident, b"ATTACH", client,
-                                      protocol.pack_body({"cache": conf, "token": token})])
+                                      protocol.pack_body({"cache": conf, "token": token, "codecs": codecs})])
             welcome = dict(self._inventory(session=True), cache=conf)
             if w.data_port:
                 welcome["direct"] = {"port": w.data_port, "token": token}
@@ -159,7 +161,7 @@ class Gateway:
     def _inventory(self, session: bool = False) -> dict:
         return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(),
                 "devices": [d.as_dict() for d in self.devices], "session": session,
-                "sessions": len(self.sessions)}
+                "sessions": len(self.sessions), "codecs": list(protocol.CODECS)}
 
     def status(self) -> dict:
         """Per-session and gateway-wide counters: what the pool's scheduler and panel read."""
@@ -239,6 +241,11 @@ class Gateway:
             return
         if client in self.sessions:
             self._error(client, "this connection already has a session")
+            return
+        try:  # downloads use only codecs the client decodes
+            self.client_codecs[client] = protocol.common_codecs(body.get("codecs"))
+        except ProtocolError as e:
+            self._error(client, str(e))
             return
         self.cache_requests[client] = body.get("cache")
         self.waiting.append((client, dev))

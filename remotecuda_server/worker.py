@@ -107,6 +107,7 @@ class Worker:
                     if cache.get("bytes"):
                         self.executor.cache = ContentCache(cache["bytes"], cache["policy"])
                     self.token = conf.get("token") or b""
+                    self.executor.codecs = tuple(conf.get("codecs") or ())
                     for early in self.early:
                         self._on_direct(early)
                     self.early = []

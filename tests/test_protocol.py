@@ -26,8 +26,8 @@ from remotecuda.protocol import Handle, ProtocolError
 # ============================================================================ unit level
 
 
-def _roundtrip_tensor(t: torch.Tensor, compress=False) -> tuple[torch.Tensor, list]:
-    desc, frame = protocol.encode_payload(protocol.tensor_bytes(t), compress)
+def _roundtrip_tensor(t: torch.Tensor, codec=None) -> tuple[torch.Tensor, list]:
+    desc, frame = protocol.encode_payload(protocol.tensor_bytes(t), codec)
     frames = protocol.encode(protocol.OPS, {"ops": [["rc::upload", [1, 0, t.dtype, list(t.shape), None], None, None]]},
                              [(desc, frame)], seq=7)
     frames = [bytes(f) for f in frames]  # what the wire delivers
@@ -66,18 +66,19 @@ def test_noncontiguous_conj_and_neg_views_roundtrip():
         assert torch.equal(out, t.resolve_conj())
 
 
-def test_compression_used_only_where_it_pays():
+@pytest.mark.parametrize("codec", protocol.CODECS)
+def test_compressed_frames_kept_only_where_they_save(codec):
     zeros = torch.zeros(64, 1024)  # 256 KiB that compresses to almost nothing
-    out, desc = _roundtrip_tensor(zeros, compress=True)
-    assert desc[1] == "zstd" and torch.equal(out, zeros)
-    frame = protocol.encode_payload(protocol.tensor_bytes(zeros), True)[1]
+    out, desc = _roundtrip_tensor(zeros, codec)
+    assert desc[1] == codec and torch.equal(out, zeros)
+    frame = protocol.encode_payload(protocol.tensor_bytes(zeros), codec)[1]
     assert len(frame) < 2048
     noise = torch.randn(64, 1024)  # float noise barely compresses: sent raw even when asked
-    out, desc = _roundtrip_tensor(noise, compress=True)
+    out, desc = _roundtrip_tensor(noise, codec)
     assert desc[1] == "raw" and torch.equal(out, noise)
-    assert _roundtrip_tensor(zeros, compress=False)[1][1] == "raw"
-    forced, desc = _roundtrip_tensor(torch.arange(5000, dtype=torch.int64), compress=True)
-    assert desc[1] == "zstd" and torch.equal(forced, torch.arange(5000))
+    assert _roundtrip_tensor(zeros)[1][1] == "raw"
+    forced, desc = _roundtrip_tensor(torch.arange(5000, dtype=torch.int64), codec)
+    assert desc[1] == codec and torch.equal(forced, torch.arange(5000))
 
 
 def test_body_values_roundtrip():
@@ -124,7 +125,7 @@ _VALID = protocol.encode(
              ["aten::mul.Scalar", [Handle(3), 1 + 2j], {}, [5]],
              ["rc::fetch", [5], None, {"base": None}]],
      "n0": 12, "rel": [7, 8], "req": 1},
-    [protocol.encode_payload(memoryview(bytes(range(256)) * 20), compress=True),
+    [protocol.encode_payload(memoryview(bytes(range(256)) * 20), "zstd"),
      protocol.encode_payload(memoryview(b"\x01\x02\x03\x04"))], seq=5)
 _VALID = [bytes(f) for f in _VALID]
 
@@ -199,6 +200,18 @@ def test_arbitrary_payload_descriptors_only_raise_protocol_error(desc, frame):
         protocol.decode_payload(desc, frame)
     except ProtocolError:
         pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(codec=st.sampled_from(protocol.CODECS), raw_n=st.integers(0, 1 << 20), frame=st.binary(max_size=256),
+       data=st.binary(min_size=1, max_size=4096), cut=st.integers(0, 4096))
+def test_damaged_compressed_frames_only_raise_protocol_error(codec, raw_n, frame, data, cut):
+    real = protocol.CODEC_IMPLS[codec].compress(memoryview(data * 8))
+    for n, f in ((raw_n, frame), (len(data) * 8, real[:cut]), (raw_n, real)):
+        try:
+            protocol.decode_payload([n, codec, protocol.payload_digest(data * 8)], f)
+        except ProtocolError:
+            pass
 
 
 # ============================================================================ against a real gateway
@@ -529,8 +542,17 @@ def test_decompression_bombs_and_oversized_descriptors(gw, good, bad_session):
     assert msg == f"payload declares {over} bytes, over the limit of {protocol.MAX_PAYLOAD_BYTES}"
     msg = upload([-1, "raw", protocol.payload_digest(b"abc")], b"abc")
     assert "payload declares -1 bytes" in msg
-    msg = upload([3, "lz4", protocol.payload_digest(b"abc")], b"abc")
-    assert msg == "unknown payload codec 'lz4'"
+    msg = upload([3, "brotli", protocol.payload_digest(b"abc")], b"abc")
+    assert msg == f"unknown payload codec 'brotli' (this side decodes {', '.join(('raw', *protocol.CODECS))})"
+    if "lz4" in protocol.CODECS:
+        # an lz4 block inflates at most ~255-fold: a 4 KiB block cannot be 256 MiB
+        block = protocol.CODEC_IMPLS["lz4"].compress(memoryview(bytes(big)))[:4096]
+        msg = upload([big, "lz4", protocol.payload_digest(b"")], block, [big // 4])
+        assert msg == f"lz4 block of 4096 bytes cannot hold {big} bytes"
+        # a block of 8 MiB of zeros, sent as 8 KiB: decoding stops at the descriptor's size
+        block = protocol.CODEC_IMPLS["lz4"].compress(memoryview(bytes(8 << 20)))
+        msg = upload([8192, "lz4", protocol.payload_digest(bytes(8192))], block)
+        assert msg.startswith("bad lz4 block")
     junk = b"\x28\xb5\x2f\xfd" + os.urandom(30)
     msg = upload([8192, "zstd", protocol.payload_digest(junk)], junk)
     assert "zstd" in msg

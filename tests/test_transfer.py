@@ -49,17 +49,39 @@ def test_cache_mirror_knows_certain_misses_from_the_first_part():
     assert not m.may_hold((40, b"first-a"))
 
 
-def test_compression_policy():
-    link = LinkModel(1e8)  # 100 MB/s; on loopback speeds the outcome depends on this machine's zstd
+def test_codec_choice():
+    link = LinkModel(1e8)  # 100 MB/s; on loopback speeds the outcome depends on this machine's CPU
     zeros = protocol.tensor_bytes(torch.zeros(1 << 20))
     floats = protocol.tensor_bytes(torch.randn(1 << 20))
-    assert link.should_compress(zeros)
-    assert not link.should_compress(floats), "random floats barely compress: sent raw"
-    assert not link.should_compress(protocol.tensor_bytes(torch.zeros(100)))  # too small to bother
+    assert link.choose(zeros, protocol.CODECS) in protocol.CODECS
+    assert link.choose(zeros, ["zstd"]) == "zstd", "only codecs the peer decodes"
+    assert link.choose(zeros, []) is None
+    assert link.choose(floats, protocol.CODECS) is None, "random floats barely compress: sent raw"
+    assert LinkModel(1.0).choose(floats, protocol.CODECS) is None, "not even on the slowest link"
+    assert link.choose(protocol.tensor_bytes(torch.zeros(100)), protocol.CODECS) is None  # too small to bother
     slow = LinkModel(1e6)  # a 1 MB/s link: anything that shrinks is worth compressing
-    assert slow.should_compress(protocol.tensor_bytes(torch.randint(0, 10, (1 << 16,))))
+    assert slow.choose(protocol.tensor_bytes(torch.randint(0, 10, (1 << 16,))), protocol.CODECS) is not None
     slow.observe(10 << 20, 0.01)
     assert slow.bytes_per_s > 1e6
+
+
+def test_codec_settings():
+    assert protocol.enabled_codecs(None) == tuple(protocol.CODEC_IMPLS)
+    assert protocol.enabled_codecs("zstd, LZ4,brotli") == tuple(protocol.CODEC_IMPLS)  # fastest first
+    assert protocol.enabled_codecs("none") == protocol.enabled_codecs("") == ()
+    assert protocol.common_codecs(None) == ("zstd",), "a peer from before negotiation decodes zstd only"
+    assert protocol.common_codecs(["zstd", "lz4", "brotli"]) == protocol.CODECS
+    with pytest.raises(protocol.ProtocolError):
+        protocol.common_codecs("lz4")
+
+
+def test_zstd_alone_without_lz4_installed():
+    r = run_python("import sys; sys.modules['lz4'] = None\n"
+                   "from remotecuda import protocol, compression\n"
+                   "import torch\n"
+                   "buf = protocol.tensor_bytes(torch.zeros(1 << 20))\n"
+                   "print(protocol.CODECS, compression.LinkModel(1e6).choose(buf, ['lz4', 'zstd']))")
+    assert r.returncode == 0 and r.stdout.split() == ["('zstd',)", "zstd"], r.stderr[-2000:]
 
 
 @pytest.mark.usefixtures("remote")
@@ -93,17 +115,27 @@ def test_mutating_a_cached_source_sends_the_new_values():
     assert c.cpu().sum().item() == 1024
 
 
-def test_compressible_uploads_shrink_on_the_wire(remote):
+@pytest.mark.parametrize("codec", protocol.CODECS)
+def test_compressible_uploads_shrink_on_the_wire(remote, monkeypatch, codec):
     torch.cuda.synchronize()
-    link = remote.session(0).link
-    saved, link.bytes_per_s = link.bytes_per_s, 1e8  # as on a 100 MB/s link
-    try:
-        remotecuda.stats(reset=True)
-        z = torch.zeros(1 << 20).cuda()  # 4 MiB of zeros
-        assert z.sum().item() == 0
-        st = remotecuda.stats()
-    finally:
-        link.bytes_per_s = saved
+    s = remote.session(0)
+    monkeypatch.setattr(s.link, "bytes_per_s", 1e8)  # as on a 100 MB/s link
+    monkeypatch.setattr(s, "codecs", (codec,))
+    used = []
+    encode = protocol.encode_payload
+
+    def spy(buf, codec=None, digest=None):
+        desc, frame = encode(buf, codec, digest)
+        used.append(desc[1])
+        return desc, frame
+    monkeypatch.setattr(protocol, "encode_payload", spy)
+    remotecuda.stats(reset=True)
+    x = torch.zeros(1 << 20)  # 4 MiB of zeros
+    x[12345] = 7.0 + protocol.CODECS.index(codec)  # a byte to get wrong; new content (no cache hit) per codec
+    z = x.cuda()
+    assert torch.equal(z.cpu(), x)
+    st = remotecuda.stats()
+    assert used == [codec]
     assert st["compressed_bytes_saved"] > 3 << 20 and st["bytes_up"] < 1 << 20
 
 
@@ -296,3 +328,80 @@ def test_host_blocks_come_back_only_when_no_tensor_uses_them():
         y = asm.finish(torch.float32, [1 << 19])
         assert torch.equal(y, x)
         x = x + 1
+
+
+# ---------------------------------------------------------------------------- codec negotiation
+
+CODEC_CLIENT = r'''
+import sys, torch, remotecuda
+from remotecuda import protocol
+sent, received = [], []
+encode, decode = protocol.encode_payload, protocol.decode_payload
+
+def spy_encode(buf, codec=None, digest=None):
+    desc, frame = encode(buf, codec, digest)
+    sent.append(desc[1])
+    return desc, frame
+
+def spy_decode(desc, frame, *args):
+    received.append(desc[1])
+    return decode(desc, frame, *args)
+
+protocol.encode_payload, protocol.decode_payload = spy_encode, spy_decode
+rt = remotecuda.activate(sys.argv[1], fallback="error")
+s = rt.session(0)
+g = torch.Generator().manual_seed(0)
+for x in (torch.zeros(1 << 16), torch.randint(0, 10, (1 << 15,), generator=g)):
+    assert torch.equal((x.cuda() * 3 + 1).cpu(), x * 3 + 1)
+print("codecs", ",".join(s.codecs), "sent", ",".join(sorted(set(sent))),
+      "received", ",".join(sorted(set(received))), "saved", remotecuda.stats()["compressed_bytes_saved"] > 0)
+if len(sys.argv) > 2:  # pretend negotiation failed: send a codec the gateway did not list
+    s.codecs = (sys.argv[2],)
+    torch.full((1 << 16,), 2.0).cuda()  # content the gateway has not cached
+    try:
+        torch.cuda.synchronize()
+    except remotecuda.GatewayProtocolError as e:
+        print("rejected:", e)
+    print("still served", (torch.ones(3).cuda() * 2).sum().item())
+'''
+SLOW_LINK = {"REMOTECUDA_LINK_MBPS": "0.001"}  # anything that shrinks is worth compressing
+
+
+def _gateway(env: dict) -> GatewayProcess:
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        return GatewayProcess("--spare", "1")
+
+
+@pytest.fixture(scope="module")
+def slow_gateway():
+    gw = _gateway(SLOW_LINK)
+    yield gw
+    gw.stop()
+
+
+@pytest.mark.parametrize("codec", protocol.CODECS)
+def test_each_codec_both_ways(slow_gateway, codec):
+    """A client that decodes one codec says so in HELLO: its uploads use only that codec, and so
+    do the gateway's downloads to it; the results match the CPU."""
+    r = run_python("", args=["-c", CODEC_CLIENT, slow_gateway.address],
+                   env=dict(SLOW_LINK, REMOTECUDA_CODECS=codec), timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["codecs", codec, "sent", codec, "received", codec, "saved", "True"], r.stdout
+
+
+@pytest.mark.skipif("lz4" not in protocol.CODECS, reason="lz4 is not installed")
+def test_a_gateway_without_lz4_never_gets_lz4():
+    """REMOTECUDA_CODECS=zstd on the gateway: WELCOME lists zstd only, so the client never sends
+    lz4; a client that does anyway gets a clear protocol error, and the session goes on."""
+    gw = _gateway(dict(SLOW_LINK, REMOTECUDA_CODECS="zstd"))
+    try:
+        r = run_python("", args=["-c", CODEC_CLIENT, gw.address, "lz4"], env=SLOW_LINK, timeout=180)
+    finally:
+        gw.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["codecs", "zstd", "sent", "zstd", "received", "zstd", "saved", "True"], r.stdout
+    assert "unknown payload codec 'lz4' (this side decodes raw, zstd)" in lines[1], r.stdout
+    assert lines[2] == "still served 6.0", r.stdout
