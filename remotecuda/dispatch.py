@@ -219,6 +219,12 @@ class Dispatcher:
         s = self.runtime.session(self.runtime.current_device if vdev is None else vdev)
         if func is aten._to_copy.default:
             return self.upload(args[0], s, kwargs)
+        if m.name.endswith("_like.default") and args and not isinstance(args[0], RemoteTensor):
+            # zeros_like(a CPU or meta tensor, device='cuda'): only its layout matters, send no data
+            src = args[0]
+            like = self.run(self.op_meta(aten.empty_strided.default), (list(src.shape), list(src.stride())),
+                            {"dtype": src.dtype, "device": _CUDA}, s, factory=True)
+            args = (like, *args[1:])
         return self.run(m, args, kwargs, s, factory=True)
 
     # ------------------------------------------------------------------ the common path

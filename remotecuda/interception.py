@@ -1,22 +1,25 @@
 """Catching 'cuda' in unchanged PyTorch code.
 
-Two modes stay pushed while remotecuda is active:
-
-* ``RemoteFunctionMode`` (a TorchFunctionMode) sees Python-level calls. It handles what
-  fails in C++ *before* any dispatch on a CPU-only build — ``torch.tensor(...,
+* ``RemoteDispatchMode`` (a TorchDispatchMode, pushed while remotecuda is active) sees
+  every aten call. Ops on remote tensors go to the dispatcher; factories asked for on
+  'cuda' become remote factories; factories C++ builds on 'meta' from a remote tensor's
+  options (``where(c, x, 0.)``, backward formulas) become remote too, unless the user
+  asked for 'meta' (the patched factories below mark those).
+* What fails in C++ *before* any dispatch on a CPU-only build — ``torch.tensor(...,
   device='cuda')``, ``t.cuda()``, ``t.to('cuda')`` on CPU tensors — and what would be
-  silently wrong below it: list indices and ``new_tensor`` (their data is lost in a meta
-  tensor), ``p.data = ...`` (the wrapper's handle would go stale) and CUDA autocast.
-* ``RemoteDispatchMode`` (a TorchDispatchMode) sees every aten call. Ops on remote
-  tensors go to the dispatcher; factories asked for on 'cuda' become remote factories;
-  factories on 'meta' built by C++ from a remote tensor's options (``where(c, x, 0.)``,
-  backward formulas) become remote too, unless the user asked for 'meta' explicitly.
+  silently wrong below it — list indices and ``new_tensor`` (their data is lost in a meta
+  tensor), ``p.data = ...`` (the wrapper's handle would go stale) — is caught by patching
+  those few Python-level functions, not by a TorchFunctionMode: a mode is called for
+  every op and costs ~8 µs on each (a third of the client's per-op cost).
+* CUDA autocast needs every matmul, softmax... seen at the Python level; its function
+  mode (``AutocastMode``) is pushed only while a ``torch.autocast('cuda')`` block runs.
 
 ``install()``/``uninstall()`` also swap in the ``torch.cuda`` replacements and the few
 torch settings the wrapper needs, and put everything back exactly as it was.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -24,6 +27,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.overrides import _get_current_function_mode_stack as _function_modes
+from torch.utils import _device as device_context
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import autocast, cuda_api, generator, serialization
@@ -32,6 +37,8 @@ from .tensor import RemoteTensor
 
 _local = threading.local()
 _DATA = torch._C.TensorBase.data
+#: the unpatched ``Tensor.to``, for calls made on the user's behalf
+_TO = torch._C.TensorBase.to
 
 
 def _user_meta() -> bool:
@@ -39,11 +46,29 @@ def _user_meta() -> bool:
 
 
 class _UserMeta:
+    """Marks a factory the user asked for on 'meta': it stays meta (other 'meta' factories
+    come from C++ building on a remote tensor's options, and become remote)."""
+
     def __enter__(self) -> None:
         _local.user_meta = getattr(_local, "user_meta", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
         _local.user_meta -= 1
+
+
+def _is_meta(d: Any) -> bool:
+    return d == "meta" or getattr(d, "type", None) == "meta"
+
+
+def _context_device() -> torch.device | None:
+    """The device of the innermost ``with torch.device(...)`` (a function mode that fills in
+    ``device=`` only after our patched factories have looked at their arguments)."""
+    if torch._C._len_torch_function_stack() == 0:  # the common case, and cheap
+        return None
+    for mode in reversed(_function_modes()):
+        if isinstance(mode, device_context.DeviceContext):
+            return mode.device
+    return None
 
 
 def _device(d: Any) -> torch.device | None:
@@ -71,7 +96,7 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
             kw["dtype"] = dtype
         if memory_format is not None:
             kw["memory_format"] = memory_format
-        return torch.Tensor.to(t, torch.device("meta"), **kw)
+        return _TO(t, torch.device("meta"), **kw)
     finally:
         DISPATCHER.local.target = prev
 
@@ -104,7 +129,7 @@ def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
         if index == self._dev:
             if not copy and (dtype is None or dtype == self.dtype) and memory_format in (None, torch.preserve_format):
                 return self
-            return torch.Tensor.to(self, dtype=dtype or self.dtype, non_blocking=non_blocking, copy=copy,
+            return _TO(self, dtype=dtype or self.dtype, non_blocking=non_blocking, copy=copy,
                                    memory_format=memory_format or torch.preserve_format)
         return func(self, device, dtype=dtype or self.dtype, non_blocking=non_blocking, copy=copy)
     return to_cuda(self, index, dtype, non_blocking, memory_format)
@@ -118,13 +143,13 @@ def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
     if d.type != "cuda":
         raise RuntimeError(f"Invalid device, must be cuda device, got {d}")
     mf = kwargs.get("memory_format", torch.preserve_format)
-    return _tensor_to(torch.Tensor.to, (self, torch.device("cuda", _cuda_index(d))),
+    return _tensor_to(_TO, (self, torch.device("cuda", _cuda_index(d))),
                       {"non_blocking": non_blocking, "memory_format": mf})
 
 
 def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     """torch.tensor / as_tensor / asarray with device='cuda': build on the CPU, then upload."""
-    d = _device(kwargs.get("device"))
+    d = _device(kwargs.get("device")) or _context_device()
     if d is None or d.type != "cuda":
         if d is not None and d.type == "meta":
             with _UserMeta():
@@ -224,44 +249,89 @@ def _is_pinned(func: Callable, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-_HANDLERS: dict[Callable, Callable] = {
-    torch.Tensor.to: _tensor_to,
-    torch.Tensor.cuda: _tensor_cuda,
-    torch.tensor: _data_factory,
-    torch.as_tensor: _data_factory,
-    torch.asarray: _data_factory,
-    torch.Tensor.new_tensor: _new_tensor,
-    torch.Tensor.__getitem__: _getitem,
-    torch.Tensor.__setitem__: _setitem,
-    torch.Tensor.pin_memory: _pin_memory,
-    torch.Tensor.is_pinned: _is_pinned,
-    torch.nn.functional.scaled_dot_product_attention: autocast.sdpa,
-    _DATA.__set__: _set_data,  # ``p.data = x``; method-wrappers compare equal by (descriptor, object)
-}
+def _factory(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """A factory called by the user: ``device=0`` means the accelerator, which C++ says is
+    absent, so make it 'cuda:0'; on 'meta' (given, or ``with torch.device('meta')``) it stays meta."""
+    d = kwargs.get("device")
+    if type(d) is int:
+        kwargs = dict(kwargs, device=torch.device("cuda", d))
+    elif _is_meta(d if d is not None else _context_device()):
+        with _UserMeta():
+            return func(*args, **kwargs)
+    return func(*args, **kwargs)
 
 
-def _with_policy(policy: Callable) -> Callable:
-    return lambda func, args, kwargs: autocast.apply(policy, func, args, kwargs)
+#: factories taking a ``device=``, in ``torch`` and as ``Tensor.new_*``
+_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "range",
+              "linspace", "logspace", "eye", "empty_strided", "empty_permuted", "normal", "scalar_tensor",
+              "tril_indices", "triu_indices", "zeros_like", "ones_like", "empty_like", "full_like",
+              "rand_like", "randn_like", "randint_like", "hann_window", "hamming_window", "bartlett_window",
+              "blackman_window", "kaiser_window")
+_NEW_FACTORIES = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_zeros")
+
+#: (owner, attribute, handler): the Python-level functions replaced while active; a handler
+#: gets the original function, the positional arguments and the keyword arguments
+_ROUTES: list[tuple[Any, str, Callable]] = [
+    *((torch, name, _factory) for name in _FACTORIES),
+    *((torch.Tensor, name, _factory) for name in _NEW_FACTORIES),
+    (torch.fft, "fftfreq", _factory),
+    (torch.fft, "rfftfreq", _factory),
+    (torch.Tensor, "to", _tensor_to),
+    (torch.Tensor, "cuda", _tensor_cuda),
+    (torch, "tensor", _data_factory),
+    (torch, "as_tensor", _data_factory),
+    (torch, "asarray", _data_factory),
+    (torch.Tensor, "new_tensor", _new_tensor),
+    (torch.Tensor, "__getitem__", _getitem),
+    (torch.Tensor, "__setitem__", _setitem),
+    (torch.Tensor, "pin_memory", _pin_memory),
+    (torch.Tensor, "is_pinned", _is_pinned),
+    (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
+]
 
 
-#: every function with special handling, in one table: one lookup per call on the hot path
-_ROUTES: dict[Callable, Callable] = {**{f: _with_policy(p) for f, p in autocast.POLICY.items()}, **_HANDLERS}
+def _routed(original: Callable, handler: Callable) -> Callable:
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        return handler(original, args, kwargs)
+    return routed
 
 
-class RemoteFunctionMode(TorchFunctionMode):
+def _data_property() -> property:
+    """``Tensor.data`` with a setter that keeps a wrapper's handle in step (``p.data = x``)."""
+    def set_data(self: torch.Tensor, new: torch.Tensor) -> None:
+        _set_data(_DATA.__set__, (self, new), {})
+    return property(_DATA.__get__, set_data, doc=_DATA.__doc__)
+
+
+class AutocastMode(TorchFunctionMode):
+    """CUDA autocast's casting policies, active only inside a ``torch.autocast('cuda')`` block."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        h = _ROUTES.get(func)
-        if h is not None:
-            return h(func, args, kwargs or {})
-        if not kwargs:  # most calls: nothing to look at, and no dict to build
-            return func(*args)
-        d = kwargs.get("device")
-        if type(d) is int:  # a bare ordinal means the accelerator, which C++ says is absent
-            kwargs = dict(kwargs, device=torch.device("cuda", d))
-        elif d is not None and (d == "meta" or getattr(d, "type", None) == "meta"):
-            with _UserMeta():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        policy = autocast.POLICY.get(func)
+        if policy is not None:
+            return autocast.apply(policy, func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+def _autocast_enter(original: Callable) -> Callable:
+    def __enter__(self: Any) -> Any:
+        out = original(self)
+        if self.device == "cuda":
+            mode = AutocastMode()
+            mode.__enter__()
+            self.__dict__.setdefault("_remotecuda_modes", []).append(mode)  # a decorator re-enters
+        return out
+    return __enter__
+
+
+def _autocast_exit(original: Callable) -> Callable:
+    def __exit__(self: Any, *exc: Any) -> Any:
+        modes = self.__dict__.get("_remotecuda_modes")
+        if modes:
+            modes.pop().__exit__(None, None, None)
+        return original(self, *exc)
+    return __exit__
 
 
 class RemoteDispatchMode(TorchDispatchMode):
@@ -278,9 +348,9 @@ class RemoteDispatchMode(TorchDispatchMode):
             if d.type == "cuda":
                 return DISPATCHER.factory(func, args, kwargs, d.index)
             if d.type == "meta" and not _user_meta():
-                return DISPATCHER.factory(func, args, kwargs, getattr(DISPATCHER.local, "target", None)
-                                          if getattr(DISPATCHER.local, "target", None) is not None
-                                          else getattr(DISPATCHER.local, "vdev", None))
+                target = getattr(DISPATCHER.local, "target", None)
+                return DISPATCHER.factory(func, args, kwargs,
+                                          target if target is not None else getattr(DISPATCHER.local, "vdev", None))
         return func(*args, **kwargs)
 
 
@@ -372,18 +442,22 @@ def install() -> None:
         lst.append(RemoteTensor)
     _state["swap"] = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
-    fmode, dmode = RemoteFunctionMode(), RemoteDispatchMode()
-    fmode.__enter__()
-    dmode.__enter__()
-    _state.update(installed=True, patches=p, modes=(fmode, dmode))
+    device_context._device_constructors()  # `with torch.device(...)` caches the originals: before patching
+    for owner, name, handler in _ROUTES:
+        p.set(owner, name, _routed(getattr(owner, name), handler))
+    p.set(torch.Tensor, "data", _data_property())
+    amp = torch.amp.autocast_mode.autocast
+    p.set(amp, "__enter__", _autocast_enter(amp.__enter__))
+    p.set(amp, "__exit__", _autocast_exit(amp.__exit__))
+    mode = RemoteDispatchMode()
+    mode.__enter__()
+    _state.update(installed=True, patches=p, mode=mode)
 
 
 def uninstall() -> None:
     if not _state.get("installed"):
         return
-    fmode, dmode = _state["modes"]
-    dmode.__exit__(None, None, None)
-    fmode.__exit__(None, None, None)
+    _state["mode"].__exit__(None, None, None)
     torch.__future__.set_swap_module_params_on_conversion(_state["swap"])
     for lst in _state["foreach"]:
         lst.remove(RemoteTensor)

@@ -124,6 +124,59 @@ def test_autocast_casts_like_cuda():
     assert torch.cuda.is_bf16_supported()
 
 
+def test_autocast_decorator_reentered_and_nested():
+    a = torch.randn(4, 4).cuda()
+
+    @torch.autocast("cuda", dtype=torch.float16)
+    def mm(x):
+        return x @ x
+
+    assert mm(a).dtype == torch.float16 and mm(a).dtype == torch.float16  # one instance, entered twice
+    with torch.autocast("cuda", dtype=torch.float16):
+        with torch.autocast("cuda", enabled=False):
+            assert (a @ a).dtype == torch.float32
+        assert (a @ a).dtype == torch.float16
+    assert (a @ a).dtype == torch.float32
+
+
+def test_no_function_mode_on_the_op_path():
+    """Ops on remote tensors pay for no TorchFunctionMode (~8 µs each): only autocast pushes one."""
+    assert torch._C._len_torch_function_stack() == 0
+    with torch.autocast("cuda"):
+        assert torch._C._len_torch_function_stack() == 1
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_user_meta_stays_meta_and_ordinals_mean_cuda():
+    x = torch.ones(2, 3, device="cuda")
+    for t in (torch.empty(2, 3, device="meta"), torch.zeros(2, device=torch.device("meta")),
+              torch.ones(2).to("meta"), torch.tensor([1.0], device="meta"), torch.zeros_like(x.cpu(), device="meta")):
+        assert t.is_meta and type(t) is torch.Tensor
+    with torch.device("meta"):
+        lin = nn.Linear(3, 2)
+    assert lin.weight.is_meta
+    lin = lin.to_empty(device="cuda")
+    assert lin.weight.is_cuda and lin(x).shape == (2, 2)
+    for t in (x.new_zeros(2, device=0), torch.randn(2, device=0), torch.arange(3, device=0)):
+        assert t.is_cuda and t.device == torch.device("cuda", 0)
+    assert torch.where(x > 0, x, 0.).is_cuda  # C++ builds the scalar on 'meta' from x: remote
+
+
+def test_deactivate_restores_torch_exactly():
+    from remotecuda import interception
+    interception.uninstall()  # what deactivate() does, keeping the fixture's sessions
+    try:
+        assert torch.Tensor.to is torch._C.TensorBase.to and "data" not in vars(torch.Tensor)
+        assert torch.zeros is torch._C._VariableFunctions.zeros
+        assert torch.nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+        assert "__enter__" in vars(torch.amp.autocast_mode.autocast)
+        assert torch.autocast.__enter__.__module__ == "torch.amp.autocast_mode"
+        assert torch.ones(2).to("meta").is_meta
+    finally:
+        interception.install()
+    assert torch.zeros(2, device="cuda").is_cuda
+
+
 # ---------------------------------------------------------------- breaks loudly unless handled
 
 def test_format_numpy_tolist_item():
