@@ -627,7 +627,7 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
         batch, remote_step = calibrate_big_batch("cuda")
         log(f"(b) calibrated batch {batch}: gateway step {remote_step * 1e3:.1f} ms")
         wait_for_quiet("(b) latency hiding")
-        res["latency_hiding"] = measure_latency_hiding(proxy, batch, steps=10, repeats=2 if quick else 7)
+        res["latency_hiding"] = measure_latency_hiding(proxy, batch, steps=10 if quick else 20, repeats=2 if quick else 7)
         res["latency_hiding"]["calibration_step_ms"] = remote_step * 1e3
         res["stats_proxy_phase"] = remotecuda.stats()
         remotecuda.deactivate()

@@ -36,6 +36,7 @@ from .dispatch import DISPATCHER
 from .tensor import RemoteTensor
 
 _local = threading.local()
+_active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _DATA = torch._C.TensorBase.data
 #: the unpatched ``Tensor.to``, for calls made on the user's behalf
 _TO = torch._C.TensorBase.to
@@ -291,9 +292,13 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
 
 
 def _routed(original: Callable, handler: Callable) -> Callable:
+    """``original`` through ``handler`` in threads where remotecuda is active (the dispatch mode
+    is per thread; the patch is not): elsewhere plain PyTorch, not a stray meta tensor."""
     @functools.wraps(original)
     def routed(*args: Any, **kwargs: Any) -> Any:
-        return handler(original, args, kwargs)
+        if _active_here():
+            return handler(original, args, kwargs)
+        return original(*args, **kwargs)
     return routed
 
 

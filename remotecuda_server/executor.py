@@ -269,8 +269,9 @@ class Executor:
                  out_payloads: list) -> Any:
         if name.startswith("rc::"):
             return self._internal(name[4:], args, payloads, out_payloads)
-        func = self.resolver.resolve(name)
-        result = func(*[self._arg(a) for a in args], **{k: self._arg(v) for k, v in kwargs.items()})
+        func = self.resolver.resolve(name)._op  # what OpOverload.__call__ forwards to, one frame less
+        args = [self._arg(a) for a in args]
+        result = func(*args, **{k: self._arg(v) for k, v in kwargs.items()}) if kwargs else func(*args)
         if isinstance(outs, dict):
             return self._describe(outs, result)
         self._store(outs, result)

