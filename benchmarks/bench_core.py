@@ -116,20 +116,24 @@ def transfers(nbytes: int, reps: int) -> tuple[float, float]:
     return statistics.median(up), statistics.median(down)
 
 
-def raw_socket_ceiling(sizes: list, reduce=statistics.median) -> dict:
-    """Seconds (median of the runs, or ``reduce``) to move nbytes one way over loopback TCP
-    (sendall / recv_into + 1-byte ack)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    port = srv.getsockname()[1]
-    biggest = max(s for s, _, _ in sizes)
+class RawTCP:
+    """The ceiling: plain Python sockets over loopback (sendall / recv_into, 1-byte ack for
+    uploads), buffers allocated and touched once, so no page faults are timed."""
 
-    def serve() -> None:
-        conn, _ = srv.accept()
+    def __init__(self, biggest: int):
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(1)
+        threading.Thread(target=self._serve, args=(biggest,), daemon=True).start()
+        self.c = socket.create_connection(self.srv.getsockname())
+        self.c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.data = memoryview(os.urandom(biggest))
+        self.rbuf = memoryview(bytearray(biggest))
+
+    def _serve(self, biggest: int) -> None:
+        conn, _ = self.srv.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        buf = bytearray(biggest)
-        view = memoryview(buf)
+        view = memoryview(bytearray(biggest))
         while True:
             hdr = conn.recv(9, socket.MSG_WAITALL)
             if len(hdr) < 9:
@@ -143,31 +147,37 @@ def raw_socket_ceiling(sizes: list, reduce=statistics.median) -> dict:
             else:  # client downloads n bytes
                 conn.sendall(view[:n])
 
-    th = threading.Thread(target=serve, daemon=True)
-    th.start()
-    c = socket.create_connection(("127.0.0.1", port))
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    data = os.urandom(biggest)
-    rbuf = memoryview(bytearray(biggest))
+    def up(self, nbytes: int) -> float:
+        t0 = time.perf_counter()
+        self.c.sendall(b"U" + nbytes.to_bytes(8, "little"))
+        self.c.sendall(self.data[:nbytes])
+        self.c.recv(1)
+        return time.perf_counter() - t0
+
+    def down(self, nbytes: int) -> float:
+        t0 = time.perf_counter()
+        self.c.sendall(b"D" + nbytes.to_bytes(8, "little"))
+        got = 0
+        while got < nbytes:
+            got += self.c.recv_into(self.rbuf[got:nbytes])
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.c.close()
+        self.srv.close()
+
+
+def raw_socket_ceiling(sizes: list, reduce=statistics.median) -> dict:
+    """Seconds (median of the runs, or ``reduce``) to move nbytes each way over loopback TCP."""
+    raw = RawTCP(max(s for s, _, _ in sizes))
     out = {}
     for nbytes, _, reps in sizes:
         ups, downs = [], []
         for _ in range(max(reps, 5)):
-            t0 = time.perf_counter()
-            c.sendall(b"U" + nbytes.to_bytes(8, "little"))
-            c.sendall(memoryview(data)[:nbytes])
-            c.recv(1)
-            t1 = time.perf_counter()
-            c.sendall(b"D" + nbytes.to_bytes(8, "little"))
-            got = 0
-            while got < nbytes:
-                got += c.recv_into(rbuf[got:nbytes])
-            t2 = time.perf_counter()
-            ups.append(t1 - t0)
-            downs.append(t2 - t1)
+            ups.append(raw.up(nbytes))
+            downs.append(raw.down(nbytes))
         out[nbytes] = (reduce(ups), reduce(downs))
-    c.close()
-    srv.close()
+    raw.close()
     return out
 
 

@@ -309,13 +309,19 @@ def fresh(base: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def measure_throughput(sizes: list, quick: bool) -> list:
+    """Remote uploads and downloads, each rep next to one raw TCP transfer each way, so the
+    ratio compares the two under the same load (on a shared machine the ceiling swings)."""
     rows = []
     serial = 0
+    raw = bench_core.RawTCP(max(n for n, _, _ in sizes))
     for nbytes, label, reps in sizes:
         reps = min(reps, 3) if quick else reps
         base = torch.randn(nbytes // 4)
-        ups, downs, cached, issue = [], [], [], []
+        ups, downs, cached, issue, raw_ups, raw_downs = [], [], [], [], [], []
         for i in range(reps + 1):  # the first of each size is a warm-up
+            for _ in range(1 if i else 2):
+                raw_ups.append(raw.up(nbytes))
+                raw_downs.append(raw.down(nbytes))
             serial += 1
             t = fresh(base, serial)
             sync()
@@ -343,10 +349,12 @@ def measure_throughput(sizes: list, quick: bool) -> list:
                "up_min_s": min(ups), "up_med_s": statistics.median(ups),
                "down_min_s": min(downs), "down_med_s": statistics.median(downs),
                "issue_med_s": statistics.median(issue),
-               "cached_up_min_s": min(cached) if cached else None}
+               "cached_up_min_s": min(cached) if cached else None,
+               "tcp_up_min_s": min(raw_ups), "tcp_down_min_s": min(raw_downs)}
         rows.append(row)
         log(f"(c) {label}: up {nbytes / row['up_min_s'] / 1e9:.3f} GB/s, down {nbytes / row['down_min_s'] / 1e9:.3f} GB/s")
         del base
+    raw.close()
     return rows
 
 
@@ -599,9 +607,6 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
 
     # --- local, before remotecuda is active
     sizes = [s for s in XFER_SIZES if with_256 or s[0] < 256 * MB]
-    wait_for_quiet("raw TCP ceiling")
-    tcp_min = bench_core.raw_socket_ceiling(sizes, reduce=min)
-    res["tcp"] = [{"nbytes": n, "up_min_s": tcp_min[n][0], "down_min_s": tcp_min[n][1]} for n, _, _ in sizes]
     res["codec"] = measure_codec(16 * MB, 3)
     pr = proxy_round_trips()
     res["proxy_rtt"] = {"0": pr[0.0], "25": pr[DELAY_MS]}
@@ -649,6 +654,8 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
         x.sum().item()
         wait_for_quiet("(c) throughput")
         res["throughput"] = measure_throughput(sizes, quick)
+        res["tcp"] = [{"nbytes": row["nbytes"], "up_min_s": row["tcp_up_min_s"], "down_min_s": row["tcp_down_min_s"]}
+                      for row in res["throughput"]]
         wait_for_quiet("(d) epochs")
         res["epochs"] = measure_epochs()
         wait_for_quiet("(e) compression")
@@ -803,7 +810,8 @@ takes ~100 ms: {lh['calibration_step_ms']:.1f} ms at calibration; the same step 
 Direct connection (no proxy). Every upload carries fresh content (one element changed), so the content cache
 cannot hide the transfer; upload = `.to('cuda')` + `torch.cuda.synchronize()`, download = `.cpu()`; both
 include one blocking round trip. Best of {r['throughput'][0]['reps']}…{r['throughput'][-1]['reps']} runs per size (fewer for large sizes); raw TCP is
-plain Python sockets (sendall / recv_into, 1-byte ack for uploads), best of ≥ 5, measured in the same run.
+plain Python sockets (sendall / recv_into, 1-byte ack for uploads), one transfer each way next to each remote run
+(so both see the same load on this shared machine), best of those.
 
 {_table(("size (float32)", "upload GB/s", "download GB/s", "raw TCP up / down GB/s", "remote as % of raw (up / down)", "upload: client part (median)", "cached re-upload (same bytes)"), rows)}
 
