@@ -38,12 +38,12 @@ except ImportError:  # lz4 is optional: zstd alone then
     lz4 = None
 
 MAGIC = b"RCDA"
-VERSION = 1
+VERSION = 2
 
 # message types
-HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL, STATUS = range(1, 11)
+HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL, STATUS, PART = range(1, 12)
 TYPE_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", OPS: "OPS", REPLY: "REPLY", ERROR: "ERROR",
-              PING: "PING", PONG: "PONG", BYE: "BYE", CANCEL: "CANCEL", STATUS: "STATUS"}
+              PING: "PING", PONG: "PONG", BYE: "BYE", CANCEL: "CANCEL", STATUS: "STATUS", PART: "PART"}
 
 _HEADER = struct.Struct("<4sBBHQIIQ")
 HEADER_SIZE = _HEADER.size + 4

@@ -24,9 +24,9 @@ from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableEr
 
 #: flush when this many ops are queued
 BATCH_OPS = 256
-#: flush when this many payload bytes are queued; larger uploads go out at once
+#: flush when this many payload bytes are queued; uploads this large go out at once, on the bulk connection
 BATCH_BYTES = 1 << 20
-#: uploads larger than this travel in parts of this size, so the gateway's work overlaps the transfer
+#: uploads travel on the bulk connection in parts of this size, so the gateway's work overlaps the transfer
 PART_BYTES = 4 << 20
 #: flush ops that have waited this long (seconds), so the GPU is not kept idle
 BATCH_WINDOW = 0.002
@@ -58,9 +58,12 @@ class Session:
         #: the codecs uploads may use: ours that the gateway decodes
         self.codecs = protocol.common_codecs(self.info.get("codecs"))
         self.direct_failure: str | None = None
+        self.bulk_failure: str | None = None
+        self._direct_endpoint: str | None = None
         self.sock = self._open_direct(ctx, self.info.get("direct")) or self.front  # the op stream's socket
+        self.bulk = self._open_bulk(ctx) or self.sock  # large uploads' socket
         self._poller = zmq.Poller()
-        for sock in {self.sock, self.front}:
+        for sock in {self.sock, self.front, self.bulk}:
             self._poller.register(sock, zmq.POLLIN)
         granted = self.info.get("cache") or {}
         self.cache = (cache.CacheMirror(granted["bytes"], granted["policy"])
@@ -74,6 +77,7 @@ class Session:
         self._release: list[int] = []
         self._inflight: list = []  # (tracker, tensor): zero-copy uploads zmq has not sent yet
         self._seq = 0
+        self._parts_sent = 0  # PART messages so far: an upload's op names how many precede it
         self._rid = 0
         self._op_index = 0
         self._last_send = time.monotonic()
@@ -97,6 +101,25 @@ class Session:
             hello(sock, {"token": offer.get("token")}, DIRECT_TIMEOUT, endpoint)
         except (GatewayUnavailableError, protocol.ProtocolError) as e:
             self.direct_failure = str(e)  # why this session took the forwarded path
+            sock.close(linger=0)
+            return None
+        self._direct_endpoint = endpoint
+        return sock
+
+    def _open_bulk(self, ctx: zmq.Context) -> zmq.Socket | None:
+        """A second connection, on the op stream's path, for large uploads: TCP delivers a
+        connection's bytes in order, so on one connection an op issued after a prefetched
+        batch would wait for the whole batch to cross the link. Without it (a gateway that
+        does not offer one), parts go on the op stream."""
+        token = self.info.get("token")
+        if not isinstance(token, bytes):
+            return None
+        endpoint = self._direct_endpoint or self.endpoint
+        sock = _connect(ctx, endpoint, routing_id=os.urandom(16) if self._direct_endpoint else None)
+        try:
+            hello(sock, {"token": token, "bulk": True}, DIRECT_TIMEOUT, endpoint)
+        except (GatewayUnavailableError, protocol.ProtocolError) as e:
+            self.bulk_failure = str(e)
             sock.close(linger=0)
             return None
         return sock
@@ -161,7 +184,7 @@ class Session:
                     if self.sync:
                         self.request("rc::sync", [])
                     return h
-            send = self._send_whole if n <= PART_BYTES else self._send_parts
+            send = self._send_whole if n < BATCH_BYTES else self._send_parts
             send(h, buf, digests, self.link.choose(buf, self.codecs), dtype, shape, mirror, non_blocking, t)
         return h
 
@@ -176,46 +199,51 @@ class Session:
 
     def _send_whole(self, h: int, buf: memoryview, digests: list, codec: str | None, dtype: torch.dtype,
                     shape: list, mirror: cache.CacheMirror | None, non_blocking: bool, t: torch.Tensor) -> None:
-        """One payload frame; small ones wait in the batch (as a copy), large ones go at once."""
+        """A small payload: it waits in the batch, as a copy (the caller may overwrite the tensor
+        as soon as we return)."""
         n = buf.nbytes
         desc, frame = protocol.encode_payload(buf, codec, digests[0])
-        big = n >= BATCH_BYTES
-        if not big and frame is buf:
-            frame = bytes(buf)  # the caller may overwrite the tensor as soon as we return
+        if frame is buf:
+            frame = bytes(buf)
         sent = _size(frame)
         key = self._enter(mirror, digests, n)
         self._ops.append(["rc::upload", [h, len(self._payloads), dtype, shape, key], None, None])
         self._payloads.append((desc, frame))
         self._pending_bytes += sent
         self.stats["compressed_bytes_saved"] += n - sent
-        if big or self._pending_bytes >= BATCH_BYTES:
-            t0 = time.perf_counter()
-            tracker = self.flush(track=frame is buf)
-            self._settle([tracker] if tracker is not None else [], sent, t0, non_blocking, t)
+        if self._pending_bytes >= BATCH_BYTES:
+            self.flush()
         elif self.sync:
             self.request("rc::sync", [])
 
     def _send_parts(self, h: int, buf: memoryview, digests: list, codec: str | None, dtype: torch.dtype,
                     shape: list, mirror: cache.CacheMirror | None, non_blocking: bool, t: torch.Tensor) -> None:
-        """One message per part (queued ops go with the first), each part hashed just before it
-        goes if that is not done yet; the upload op itself rides with the last part."""
+        """A large payload: each part a PART message on the bulk connection, straight from the
+        tensor's memory, hashed just before it goes if that is not done yet. The upload op
+        joins the queued ops, naming how many PARTs precede it."""
         n, t0, sent, trackers = buf.nbytes, time.perf_counter(), 0, []
-        count = -(-n // PART_BYTES)
-        for i in range(count):
+        for i in range(-(-n // PART_BYTES)):
             part = buf[i * PART_BYTES:(i + 1) * PART_BYTES]
             if i == len(digests):
                 digests.append(protocol.payload_digest(part))
             desc, frame = protocol.encode_payload(part, codec, digests[i])
-            self._ops.append(["rc::upload_part", [h, len(self._payloads), i * PART_BYTES, n], None, None])
-            if i == count - 1:
-                self._ops.append(["rc::upload", [h, None, dtype, shape, self._enter(mirror, digests, n)], None, None])
-            self._payloads.append((desc, frame))
+            frames = protocol.encode(protocol.PART, {"h": h, "off": i * PART_BYTES, "total": n}, [(desc, frame)])
             sent += _size(frame)
-            tracker = self.flush(track=frame is part)
-            if tracker is not None:
-                trackers.append(tracker)
+            self._parts_sent += 1
+            self.stats["messages"] += 1
+            self.stats["bytes_up"] += sum(_size(f) for f in frames)
+            try:
+                trackers.append(self.bulk.send_multipart(frames, copy=False, track=frame is part))
+            except zmq.Again:
+                self.closed = True
+                raise GatewayLostError(f"gateway {self.endpoint} is not connected "
+                                       f"(a send waited {SEND_TIMEOUT:.0f} s)") from None
+        key = self._enter(mirror, digests, n)
+        self._ops.append(["rc::upload", [h, None, dtype, shape, key, self._parts_sent], None, None])
         self.stats["compressed_bytes_saved"] += n - sent
-        self._settle(trackers, sent, t0, non_blocking, t)
+        self._settle([tr for tr in trackers if tr is not None], sent, t0, non_blocking, t)
+        if self.sync:
+            self.request("rc::sync", [])
 
     def _settle(self, trackers: list, sent: int, t0: float, non_blocking: bool, t: torch.Tensor) -> None:
         """Hold a zero-copy upload's source until ZeroMQ is done with it: the caller's return
@@ -229,10 +257,10 @@ class Session:
             self.link.observe(sent, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ sending
-    def flush(self, req: int | None = None, track: bool = False) -> Any:
+    def flush(self, req: int | None = None) -> None:
         with self.lock:
             if not self._ops and not self._release and req is None:
-                return None
+                return
             body: dict = {"ops": self._ops, "n0": self._op_index}
             if self._release:
                 rel, self._release = self._release, []
@@ -250,14 +278,11 @@ class Session:
             if self._inflight:
                 self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
             try:
-                if track:
-                    return self.sock.send_multipart(frames, copy=False, track=True)
                 self.sock.send_multipart(frames, copy=False)
             except zmq.Again:
                 self.closed = True
                 raise GatewayLostError(f"gateway {self.endpoint} is not connected "
                                        f"(a send waited {SEND_TIMEOUT:.0f} s)") from None
-            return None
 
     def maybe_flush(self, now: float) -> bool:
         """Called by the pool's background thread: flush old ops, keep the session alive.
@@ -370,7 +395,7 @@ class Session:
                 except (zmq.ZMQError, GatewayLostError):
                     pass
                 self.closed = True
-            for sock in (self.sock, self.front):
+            for sock in (self.bulk, self.sock, self.front):
                 if not sock.closed:
                     sock.close(linger=1000)
 

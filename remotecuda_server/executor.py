@@ -152,12 +152,95 @@ class Assembly:
         return self.flat.view(dtype).view(tuple(shape))
 
 
+class PartedUploads:
+    """Uploads of 1 MB and more: they come as PART messages on the session's bulk connection
+    while its ops go on the main one, so an op never waits on the wire behind the next batch.
+
+    The worker's I/O thread places each part as it arrives (on CUDA: on the copy stream). The
+    executor takes the bytes at the upload's op, waiting first, if it must, until every PART
+    the client sent before that op has come: the op names how many that is, so a part that
+    never came is known to be missing, not late."""
+
+    def __init__(self, device: torch.device, copy_stream: Any = None):
+        self.device, self.copy_stream = device, copy_stream
+        self.cv = threading.Condition()
+        self.received = 0  # PART messages seen, well-formed or not
+        self.building: dict[int, tuple] = {}  # handle → (Assembly, parts, digests, ready event)
+        self.failed: dict[int, BaseException] = {}  # handle → why its upload cannot finish
+        self.closed = False
+
+    def add(self, h: int, offset: Any, total: Any, buf: memoryview, digest: bytes) -> None:
+        """Place one checked part (I/O thread); order violations are ProtocolErrors."""
+        with self.cv:
+            if h in self.failed:
+                return
+            entry = self.building.get(h)
+        if offset == 0:
+            if not isinstance(total, int) or not 0 < total <= protocol.MAX_PAYLOAD_BYTES:
+                raise ProtocolError(f"upload of {total!r} bytes in parts is not allowed")
+            entry = (Assembly(total, self.device), [], [], None)
+        elif entry is None:
+            raise ProtocolError(f"upload part at byte {offset} of tensor {h}: no upload of it is under "
+                                "way (the first part starts at byte 0)")
+        flat, parts, digests, _ = entry
+        flat.add(offset, buf)
+        parts.append(buf)
+        digests.append(digest)
+        if flat.filled == flat.flat.numel() and self.copy_stream is not None:
+            entry = (flat, parts, digests, self.copy_stream.record_event())
+        with self.cv:
+            self.building[h] = entry
+
+    def fail(self, h: int, e: BaseException) -> None:
+        with self.cv:
+            self.building.pop(h, None)
+            self.failed.setdefault(h, e)
+
+    def arrived(self) -> None:
+        """Count one PART message in, whatever became of it."""
+        with self.cv:
+            self.received += 1
+            self.cv.notify_all()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+
+    def take(self, h: int, last: Any, dtype: torch.dtype, shape: list, cancelled) -> Upload | None:
+        """Upload h, once PART messages up to number ``last`` are in; None if the session is
+        cancelled or closed meanwhile."""
+        if type(last) is not int:
+            raise ProtocolError(f"upload of tensor {h} in parts does not say how many PART messages precede it")
+        with self.cv:
+            while self.received < last:
+                if self.closed or cancelled():
+                    return None
+                self.cv.wait(0.1)
+            err, entry = self.failed.pop(h, None), self.building.pop(h, None)
+        if err is not None:
+            raise err
+        if entry is None:
+            raise ProtocolError(f"upload of tensor {h}: none of its parts arrived")
+        flat, parts, digests, ready = entry
+        if flat.filled != flat.flat.numel():
+            raise ProtocolError(f"upload of tensor {h}: {flat.filled} of its {flat.flat.numel()} bytes arrived")
+        t = flat.finish(dtype, shape)
+        if ready is not None:
+            t.record_stream(torch.cuda.current_stream(self.device))
+        return Upload(t, ready, digests, parts)
+
+
 class Executor:
     """Runs ops in issue order against a handle table."""
 
-    def __init__(self, device: torch.device, upload_cache: ContentCache | None = None):
+    def __init__(self, device: torch.device, upload_cache: ContentCache | None = None, copy_stream: Any = None):
         self.device = device
         self.cache = upload_cache
+        self.parts = PartedUploads(device, copy_stream)
+        self.pending: dict[int, tuple] = {}  # handle → (last PART, dtype, shape, key): bytes on the way
+        self.dropped: set[int] = set()  # pending handles released before they landed
+        self._cancelled: Any = lambda: False  # the running message's: whether an interrupt dropped it
         self.handles: dict[int, torch.Tensor] = {}
         self.invalid: dict[int, str] = {}
         self.resolver = OpResolver()
@@ -175,6 +258,9 @@ class Executor:
         if t is bytes or t is Handle:
             h = int.from_bytes(a, "little") if t is bytes else a.id
             x = self.handles.get(h)
+            if x is None and h in self.pending:
+                self._resolve(h)
+                x = self.handles.get(h)
             if x is None:
                 why = self.invalid.get(h)
                 raise RuntimeError(why or f"remotecuda: tensor handle {h} is unknown to the gateway "
@@ -222,6 +308,7 @@ class Executor:
         its ``Upload`` (or to why it could not be prepared), made by the worker's I/O thread.
         """
         self._prepared = prepared or {}
+        self._cancelled = cancelled
         ops = body.get("ops") or []
         first = body.get("n0", 0)
         if not isinstance(ops, list) or not isinstance(first, int):
@@ -229,6 +316,8 @@ class Executor:
         rel = body.get("rel")
         if rel is not None and not (isinstance(rel, list) and all(type(h) is int for h in rel)):
             raise ProtocolError("malformed release list (rel): expected a list of handle ids")
+        if self.pending:
+            self._resolve_arrived()
         result, out_payloads = None, []
         for i, op in enumerate(ops):
             if not (isinstance(op, list) and len(op) == 4 and isinstance(op[0], str)):
@@ -240,7 +329,7 @@ class Executor:
                        if self.failed else "remotecuda: this tensor was never computed: its op was "
                                            "cancelled by an interrupt")
                 self._poison(outs, why)
-                self._cache_bookkeeping(name, args, payloads)  # the client's mirror counted it
+                self._skipped(name, args)
                 continue
             try:
                 r = self._execute(name, args or [], kwargs or {}, outs, payloads, out_payloads)
@@ -257,6 +346,8 @@ class Executor:
             for h in rel:
                 self.handles.pop(h, None)
                 self.invalid.pop(h, None)
+                if h in self.pending:
+                    self.dropped.add(h)
         self.stats["ops"] += len(ops)
         self.stats["messages"] += 1
         err = None
@@ -297,27 +388,18 @@ class Executor:
 
     # ------------------------------------------------------------------ internal ops
     def _internal(self, name: str, args: list, payloads: list, out_payloads: list) -> Any:
-        if name == "upload_part":  # the worker's I/O thread placed it; the upload op follows
-            if isinstance(self._prepared.get(args[0]), BaseException):
-                raise self._prepared[args[0]]
-            return None
-        if name == "upload":  # [handle, payload index or None when sent in parts, dtype, shape, key or None]
+        if name == "upload":  # [handle, payload index or None, dtype, shape, key or None(, last PART number)]
             h = args[0]
+            self.stats["uploads"] += 1
+            if args[1] is None:  # sent in PART messages: the stream goes on while they come
+                self._expect(args)
+                return None
             up = self._prepared.get(h)
             if isinstance(up, BaseException):  # found by the I/O thread
                 raise up
             if up is None:
                 raise ProtocolError(f"upload of tensor {h}: its bytes are missing")
-            if up.ready is not None:  # copied on the worker's copy stream
-                torch.cuda.current_stream(self.device).wait_event(up.ready)
-            self.stats["uploads"] += 1
-            key = args[4]
-            if key is not None and self.cache is not None:
-                if not self._cache_put(key, up):
-                    raise ProtocolError("upload does not match its content key")
-                self.stats["cache_misses"] += 1
-            self.handles[h] = up.tensor
-            self.invalid.pop(h, None)
+            self._land(h, up, args[4])
             return None
         if name == "upload_cached":  # [handle, key, dtype, shape]: the bytes came earlier
             h, key, dtype, shape = args
@@ -355,6 +437,8 @@ class Executor:
         if name == "initial_seed":
             return (torch.cuda.initial_seed() if self.device.type == "cuda" else torch.initial_seed())
         if name == "sync":
+            for h in list(self.pending):
+                self._resolve(h)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return None
@@ -397,16 +481,70 @@ class Executor:
             return None
         raise UnknownOpError(f"unknown internal op rc::{name}")
 
-    def _cache_bookkeeping(self, name: str, args: list, payloads: list) -> None:
-        """Keep the content cache in step with the client's mirror even for a skipped upload."""
-        if self.cache is None:
+    def _skipped(self, name: str, args: list) -> None:
+        """A skipped upload still keeps the content cache in step with the client's mirror, and
+        its parts, on their way, are still taken in (and let go)."""
+        if name == "rc::upload" and isinstance(args, list) and len(args) >= 5 and args[1] is None:
+            try:
+                self._expect(args)
+            except ProtocolError:
+                return
+            self.dropped.add(args[0])
+        elif self.cache is None:
             return
-        if name == "rc::upload" and args[4] is not None:
+        elif name == "rc::upload" and args[4] is not None:
             up = self._prepared.get(args[0])
             if isinstance(up, Upload):
                 self._cache_put(args[4], up)
         elif name == "rc::upload_cached":
             self.cache.get(args[1])
+
+    # ------------------------------------------------------------------ uploads
+    def _expect(self, args: list) -> None:
+        """An upload sent in PART messages: its handle is pending until the bytes are in. Ops
+        that do not touch it run meanwhile, as ops do while a side stream copies (prefetch);
+        the first op that does waits for it (``_arg``)."""
+        h, _, dtype, shape, key = args[:5]
+        last = args[5] if len(args) > 5 else None
+        if type(last) is not int:
+            raise ProtocolError(f"upload of tensor {h} in parts does not say how many PART messages precede it")
+        self.pending[h] = (last, dtype, shape, key)
+        self.handles.pop(h, None)
+        self.invalid.pop(h, None)
+
+    def _resolve(self, h: int) -> None:
+        """Land pending upload h, waiting for its parts if they are not all in yet."""
+        last, dtype, shape, key = self.pending.pop(h)
+        try:
+            up = self.parts.take(h, last, dtype, shape, self._cancelled)
+            if up is None:
+                self.invalid[h] = ("remotecuda: this tensor was never computed: its upload was cancelled "
+                                   "by an interrupt")
+                return
+            self._land(h, up, key)
+        except ProtocolError as e:
+            self.invalid[h] = f"remotecuda: the upload of this tensor failed: {e}"
+            raise
+        finally:
+            if h in self.dropped:  # released (or skipped) before it landed
+                self.dropped.discard(h)
+                self.handles.pop(h, None)
+
+    def _resolve_arrived(self) -> None:
+        """Land the pending uploads whose parts are all in (at the start of each message)."""
+        for h, (last, *_) in list(self.pending.items()):
+            if self.parts.received >= last:
+                self._resolve(h)
+
+    def _land(self, h: int, up: Upload, key: bytes | None) -> None:
+        if up.ready is not None:  # copied on the worker's copy stream
+            torch.cuda.current_stream(self.device).wait_event(up.ready)
+        if key is not None and self.cache is not None:
+            if not self._cache_put(key, up):
+                raise ProtocolError("upload does not match its content key")
+            self.stats["cache_misses"] += 1
+        self.handles[h] = up.tensor
+        self.invalid.pop(h, None)
 
     def _cache_put(self, key: bytes, up: Upload) -> bool:
         """Enter an upload's bytes under its key; False if its verified digests do not give that key."""

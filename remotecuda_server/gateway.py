@@ -11,6 +11,7 @@ all of its memory.
 """
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 import subprocess
@@ -57,6 +58,7 @@ class SessionState:
     bytes_in: int = 0
     bytes_out: int = 0
     worker_stats: dict = field(default_factory=dict)
+    token: bytes = b""  # proves a second connection (the bulk one, or the direct path) is the session's
 
 
 class Gateway:
@@ -94,6 +96,7 @@ class Gateway:
         self.waiting: list[tuple[bytes, int]] = []  # (client, device) HELLOs waiting for a worker
         self.cache_requests: dict[bytes, Any] = {}
         self.client_codecs: dict[bytes, tuple[str, ...]] = {}  # what each waiting client decodes
+        self.bulk_links: dict[bytes, bytes] = {}  # a session's bulk connection → the session's client
         self.totals = {"messages_in": 0, "bytes_in": 0, "bytes_out": 0}
         self.finished: dict[str, int] = {}  # worker counters of sessions that have ended
         self.cache_bytes = cache_bytes
@@ -137,13 +140,13 @@ class Gateway:
                 still.append((client, dev))
                 continue
             w.client = client
-            self.sessions[client] = SessionState(client, w.ident, dev)
-            conf = self._cache_conf(self.cache_requests.pop(client, None))
             token = secrets.token_bytes(16)
+            self.sessions[client] = SessionState(client, w.ident, dev, token=token)
+            conf = self._cache_conf(self.cache_requests.pop(client, None))
             codecs = list(self.client_codecs.pop(client, ()))
             self.back.send_multipart([w.ident, b"ATTACH", client,
                                       protocol.pack_body({"cache": conf, "token": token, "codecs": codecs})])
-            welcome = dict(self._inventory(session=True), cache=conf)
+            welcome = dict(self._inventory(session=True), cache=conf, token=token)
             if w.data_port:
                 welcome["direct"] = {"port": w.data_port, "token": token}
             self._send_client(client, protocol.encode(protocol.WELCOME, welcome))
@@ -199,6 +202,9 @@ class Gateway:
         except ProtocolError as e:
             self._error(client, str(e))
             return
+        if client in self.bulk_links:
+            self._on_bulk(client, msg_type, frames)
+            return
         state = self.sessions.get(client)
         if state is not None:
             state.last_seen = time.monotonic()
@@ -206,7 +212,7 @@ class Gateway:
             state.bytes_in += sum(len(f) for f in frames)
         self.totals["messages_in"] += 1
         self.totals["bytes_in"] += sum(len(f) for f in frames)
-        if msg_type in (protocol.OPS, protocol.CANCEL):
+        if msg_type in (protocol.OPS, protocol.CANCEL, protocol.PART):
             if state is None:
                 self._error(client, "no session: send HELLO first", "no_session")
                 return
@@ -231,7 +237,42 @@ class Gateway:
         else:
             self._error(client, f"unexpected message type {protocol.TYPE_NAMES[msg_type]}")
 
+    def _on_bulk(self, link: bytes, msg_type: int, frames: list) -> None:
+        """A message on a session's bulk connection: PARTs go to its worker like its ops."""
+        state = self.sessions.get(self.bulk_links[link])
+        if state is None:
+            del self.bulk_links[link]
+            self._error(link, "no session: this bulk connection's session has ended", "no_session")
+            return
+        if msg_type == protocol.PING:
+            self._send_client(link, protocol.encode(protocol.PONG, {}))
+            return
+        if msg_type != protocol.PART:
+            self._error(link, f"a bulk connection carries PART messages, not {protocol.TYPE_NAMES[msg_type]}")
+            return
+        n = sum(len(f) for f in frames)
+        state.last_seen = time.monotonic()
+        state.messages_in += 1
+        state.bytes_in += n
+        self.totals["messages_in"] += 1
+        self.totals["bytes_in"] += n
+        try:
+            self.back.send_multipart([state.worker, b"MSG", *frames], copy=False)
+        except zmq.ZMQError:
+            self._lose_session(state.client, "the gateway's session worker is gone")
+
     def _on_hello(self, client: bytes, body: dict) -> None:
+        if body.get("bulk"):  # a session's second connection, for its large uploads
+            token = body.get("token")
+            state = next((st for st in self.sessions.values() if isinstance(token, bytes) and st.token
+                          and hmac.compare_digest(st.token, token)), None)
+            if state is None or client in self.sessions:
+                self._error(client, "no session holds this token (a bulk connection needs its session's token)"
+                            if state is None else "this connection already has a session")
+                return
+            self.bulk_links[client] = state.client
+            self._send_client(client, protocol.encode(protocol.WELCOME, {"bulk": True}))
+            return
         dev = body.get("device")
         if dev is None:
             self._send_client(client, protocol.encode(protocol.WELCOME, self._inventory()))
@@ -257,8 +298,13 @@ class Gateway:
             if isinstance(v, int) and k not in ("memory", "cache_entries"):
                 self.finished[k] = self.finished.get(k, 0) + v
 
+    def _forget_bulk_links(self, client: bytes) -> None:
+        for link in [k for k, v in self.bulk_links.items() if v == client]:
+            del self.bulk_links[link]
+
     def _lose_session(self, client: bytes, why: str) -> None:
         state = self.sessions.pop(client, None)
+        self._forget_bulk_links(client)
         if state is not None:
             self._keep_totals(state)
         self._send_client(client, protocol.encode(protocol.ERROR, {
@@ -266,6 +312,7 @@ class Gateway:
 
     def _close_session(self, client: bytes) -> None:
         state = self.sessions.pop(client, None)
+        self._forget_bulk_links(client)
         if state is not None:
             self._keep_totals(state)
             try:

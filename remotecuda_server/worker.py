@@ -40,8 +40,8 @@ class Worker:
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.executor = Executor(self.device)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.executor = Executor(self.device, copy_stream=self.copy_stream)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, ident)
@@ -57,11 +57,11 @@ class Worker:
         self.token = b""
         self.early: list = []  # data-port messages that came before ATTACH
         self.direct_client: bytes | None = None  # the client's identity on the data socket
+        self.bulk_client: bytes | None = None  # its bulk connection's (PART messages only)
         self.direct_counts = {"direct_messages_in": 0, "direct_bytes_in": 0, "direct_bytes_out": 0}
         self.outbox = self.ctx.socket(zmq.PULL)
         self.outbox.bind(f"inproc://out-{id(self)}")
         self.inbox: queue.Queue = queue.Queue()
-        self.assemblies: dict = {}  # handle → (Assembly, parts, digests): uploads arriving in parts
         self.client: bytes | None = None
         self.cancel_upto = -1  # messages with seq <= this are dropped
         self.current_seq = -1
@@ -115,6 +115,7 @@ class Worker:
                     self._on_client_message(frames[1:])
                 elif kind == b"CLOSE":
                     self.closing = True
+                    self.executor.parts.close()
                     self.inbox.put(None)
 
     def _to_client(self, frames: list) -> None:
@@ -140,18 +141,24 @@ class Worker:
             msg_type = protocol.decode_header(frames[0])[0] if frames else None
             if msg_type is None:
                 raise ProtocolError("empty message")
-            if ident != self.direct_client:
+            if ident not in (self.direct_client, self.bulk_client):
                 body = protocol.decode(frames).body if msg_type == protocol.HELLO else {}
                 token = body.get("token")
                 if not (self.token and isinstance(token, bytes) and hmac.compare_digest(token, self.token)):
                     raise ProtocolError("this port serves one session: send HELLO with its token first")
-                self.direct_client = ident  # a reconnect (new identity) with the token takes over
-                self._reply_direct(ident, protocol.WELCOME, {"direct": True})
+                if body.get("bulk"):
+                    self.bulk_client = ident
+                    self._reply_direct(ident, protocol.WELCOME, {"bulk": True})
+                else:
+                    self.direct_client = ident  # a reconnect (new identity) with the token takes over
+                    self._reply_direct(ident, protocol.WELCOME, {"direct": True})
                 return
+            if ident == self.bulk_client and msg_type not in (protocol.PART, protocol.PING):
+                raise ProtocolError(f"a bulk connection carries PART messages, not {protocol.TYPE_NAMES[msg_type]}")
         except ProtocolError as e:
             self._reply_direct(ident, protocol.ERROR, {"msg": str(e), "kind": "protocol"})
             return
-        if msg_type in (protocol.OPS, protocol.CANCEL):
+        if msg_type in (protocol.OPS, protocol.CANCEL, protocol.PART):
             self._on_client_message(frames)
         elif msg_type == protocol.PING:
             self._reply_direct(ident, protocol.PONG, {})
@@ -180,6 +187,9 @@ class Worker:
             self.sock.send_multipart([b"STATS", protocol.pack_body(stats)])
 
     def _on_client_message(self, frames: list) -> None:
+        if frames and protocol.decode_header(frames[0])[0] == protocol.PART:
+            self._on_part(frames)
+            return
         try:
             msg = protocol.decode(frames)
         except ProtocolError as e:
@@ -201,6 +211,28 @@ class Worker:
             return
         self.inbox.put(("msg", msg))
 
+    def _on_part(self, frames: list) -> None:
+        """One part of a large upload: checked and copied into place here, as it arrives, while
+        the executor runs earlier ops; a part's error waits for its upload op."""
+        h = None
+        try:
+            msg = protocol.decode(frames)
+            body = msg.body
+            if not (type(body.get("h")) is int and type(body.get("off")) is int and len(msg.payloads) == 1):
+                raise ProtocolError("malformed PART message: it needs h, off, total and one payload")
+            h = body["h"]
+            desc, frame = msg.payloads[0]
+            buf = protocol.decode_payload(desc, frame)
+            with self._on_copy_stream():
+                self.executor.parts.add(h, body["off"], body.get("total"), buf, desc[2])
+        except (ProtocolError, ValueError, TypeError, RuntimeError) as e:
+            if h is None:
+                self.inbox.put(("error", str(e)))
+            else:
+                self.executor.parts.fail(h, e)
+        finally:
+            self.executor.parts.arrived()
+
     def _prepare(self, msg: protocol.Message) -> None:
         """Check and decompress payloads, and copy uploads to the device, while earlier ops run.
 
@@ -213,52 +245,29 @@ class Worker:
             return
         ops = msg.body.get("ops")
         for op in ops if isinstance(ops, list) else ():  # the executor reports a malformed list
-            if not (isinstance(op, list) and len(op) == 4 and op[0] in ("rc::upload", "rc::upload_part")):
-                continue
+            if not (isinstance(op, list) and len(op) == 4 and op[0] == "rc::upload"
+                    and isinstance(op[1], list) and len(op[1]) >= 2 and op[1][1] is not None):
+                continue  # (an upload in parts is taken by the executor from executor.parts)
             try:
                 with self._on_copy_stream():
-                    if op[0] == "rc::upload_part":
-                        self._add_part(op[1], msg.payloads, digests)
-                    else:
-                        self._finish_upload(op[1], msg, digests)
+                    self._finish_upload(op[1], msg, digests)
             except (ProtocolError, ValueError, TypeError, IndexError, KeyError, RuntimeError) as e:
-                h = op[1][0] if isinstance(op[1], list) and op[1] else None
-                self.assemblies.pop(h, None)
-                msg.prepared[h] = e  # the executor raises it in order
+                msg.prepared[op[1][0]] = e  # the executor raises it in order
 
     def _on_copy_stream(self) -> Any:
         return torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
 
-    def _add_part(self, args: list, payloads: list, digests: list) -> None:
-        h, idx, offset, total = args
-        if offset == 0:
-            if not isinstance(total, int) or not 0 < total <= protocol.MAX_PAYLOAD_BYTES:
-                raise ProtocolError(f"upload of {total!r} bytes in parts is not allowed")
-            self.assemblies[h] = (Assembly(total, self.device), [], [])
-        if h not in self.assemblies:
-            raise ProtocolError(f"upload part at byte {offset} of tensor {h}: no upload of it is under "
-                                "way (the first part starts at byte 0)")
-        flat, parts, part_digests = self.assemblies[h]
-        flat.add(offset, payloads[idx])
-        parts.append(payloads[idx])
-        part_digests.append(digests[idx])
-
     def _finish_upload(self, args: list, msg: protocol.Message, digests: list) -> None:
         h, idx, dtype, shape, _key = args
-        if idx is None:  # sent in parts
-            if h not in self.assemblies:
-                raise ProtocolError(f"upload of tensor {h}: none of its parts arrived")
-            flat, parts, part_digests = self.assemblies.pop(h)
-        else:
-            parts, part_digests = [msg.payloads[idx]], [digests[idx]]
-            flat = Assembly(parts[0].nbytes, self.device)
-            flat.add(0, parts[0])
+        part, digest = msg.payloads[idx], digests[idx]
+        flat = Assembly(part.nbytes, self.device)
+        flat.add(0, part)
         t = flat.finish(dtype, shape)
         ready = None
         if self.copy_stream is not None:
             t.record_stream(torch.cuda.current_stream(self.device))
             ready = self.copy_stream.record_event()
-        msg.prepared[h] = Upload(t, ready, part_digests, parts)
+        msg.prepared[h] = Upload(t, ready, [digest], [part])
 
     # ------------------------------------------------------------------ executor thread
     def _execute_loop(self) -> None:

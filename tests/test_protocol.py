@@ -386,7 +386,7 @@ def test_truncated_messages(gw, good, bad, offender, case, in_session):
 def test_wrong_protocol_version(gw, good, bad, offender):
     body = protocol.pack_body({"device": 0})
     bad.send_frames([_seal(body, 0, protocol.HELLO, version=99), body])
-    assert "protocol version 99 is not supported (this side speaks 1)" in bad.error()
+    assert f"protocol version 99 is not supported (this side speaks {protocol.VERSION})" in bad.error()
     # and in a session, to the worker path: the supervisor checks every header
     bad = offender
     body = protocol.pack_body({"ops": [], "req": 1})
@@ -735,38 +735,135 @@ def test_data_port_serves_only_its_session(gw, good):
     assert_still_served(gw, good)
 
 
+def test_bulk_connection_needs_its_sessions_token_and_carries_only_parts(gw, good):
+    """A session's second connection (for large uploads), on the gateway's port and on the
+    data port: only with the session's token, only PART messages; a PART on it lands in the
+    session, whose ops come on the main connection."""
+    owner = RawClient(gw.endpoint)
+    welcome = owner.hello()
+    token = welcome["token"]
+    data_ep = f"{gw.endpoint.rsplit(':', 1)[0]}:{welcome['direct']['port']}"
+    try:
+        for ep in (gw.endpoint, data_ep):
+            stranger = RawClient(ep)
+            stranger.send(protocol.HELLO, {"token": b"\x00" * 16, "bulk": True})
+            assert "token" in stranger.error()
+            stranger.close()
+        owner.send(protocol.HELLO, {"token": token, "bulk": True})
+        assert "already has a session" in owner.error()
+        payload = protocol.encode_payload(memoryview(bytes(range(64)) * 4))
+        for n, ep in enumerate((gw.endpoint, data_ep), start=1):
+            bulk = RawClient(ep)
+            bulk.send(protocol.HELLO, {"token": token, "bulk": True})
+            assert bulk.recv().body == {"bulk": True}
+            bulk.send(protocol.OPS, {"ops": [], "req": 1})
+            assert "carries PART messages, not OPS" in bulk.error()
+            h = owner.handle()
+            bulk.send(protocol.PART, {"h": h, "off": 0, "total": 256}, [payload])
+            msg = owner.request([["rc::upload", [h, None, torch.uint8, [256], None, n], None, None]], (),
+                                ["rc::fetch", [h], None, {"base": None}])
+            assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
+            assert bytes(protocol.decode_payload(*msg.payloads[0])) == bytes(range(64)) * 4
+            bulk.close()
+    finally:
+        owner.send(protocol.BYE, {})
+        owner.close()
+    assert_still_served(gw, good)
+
+
+def test_an_upload_in_parts_is_pending_until_an_op_needs_it(gw, good):
+    """The op stream does not wait for a parted upload's bytes: a request issued after its
+    upload op is answered before a single PART has been sent. The first op that uses the
+    tensor waits for them; a handle released before its bytes came just lets them go."""
+    c = RawClient(gw.endpoint)
+    c.hello()
+    try:
+        data = torch.arange(64, dtype=torch.float32)
+        payload = protocol.encode_payload(protocol.tensor_bytes(data))
+        h, dropped = c.handle(), c.handle()
+        upload = ["rc::upload", [h, None, torch.float32, [64], None, 1], None, None]
+        xh, x_up, x_pl = c.upload_op(torch.ones(3), 0)
+        total = c.handle()
+        msg = c.request([upload, x_up, ["aten::sum.default", [Handle(xh)], None, [total]]], [x_pl],
+                        ["rc::fetch", [total], None, {"base": None}])
+        assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body  # no PART sent yet
+        c.send(protocol.PART, {"h": h, "off": 0, "total": 256}, [payload])
+        y = c.handle()
+        msg = c.request([["aten::mul.Scalar", [Handle(h), 2.0], None, [y]]], (), ["rc::fetch", [y], None, {"base": None}])
+        assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
+        res = msg.body["res"]
+        out = protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"], res["shape"])
+        assert torch.equal(out, data * 2)
+        c.send(protocol.OPS, {"ops": [["rc::upload", [dropped, None, torch.float32, [64], None, 2], None, None]],
+                              "rel": [dropped]})
+        c.send(protocol.PART, {"h": dropped, "off": 0, "total": 256}, [payload])
+        msg = c.request([], (), ["rc::fetch", [dropped], None, {"base": None}])
+        assert msg.body["err"] and "unknown to the gateway" in msg.body["err"]["msg"], msg.body
+        assert c.request([]).body["err"] is None  # rc::sync: nothing is left waiting
+    finally:
+        c.send(protocol.BYE, {})
+        c.close()
+    assert_still_served(gw, good)
+
+
 def test_malformed_upload_parts(gw, good, bad_session):
+    """Large uploads come as PART messages, their op naming how many PARTs precede it; every
+    way of getting that wrong is a protocol error at the op, and the session goes on."""
     bad = bad_session
     part = protocol.encode_payload(memoryview(b"\x01" * 64))
+    sent = [0]
 
-    def parts_request(ops: list, n_payloads: int = 1) -> protocol.Message:
-        return bad.request(ops, [part] * n_payloads)
+    def send_part(h: int, offset: int, total, payload=part) -> None:
+        bad.send(protocol.PART, {"h": h, "off": offset, "total": total}, [payload])
+        sent[0] += 1
+
+    def finish(h: int, shape: list, last=None) -> protocol.Message:
+        return bad.request([["rc::upload", [h, None, torch.float32, shape, None, sent[0] if last is None else last],
+                             None, None]])
     h = bad.handle()
     cases = [
         # a part that does not start at byte 0
-        [["rc::upload_part", [h, 0, 64, 128], None, None]],
+        ([(h, 64, 128)], [32]),
         # a gap between parts
-        [["rc::upload_part", [h, 0, 0, 192], None, None], ["rc::upload_part", [h, 1, 128, 192], None, None]],
+        ([(h, 0, 192), (h, 128, 192)], [48]),
         # more bytes than announced
-        [["rc::upload_part", [h, 0, 0, 32], None, None]],
+        ([(h, 0, 32)], [8]),
         # an absurd size
-        [["rc::upload_part", [h, 0, 0, 1 << 62], None, None]],
+        ([(h, 0, 1 << 62)], [16]),
         # finished before all parts came
-        [["rc::upload_part", [h, 0, 0, 128], None, None], ["rc::upload", [h, None, torch.float32, [32], None], None, None]],
+        ([(h, 0, 128)], [32]),
         # parts that cannot hold the shape
-        [["rc::upload_part", [h, 0, 0, 128], None, None], ["rc::upload_part", [h, 1, 64, 128], None, None],
-         ["rc::upload", [h, None, torch.float32, [33], None], None, None]],
+        ([(h, 0, 128), (h, 64, 128)], [33]),
         # a finish with no parts at all
-        [["rc::upload", [h + 1, None, torch.float32, [4], None], None, None]],
+        ([], [4]),
     ]
-    for ops in cases:
-        msg = parts_request(ops, sum(op[0] == "rc::upload_part" for op in ops))
-        assert msg.type == protocol.ERROR and msg.body["kind"] == "protocol", (ops, msg.body)
+    for parts, shape in cases:
+        h = bad.handle()
+        for _, offset, total in parts:
+            send_part(h, offset, total)
+        msg = finish(h, shape)
+        assert msg.type == protocol.ERROR and msg.body["kind"] == "protocol", (parts, msg.body)
         assert bad.quiet(0.05)
+    # an upload op without the number of PARTs before it
+    msg = bad.request([["rc::upload", [bad.handle(), None, torch.float32, [4], None], None, None]])
+    assert msg.type == protocol.ERROR and "how many PART messages" in msg.body["msg"], msg.body
+    # a PART that names no upload, or carries no payload
+    bad.send(protocol.PART, {"off": 0, "total": 64}, [part])
+    assert "malformed PART message" in bad.error()
+    bad.send(protocol.PART, {"h": bad.handle(), "off": 0, "total": 64})
+    assert "malformed PART message" in bad.error()
+    sent[0] += 2
+    # a part whose bytes do not match their digest
+    h = bad.handle()
+    send_part(h, 0, 64, ([64, "raw", b"\x00" * 16], b"\x01" * 64))
+    msg = finish(h, [16])
+    assert msg.type == protocol.ERROR and "integrity" in msg.body["msg"], msg.body
     # and a well-formed upload in two parts works on the same session
-    ok = [["rc::upload_part", [h + 2, 0, 0, 128], None, None], ["rc::upload_part", [h + 2, 1, 64, 128], None, None],
-          ["rc::upload", [h + 2, None, torch.float32, [32], None], None, None]]
-    msg = bad.request(ok, [part, part], ["rc::fetch", [h + 2], None, {"base": None}])
+    h = bad.handle()
+    send_part(h, 0, 128)
+    send_part(h, 64, 128)
+    msg = bad.request([["rc::upload", [h, None, torch.float32, [32], None, sent[0]], None, None]], (),
+                      ["rc::fetch", [h], None, {"base": None}])
     assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
     res = msg.body["res"]
     out = protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"], res["shape"])

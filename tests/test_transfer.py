@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -230,11 +231,29 @@ def test_parted_uploads_of_compressible_and_strided_tensors(remote):
     assert torch.equal((t.cuda() * 2).cpu(), t * 2)
 
 
-def _proxy(target_port: int, target_host: str):
+def _delay_proxy_module():
     import sys
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from delay_proxy import DelayProxy
-    return DelayProxy(target_port, 0.0, target_host=target_host).start()
+    import delay_proxy
+    return delay_proxy
+
+
+def _proxy(target_port: int, target_host: str, rate: float | None = None):
+    return _delay_proxy_module().DelayProxy(target_port, 0.0, target_host=target_host, rate=rate).start()
+
+
+def test_delay_proxy_holds_its_link_rate():
+    """The benchmarks' slow link: 2 MB echoed through a 20 MB/s proxy cannot take less than
+    2 MB / 20 MB/s (a lower bound, which no load can break), and arrives intact."""
+    dp = _delay_proxy_module()
+    srv = dp.echo_server()
+    with dp.DelayProxy(srv.getsockname()[1], rate=20e6) as p:
+        c = socket.create_connection(("127.0.0.1", p.port))
+        assert dp.echo_seconds(c, 2_000_000) >= 2_000_000 / 20e6
+        c.sendall(b"intact")
+        assert c.recv(6, socket.MSG_WAITALL) == b"intact"
+        c.close()
+    srv.close()
 
 
 FORWARDED = r'''
@@ -405,3 +424,36 @@ def test_a_gateway_without_lz4_never_gets_lz4():
     assert lines[0].split() == ["codecs", "zstd", "sent", "zstd", "received", "zstd", "saved", "True"], r.stdout
     assert "unknown payload codec 'lz4' (this side decodes raw, zstd)" in lines[1], r.stdout
     assert lines[2] == "still served 6.0", r.stdout
+
+
+BEHIND_A_LINK = r'''
+import sys, torch, remotecuda
+rt = remotecuda.activate(sys.argv[1], fallback="error")
+s = rt.session(0)
+assert not s.direct and s.bulk is not s.sock, (s.direct, s.bulk_failure)
+w = torch.ones(4, device="cuda")
+assert w.sum().item() == 4
+big = torch.randn(2 << 20)  # 8 MiB: over a second on this link
+g = big.to("cuda", non_blocking=True)
+assert (w * 2).sum().item() == 8  # issued after the upload, not touching it
+rows = remotecuda.gateway_status(sys.argv[2])["sessions"]
+print("gateway had", rows[0]["bytes_in"], "bytes of", big.nbytes)
+assert rows[0]["bytes_in"] < big.nbytes, "the op waited for the whole upload to cross the link"
+assert torch.equal(g.cpu(), big)
+assert torch.equal((g + 1).cpu(), big + 1)
+'''
+
+
+def test_an_op_does_not_wait_on_the_wire_behind_a_large_upload():
+    """Large uploads travel on the session's bulk connection and land when an op first needs
+    them: over a slow link (a 40 Mbit/s proxy), an op issued after a prefetched 8 MiB batch is
+    answered while the batch is still crossing. The check is causal, not timed: when the
+    answer comes, the gateway has not yet received the batch."""
+    gw = GatewayProcess("--host", "127.0.0.2")
+    proxy = _proxy(int(gw.address.rsplit(":", 1)[1]), "127.0.0.2", rate=5e6)
+    try:
+        r = run_python("", args=["-c", BEHIND_A_LINK, proxy.address, gw.address], timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    finally:
+        proxy.stop()
+        gw.stop()
