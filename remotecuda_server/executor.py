@@ -210,8 +210,6 @@ class PartedUploads:
     def take(self, h: int, last: Any, dtype: torch.dtype, shape: list, cancelled) -> Upload | None:
         """Upload h, once PART messages up to number ``last`` are in; None if the session is
         cancelled or closed meanwhile."""
-        if type(last) is not int:
-            raise ProtocolError(f"upload of tensor {h} in parts does not say how many PART messages precede it")
         with self.cv:
             while self.received < last:
                 if self.closed or cancelled():
@@ -513,20 +511,21 @@ class Executor:
         self.invalid.pop(h, None)
 
     def _resolve(self, h: int) -> None:
-        """Land pending upload h, waiting for its parts if they are not all in yet."""
-        last, dtype, shape, key = self.pending.pop(h)
+        """Land pending upload h, waiting for its parts if they are not all in yet. An interrupt
+        (or the session's end) stops the wait, not the upload: it stays pending, to land later."""
+        last, dtype, shape, key = self.pending[h]
         try:
             up = self.parts.take(h, last, dtype, shape, self._cancelled)
             if up is None:
-                self.invalid[h] = ("remotecuda: this tensor was never computed: its upload was cancelled "
-                                   "by an interrupt")
-                return
+                raise RuntimeError("remotecuda: interrupted while this tensor's upload was on its way")
+            del self.pending[h]
             self._land(h, up, key)
         except ProtocolError as e:
+            self.pending.pop(h, None)
             self.invalid[h] = f"remotecuda: the upload of this tensor failed: {e}"
             raise
         finally:
-            if h in self.dropped:  # released (or skipped) before it landed
+            if h in self.dropped and h not in self.pending:  # released (or skipped) before it landed
                 self.dropped.discard(h)
                 self.handles.pop(h, None)
 

@@ -800,6 +800,19 @@ def test_an_upload_in_parts_is_pending_until_an_op_needs_it(gw, good):
         msg = c.request([], (), ["rc::fetch", [dropped], None, {"base": None}])
         assert msg.body["err"] and "unknown to the gateway" in msg.body["err"]["msg"], msg.body
         assert c.request([]).body["err"] is None  # rc::sync: nothing is left waiting
+        # an interrupt while an op waits for the bytes stops the wait, not the upload
+        late = c.handle()
+        c.send(protocol.OPS, {"ops": [["rc::upload", [late, None, torch.float32, [64], None, 3], None, None],
+                                      ["aten::mul.Scalar", [Handle(late), 2.0], None, [c.handle()]]], "req": 77})
+        assert c.quiet(0.3)  # the mul waits for a PART that has not been sent
+        c.send(protocol.CANCEL, {"rid": 77, "upto": c.seq})
+        assert c.recv().body.get("cancelled") is True
+        c.send(protocol.PART, {"h": late, "off": 0, "total": 256}, [payload])
+        msg = c.request([], (), ["rc::fetch", [late], None, {"base": None}])
+        assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
+        res = msg.body["res"]
+        out = protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"], res["shape"])
+        assert torch.equal(out, data)
     finally:
         c.send(protocol.BYE, {})
         c.close()
