@@ -927,6 +927,8 @@ GPU server.
 | batch | {cells('batch_bytes', lambda v: f"{v / MB:.0f} MB")} |
 | K (width of W) | {cells('width_k', str)} |
 | transfer alone ({p['steps']} uploads streamed, one sync) | {cells('transfer_s')} |
+| the link's own time for one batch (bytes ÷ rate): no step can be shorter | {' | '.join(
+    f"{v['batch_bytes'] * 8 / (v['link_mbit'] * 1e6) * 1e3:.1f} ms" if v.get('link_mbit') else "—" for _, v in variants)} |
 | compute alone (batch already on the gateway) | {cells('compute_s')} |
 | max(transfer, compute): the pipelining ideal | {cells('max_s')} |
 | transfer + compute: no overlap | {cells('sum_s')} |
@@ -948,6 +950,8 @@ GPU server.
   near transfer + compute, the overlap is being lost in the software, not the machine. On a GPU gateway the
   compute leaves the CPUs free and only the copies compete. Over the link the transfer is mostly waiting
   (its CPU time is the row above), so there the pipelined step can come to max(transfer, compute).
+- a steady-state figure is the difference of two best-of-{len(p['serial_all'])} totals, so it carries a few ms of
+  noise either way (it can come out under the link's own time, which no step can beat).
 """)
     return "\n".join(parts)
 
