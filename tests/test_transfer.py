@@ -169,6 +169,34 @@ def test_prefetch_keeps_batches_in_order():
         assert b["y"][0].is_cuda and b["y"][1] == i
 
 
+def test_training_on_prefetched_large_batches_matches_local(remote):
+    """Batches of 2 MiB go in parts on the bulk connection and land when the step first uses
+    them; the loss curve and the weights come out as a local CPU run's."""
+    def run(device: str) -> tuple[list, torch.Tensor]:
+        g = torch.Generator().manual_seed(5)
+        data = [(torch.randn(512, 1024, generator=g), torch.randn(512, 1, generator=g)) for _ in range(6)]
+        model = torch.nn.Linear(1024, 1)
+        with torch.no_grad():
+            model.weight.copy_(torch.randn(1, 1024, generator=g) * 0.01)
+            model.bias.zero_()
+        model = model.to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        batches = remotecuda.prefetch(data, device=device) if device == "cuda" else iter(data)
+        losses = []
+        for x, y in batches:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, model.weight.detach().cpu()
+
+    local_losses, local_w = run("cpu")
+    losses, w = run("cuda")
+    assert losses == pytest.approx(local_losses, rel=1e-5)
+    torch.testing.assert_close(w, local_w, rtol=1e-5, atol=1e-6)
+
+
 def test_queued_ops_go_out_while_the_client_is_busy_elsewhere(remote):
     """A batch is not held back until the next sync: the background flusher sends it after
     the batch window, so the gateway works while the user's code does something else."""
