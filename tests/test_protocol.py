@@ -223,6 +223,14 @@ def gw():
     g.stop()
 
 
+def fetched(msg: protocol.Message) -> torch.Tensor:
+    """The tensor an ``rc::fetch`` REPLY carries."""
+    assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
+    res = msg.body["res"]
+    return protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"],
+                                      res["shape"]).clone()
+
+
 class RawClient:
     """A DEALER socket speaking the protocol by hand."""
 
@@ -288,10 +296,7 @@ class RawClient:
         hc = self.handle()
         msg = self.request([up_a, up_b, ["aten::add.Tensor", [Handle(ha), Handle(hb)], {"alpha": 2}, [hc]]],
                            [pa, pb], ["rc::fetch", [hc], None, {"base": None}])
-        assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
-        res = msg.body["res"]
-        desc, frame = msg.payloads[res["pl"]]
-        out = protocol.tensor_from_bytes(protocol.decode_payload(desc, frame), res["dtype"], res["shape"]).clone()
+        out = fetched(msg)
         self.send(protocol.OPS, {"ops": [], "rel": [ha, hb, hc]})
         return out
 
@@ -786,14 +791,11 @@ def test_an_upload_in_parts_is_pending_until_an_op_needs_it(gw, good):
         total = c.handle()
         msg = c.request([upload, x_up, ["aten::sum.default", [Handle(xh)], None, [total]]], [x_pl],
                         ["rc::fetch", [total], None, {"base": None}])
-        assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body  # no PART sent yet
+        assert fetched(msg).item() == 3.0  # answered, with no PART sent yet
         c.send(protocol.PART, {"h": h, "off": 0, "total": 256}, [payload])
         y = c.handle()
         msg = c.request([["aten::mul.Scalar", [Handle(h), 2.0], None, [y]]], (), ["rc::fetch", [y], None, {"base": None}])
-        assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
-        res = msg.body["res"]
-        out = protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"], res["shape"])
-        assert torch.equal(out, data * 2)
+        assert torch.equal(fetched(msg), data * 2)
         c.send(protocol.OPS, {"ops": [["rc::upload", [dropped, None, torch.float32, [64], None, 2], None, None]],
                               "rel": [dropped]})
         c.send(protocol.PART, {"h": dropped, "off": 0, "total": 256}, [payload])
@@ -809,10 +811,7 @@ def test_an_upload_in_parts_is_pending_until_an_op_needs_it(gw, good):
         assert c.recv().body.get("cancelled") is True
         c.send(protocol.PART, {"h": late, "off": 0, "total": 256}, [payload])
         msg = c.request([], (), ["rc::fetch", [late], None, {"base": None}])
-        assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
-        res = msg.body["res"]
-        out = protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"], res["shape"])
-        assert torch.equal(out, data)
+        assert torch.equal(fetched(msg), data)
     finally:
         c.send(protocol.BYE, {})
         c.close()
@@ -877,8 +876,5 @@ def test_malformed_upload_parts(gw, good, bad_session):
     send_part(h, 64, 128)
     msg = bad.request([["rc::upload", [h, None, torch.float32, [32], None, sent[0]], None, None]], (),
                       ["rc::fetch", [h], None, {"base": None}])
-    assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
-    res = msg.body["res"]
-    out = protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"], res["shape"])
-    assert bytes(out.view(torch.uint8).numpy()) == b"\x01" * 128
+    assert bytes(fetched(msg).view(torch.uint8).numpy()) == b"\x01" * 128
     assert_still_served(gw, good)
