@@ -876,6 +876,10 @@ plain Python sockets (sendall / recv_into, 1-byte ack for uploads), one transfer
 - every fresh upload is also kept by the session's upload cache (512 MiB): until the cache is full each one
   lands in memory the gateway process touches for the first time (a page fault per page); once it is full,
   evicted entries' memory is reused. 64 MB runs 8 times (plus a warm-up), so its best is that steady state.
+- a download lands in new memory the client process touches for the first time (ZeroMQ's receive buffer,
+  which the returned tensor is a view of: no copy after the socket; above 32 MiB glibc maps fresh pages for
+  every allocation, as it would for `.cpu()` of a CUDA tensor); raw TCP's receive buffer is the same one every time. On this VM a fresh page costs about as much
+  as 1 GB/s of copying, which is what bounds the large downloads.
 """)
 
     # (d)
