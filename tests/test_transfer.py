@@ -215,8 +215,11 @@ def test_queued_ops_go_out_while_the_client_is_busy_elsewhere(remote):
 # ---------------------------------------------------------------------------- the direct path and parts
 
 def test_sessions_take_the_direct_path(gateway, remote):
-    """The op stream goes straight to the session's worker; the supervisor still keeps its accounts."""
-    assert remote.session(0).direct, remote.session(0).direct_failure
+    """The op stream goes straight to the session's worker, and so does its bulk connection; the
+    supervisor still keeps its accounts."""
+    s = remote.session(0)
+    assert s.direct, s.direct_failure
+    assert s.bulk is not s.sock, s.bulk_failure
     (torch.ones(5, device="cuda") + 1).sum().item()
     deadline = time.monotonic() + 10
     while True:  # workers report their counters every half second
@@ -290,7 +293,7 @@ rt = remotecuda.activate(sys.argv[1], fallback="error")
 x = torch.randn(3 << 20)
 y = x.cuda()
 assert torch.equal((y * 2).cpu(), x * 2)
-print("direct", rt.session(0).direct)
+print("direct", rt.session(0).direct, "bulk", rt.session(0).bulk is not rt.session(0).sock)
 '''
 
 
@@ -302,8 +305,8 @@ def test_forwarded_path_when_the_data_port_cannot_be_reached():
     proxy = _proxy(int(gw.address.rsplit(":", 1)[1]), "127.0.0.2")
     try:
         r = run_python("", args=["-c", FORWARDED, proxy.address], timeout=120)
-        assert r.returncode == 0 and "direct False" in r.stdout, r.stderr[-3000:]
-        assert proxy.connections >= 1
+        assert r.returncode == 0 and "direct False bulk True" in r.stdout, r.stderr[-3000:]
+        assert proxy.connections >= 2  # the op stream's and the bulk connection
     finally:
         proxy.stop()
         gw.stop()
@@ -311,7 +314,7 @@ def test_forwarded_path_when_the_data_port_cannot_be_reached():
 
 def test_forwarded_path_on_request(gateway):
     r = run_python("", args=["-c", FORWARDED, gateway.address], env={"REMOTECUDA_DIRECT": "0"}, timeout=120)
-    assert r.returncode == 0 and "direct False" in r.stdout, r.stderr[-3000:]
+    assert r.returncode == 0 and "direct False bulk True" in r.stdout, r.stderr[-3000:]
 
 
 LOSER = r'''
