@@ -225,7 +225,7 @@ class Worker:
             buf = protocol.decode_payload(desc, frame)
             with self._on_copy_stream():
                 self.executor.parts.add(h, body["off"], body.get("total"), buf, desc[2])
-        except (ProtocolError, ValueError, TypeError, RuntimeError) as e:
+        except Exception as e:  # (a part too big for memory included) never the I/O thread's end
             if h is None:
                 self.inbox.put(("error", str(e)))
             else:
