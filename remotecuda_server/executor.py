@@ -152,6 +152,10 @@ class Assembly:
         return self.flat.view(dtype).view(tuple(shape))
 
 
+class _StillOnItsWay(RuntimeError):
+    """An op stopped waiting for a pending upload (an interrupt); the upload itself goes on."""
+
+
 class PartedUploads:
     """Uploads of 1 MB and more: they come as PART messages on the session's bulk connection
     while its ops go on the main one, so an op never waits on the wire behind the next batch.
@@ -517,10 +521,12 @@ class Executor:
         try:
             up = self.parts.take(h, last, dtype, shape, self._cancelled)
             if up is None:
-                raise RuntimeError("remotecuda: interrupted while this tensor's upload was on its way")
+                raise _StillOnItsWay("remotecuda: interrupted while this tensor's upload was on its way")
             del self.pending[h]
             self._land(h, up, key)
-        except ProtocolError as e:
+        except _StillOnItsWay:
+            raise
+        except Exception as e:
             self.pending.pop(h, None)
             self.invalid[h] = f"remotecuda: the upload of this tensor failed: {e}"
             raise
