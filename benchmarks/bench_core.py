@@ -234,9 +234,9 @@ def measure(quick: bool = False) -> dict:
     info = machine()
     load_before = os.getloadavg()
 
-    # --- local CPU eager, before remotecuda is active (its torch-function mode costs a little everywhere)
+    # --- local CPU eager, before remotecuda is active: torch untouched
     chain("cpu", 200)
-    local_repeats = 2 * repeats + 1  # cheap locally; the minimum filters out other load
+    chain_repeats = local_repeats = 2 * repeats + 1  # the minimum filters out other load
     local_runs = [chain("cpu") for _ in range(local_repeats)]
     local_chain, local_chain_cpu = min(r[0] for r in local_runs), min(r[3] for r in local_runs)
     chain_ref = chain("cpu")[2]
@@ -252,7 +252,7 @@ def measure(quick: bool = False) -> dict:
         import remotecuda
         remotecuda.activate(address, fallback="error")
         chain("cuda", 200)
-        runs = [chain("cuda") for _ in range(repeats)]
+        runs = [chain("cuda") for _ in range(chain_repeats)]  # as many as locally
         remote_chain_client = min(r[0] for r in runs)
         remote_chain_total = min(r[1] for r in runs)
         remote_chain_cpu = min(r[3] for r in runs)
@@ -347,7 +347,8 @@ def markdown(r: dict, heading: str = "##") -> str:
   threads), which time spent waiting for a CPU held by the gateway's worker or other load does not inflate.
 - the MLP step sends ~{r['mlp_ops_per_step']:.0f} ops to the gateway (forward, backward, Adam; setup included);
   final losses local {r['local_loss']:.6f} vs remote {r['remote_loss']:.6f}.
-- best of {r['repeats']} runs remote and {r['local_repeats']} local.
+- best of {r['local_repeats']} runs each for the elementwise chain; the MLP rows best of {r['repeats']} runs
+  remote and {r['local_repeats']} local.
 
 {h} Transfers (core sizes)
 
