@@ -610,8 +610,9 @@ def measure_pipelining(steps: int, repeats: int, batch_bytes: int = 16 * MB) -> 
 
     def steady(item: bool) -> float:
         """Per step once the pipeline is full: (2N steps - N steps) / N, so filling it (the first
-        batch's transfer, which nothing can overlap) drops out."""
-        return (min(pip[2 * steps, item]) - min(pip[steps, item])) / steps
+        batch's transfer, which nothing can overlap) drops out; the median over repeats of the
+        difference within each repeat (the two runs of a pair saw about the same load)."""
+        return statistics.median(b - a for a, b in zip(pip[steps, item], pip[2 * steps, item])) / steps
 
     r = {"batch_bytes": batch_bytes, "steps": steps, "width_k": k, "transfer_s": t_x, "compute_s": t_c,
          "serial_s": min(ser), "pipelined_s": steady(False), "pipelined_item_s": steady(True),
@@ -689,7 +690,7 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
         wait_for_quiet("(e) compression")
         res["compression"] = measure_compression_e2e(16 * MB, 2 if quick else 5)
         wait_for_quiet("(f) pipelining")
-        res["pipelining"] = measure_pipelining(steps=6 if quick else 8, repeats=2 if quick else 3)
+        res["pipelining"] = measure_pipelining(steps=6 if quick else 8, repeats=2 if quick else 5)
         remotecuda.deactivate()
         stop(gw)
 
@@ -699,7 +700,7 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
         remotecuda.activate(address, fallback="error")
         torch.ones(4, device="cuda").sum().item()
         wait_for_quiet("(f) pipelining, 1 thread")
-        res["pipelining_1thread"] = measure_pipelining(steps=6 if quick else 8, repeats=2 if quick else 3)
+        res["pipelining_1thread"] = measure_pipelining(steps=6 if quick else 8, repeats=2 if quick else 5)
         remotecuda.deactivate()
         stop(gw)
 
@@ -711,7 +712,7 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
         remotecuda.activate(proxy.address, fallback="error")
         torch.ones(4, device="cuda").sum().item()
         wait_for_quiet("(f) pipelining, 1 Gbit/s link")
-        res["pipelining_link"] = measure_pipelining(steps=6 if quick else 8, repeats=2 if quick else 3,
+        res["pipelining_link"] = measure_pipelining(steps=6 if quick else 8, repeats=2 if quick else 5,
                                                     batch_bytes=8 * MB)
         res["pipelining_link"]["link_mbit"] = LINK_MBIT
         remotecuda.deactivate()
@@ -919,7 +920,8 @@ upload cache).
 Each step uploads a fresh batch (N×1024 float32) and computes `(x @ W).relu().mean()`
 with W 1024×K, K calibrated on the gateway so compute ≈ transfer; {p['steps']} steps, best of runs. A pipelined
 loop's first batch crosses before anything can overlap it, so its steady-state step is measured as
-(T(2N steps) − T(N steps)) / N, N = {p['steps']}; the row with the fill shows T(N) / N. Measured three
+(T(2N steps) − T(N steps)) / N, N = {p['steps']}, the two run back to back, median over the repeats; the row
+with the fill shows the best T(N) / N. Measured three
 times: over loopback with the gateway's default torch threads; over loopback with a gateway whose torch uses one
 thread (so one CPU is left for the transfer's processes on this {p['nproc']}-CPU machine); and with that gateway
 behind a {LINK_MBIT:,} Mbit/s link (`delay_proxy.py --rate-mbit`, a userspace proxy that paces each direction
@@ -954,8 +956,8 @@ GPU server.
   near transfer + compute, the overlap is being lost in the software, not the machine. On a GPU gateway the
   compute leaves the CPUs free and only the copies compete. Over the link the transfer is mostly waiting
   (its CPU time is the row above), so there the pipelined step can come to max(transfer, compute).
-- a steady-state figure is the difference of two best-of-{len(p['serial_all'])} totals, so it carries a few ms of
-  noise either way (it can come out under the link's own time, which no step can beat).
+- a steady-state figure is a difference of two totals (median of {len(p['serial_all'])} pairs), so it carries a
+  few ms of noise either way (it can come out under the link's own time, which no step can beat).
 """)
     return "\n".join(parts)
 
