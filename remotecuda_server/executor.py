@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -211,7 +211,8 @@ class PartedUploads:
             self.closed = True
             self.cv.notify_all()
 
-    def take(self, h: int, last: Any, dtype: torch.dtype, shape: list, cancelled) -> Upload | None:
+    def take(self, h: int, last: int, dtype: torch.dtype, shape: list,
+             cancelled: Callable[[], bool]) -> Upload | None:
         """Upload h, once PART messages up to number ``last`` are in; None if the session is
         cancelled or closed meanwhile."""
         with self.cv:
