@@ -232,12 +232,7 @@ class Session:
             self._parts_sent += 1
             self.stats["messages"] += 1
             self.stats["bytes_up"] += sum(_size(f) for f in frames)
-            try:
-                trackers.append(self.bulk.send_multipart(frames, copy=False, track=frame is part))
-            except zmq.Again:
-                self.closed = True
-                raise GatewayLostError(f"gateway {self.endpoint} is not connected "
-                                       f"(a send waited {SEND_TIMEOUT:.0f} s)") from None
+            trackers.append(self._send_frames(self.bulk, frames, track=frame is part))
         key = self._enter(mirror, digests, n)
         self._ops.append(["rc::upload", [h, None, dtype, shape, key, self._parts_sent], None, None])
         self.stats["compressed_bytes_saved"] += n - sent
@@ -277,12 +272,17 @@ class Session:
             self._last_send = time.monotonic()
             if self._inflight:
                 self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
-            try:
-                self.sock.send_multipart(frames, copy=False)
-            except zmq.Again:
-                self.closed = True
-                raise GatewayLostError(f"gateway {self.endpoint} is not connected "
-                                       f"(a send waited {SEND_TIMEOUT:.0f} s)") from None
+            self._send_frames(self.sock, frames)
+
+    def _send_frames(self, sock: zmq.Socket, frames: list, track: bool = False) -> Any:
+        """Send without copying; the MessageTracker when ``track``. A send that waited out
+        SEND_TIMEOUT means the gateway is gone."""
+        try:
+            return sock.send_multipart(frames, copy=False, track=track)
+        except zmq.Again:
+            self.closed = True
+            raise GatewayLostError(f"gateway {self.endpoint} is not connected "
+                                   f"(a send waited {SEND_TIMEOUT:.0f} s)") from None
 
     def maybe_flush(self, now: float) -> bool:
         """Called by the pool's background thread: flush old ops, keep the session alive.

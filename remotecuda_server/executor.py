@@ -152,10 +152,6 @@ class Assembly:
         return self.flat.view(dtype).view(tuple(shape))
 
 
-class _StillOnItsWay(RuntimeError):
-    """An op stopped waiting for a pending upload (an interrupt); the upload itself goes on."""
-
-
 class PartedUploads:
     """Uploads of 1 MB and more: they come as PART messages on the session's bulk connection
     while its ops go on the main one, so an op never waits on the wire behind the next batch.
@@ -243,7 +239,7 @@ class Executor:
         self.parts = PartedUploads(device, copy_stream)
         self.pending: dict[int, tuple] = {}  # handle → (last PART, dtype, shape, key): bytes on the way
         self.dropped: set[int] = set()  # pending handles released before they landed
-        self._cancelled: Any = lambda: False  # the running message's: whether an interrupt dropped it
+        self._cancelled: Callable[[], bool] = lambda: False  # the running message's: whether an interrupt dropped it
         self.handles: dict[int, torch.Tensor] = {}
         self.invalid: dict[int, str] = {}
         self.resolver = OpResolver()
@@ -521,12 +517,9 @@ class Executor:
         last, dtype, shape, key = self.pending[h]
         try:
             up = self.parts.take(h, last, dtype, shape, self._cancelled)
-            if up is None:
-                raise _StillOnItsWay("remotecuda: interrupted while this tensor's upload was on its way")
-            del self.pending[h]
-            self._land(h, up, key)
-        except _StillOnItsWay:
-            raise
+            if up is not None:
+                del self.pending[h]
+                self._land(h, up, key)
         except Exception as e:
             self.pending.pop(h, None)
             self.invalid[h] = f"remotecuda: the upload of this tensor failed: {e}"
@@ -535,6 +528,8 @@ class Executor:
             if h in self.dropped and h not in self.pending:  # released (or skipped) before it landed
                 self.dropped.discard(h)
                 self.handles.pop(h, None)
+        if up is None:
+            raise RuntimeError("remotecuda: interrupted while this tensor's upload was on its way")
 
     def _resolve_arrived(self) -> None:
         """Land the pending uploads whose parts are all in (at the start of each message)."""

@@ -202,24 +202,23 @@ class Gateway:
         except ProtocolError as e:
             self._error(client, str(e))
             return
-        if client in self.bulk_links:
-            self._on_bulk(client, msg_type, frames)
-            return
-        state = self.sessions.get(client)
+        bulk = client in self.bulk_links
+        state = self.sessions.get(self.bulk_links[client] if bulk else client)
+        n = sum(len(f) for f in frames)
         if state is not None:
             state.last_seen = time.monotonic()
             state.messages_in += 1
-            state.bytes_in += sum(len(f) for f in frames)
+            state.bytes_in += n
         self.totals["messages_in"] += 1
-        self.totals["bytes_in"] += sum(len(f) for f in frames)
+        self.totals["bytes_in"] += n
+        if bulk:
+            self._on_bulk(client, msg_type, frames, state)
+            return
         if msg_type in (protocol.OPS, protocol.CANCEL, protocol.PART):
             if state is None:
                 self._error(client, "no session: send HELLO first", "no_session")
                 return
-            try:
-                self.back.send_multipart([state.worker, b"MSG", *frames], copy=False)
-            except zmq.ZMQError:  # the worker has just gone (ROUTER_MANDATORY says so)
-                self._lose_session(client, "the gateway's session worker is gone")
+            self._forward(state, frames)
             return
         try:
             msg = protocol.decode(frames)
@@ -237,28 +236,22 @@ class Gateway:
         else:
             self._error(client, f"unexpected message type {protocol.TYPE_NAMES[msg_type]}")
 
-    def _on_bulk(self, link: bytes, msg_type: int, frames: list) -> None:
+    def _on_bulk(self, link: bytes, msg_type: int, frames: list, state: SessionState | None) -> None:
         """A message on a session's bulk connection: PARTs go to its worker like its ops."""
-        state = self.sessions.get(self.bulk_links[link])
         if state is None:
             del self.bulk_links[link]
             self._error(link, "no session: this bulk connection's session has ended", "no_session")
-            return
-        if msg_type == protocol.PING:
+        elif msg_type == protocol.PING:
             self._send_client(link, protocol.encode(protocol.PONG, {}))
-            return
-        if msg_type != protocol.PART:
+        elif msg_type != protocol.PART:
             self._error(link, f"a bulk connection carries PART messages, not {protocol.TYPE_NAMES[msg_type]}")
-            return
-        n = sum(len(f) for f in frames)
-        state.last_seen = time.monotonic()
-        state.messages_in += 1
-        state.bytes_in += n
-        self.totals["messages_in"] += 1
-        self.totals["bytes_in"] += n
+        else:
+            self._forward(state, frames)
+
+    def _forward(self, state: SessionState, frames: list) -> None:
         try:
             self.back.send_multipart([state.worker, b"MSG", *frames], copy=False)
-        except zmq.ZMQError:
+        except zmq.ZMQError:  # the worker has just gone (ROUTER_MANDATORY says so)
             self._lose_session(state.client, "the gateway's session worker is gone")
 
     def _on_hello(self, client: bytes, body: dict) -> None:

@@ -158,7 +158,9 @@ class Worker:
         except ProtocolError as e:
             self._reply_direct(ident, protocol.ERROR, {"msg": str(e), "kind": "protocol"})
             return
-        if msg_type in (protocol.OPS, protocol.CANCEL, protocol.PART):
+        if msg_type == protocol.PART:
+            self._on_part(frames)
+        elif msg_type in (protocol.OPS, protocol.CANCEL):
             self._on_client_message(frames)
         elif msg_type == protocol.PING:
             self._reply_direct(ident, protocol.PONG, {})
@@ -187,7 +189,7 @@ class Worker:
             self.sock.send_multipart([b"STATS", protocol.pack_body(stats)])
 
     def _on_client_message(self, frames: list) -> None:
-        if frames and protocol.decode_header(frames[0])[0] == protocol.PART:
+        if frames and protocol.decode_header(frames[0])[0] == protocol.PART:  # (forwarded)
             self._on_part(frames)
             return
         try:
