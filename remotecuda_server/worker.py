@@ -21,6 +21,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -32,6 +33,8 @@ from remotecuda.cache import ContentCache
 from remotecuda.protocol import ProtocolError
 
 from .executor import Assembly, Executor, Upload
+
+STATS_INTERVAL = 0.25  # seconds between a busy session's reports to the supervisor
 
 
 class Worker:
@@ -67,6 +70,7 @@ class Worker:
         self.current_seq = -1
         self.closing = False
         self._last_stats: dict = {}
+        self._stats_at = 0.0
 
     # ------------------------------------------------------------------ I/O thread
     def serve(self) -> None:
@@ -80,7 +84,8 @@ class Worker:
             poller.register(self.data, zmq.POLLIN)
         while True:
             events = dict(poller.poll(500))
-            self._report_stats()
+            if time.monotonic() - self._stats_at >= STATS_INTERVAL:
+                self._report_stats()
             if self.outbox in events:
                 while True:
                     try:
@@ -180,7 +185,10 @@ class Worker:
             pass
 
     def _report_stats(self) -> None:
-        """Tell the supervisor this session's counters (for gateway-wide status), when they change."""
+        """Tell the supervisor this session's counters (for gateway-wide status), when they change;
+        at most every STATS_INTERVAL: summing the session's memory after each message cost the
+        I/O thread as much as placing a large upload's part."""
+        self._stats_at = time.monotonic()
         stats = dict(self.executor.stats, **self.direct_counts, memory=self.executor.sample_memory(),
                      cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
                      cache_evictions=self.executor.cache.evictions if self.executor.cache else 0)
