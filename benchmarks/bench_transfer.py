@@ -896,10 +896,11 @@ plain Python sockets (sendall / recv_into, 1-byte ack for uploads), one transfer
 - every fresh upload is also kept by the session's upload cache (512 MiB): until the cache is full each one
   lands in memory the gateway process touches for the first time (a page fault per page, about 1 GB/s on this
   VM); once it is full, evicted entries' memory is reused. Hence the priming.
-- a download lands in new memory the client process touches for the first time (ZeroMQ's receive buffer,
-  which the returned tensor is a view of: no copy after the socket; above 32 MiB glibc maps fresh pages for
-  every allocation, as it would for `.cpu()` of a CUDA tensor); raw TCP's receive buffer is the same one every time. On this VM a fresh page costs about as much
-  as 1 GB/s of copying, which is what bounds the large downloads.
+- a download lands in memory the client process touches for the first time, as `.cpu()` of a CUDA tensor
+  does; raw TCP's receive buffer is the same one every time. Up to 32 MiB the returned tensor is a view
+  of ZeroMQ's receive buffer (no copy after the socket); above, glibc would map that buffer afresh, a page
+  fault per 4 KiB page (about 1 GB/s here), so larger downloads come as 4 MiB PART messages, each copied
+  into numpy memory (transparent huge pages: few faults) as it arrives.
 """)
 
     # (d)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import msgpack
+import numpy as np
 import torch
 import xxhash
 import zstandard
@@ -38,7 +39,7 @@ except ImportError:  # lz4 is optional: zstd alone then
     lz4 = None
 
 MAGIC = b"RCDA"
-VERSION = 2
+VERSION = 3
 
 # message types
 HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL, STATUS, PART = range(1, 12)
@@ -52,6 +53,12 @@ HEADER_SIZE = _HEADER.size + 4
 MAX_PAYLOAD_BYTES = 1 << 36
 #: the largest msgpack body a peer accepts
 MAX_BODY_BYTES = 64 << 20
+#: the size of one PART message's payload (the last part of a tensor may be shorter)
+PART_BYTES = 4 << 20
+#: downloads above this come as PART messages: one frame this large lands in memory the
+#: receiving process touches for the first time (glibc maps every allocation over 32 MiB
+#: afresh), a page fault per 4 KiB page, which cost more than copying 4 MiB parts into place
+DOWNLOAD_PARTS_ABOVE = 32 << 20
 
 # msgpack extension codes
 EXT_HANDLE, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_GENERATOR = range(1, 8)
@@ -331,6 +338,40 @@ def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: Sequence[int])
         # data): typed kernels on e.g. complex128 (alignas 16) crash on it; copy as bytes
         flat = flat.clone()
     return flat.view(dtype).view(tuple(shape))
+
+
+class Assembly:
+    """A payload's bytes arriving in parts (PART messages), each copied into place as it comes.
+
+    ``flat`` is the 1-D uint8 destination. Copies are byte-wise: received frames are only
+    8-byte aligned, and a byte copy needs no alignment (nor, on the CPU, an OpenMP hand-off
+    that costs more than a memcpy when the machine is busy)."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat = flat
+        self._host = flat.numpy() if flat.device.type == "cpu" else None
+        self.filled = 0
+
+    def add(self, offset: int, buf: memoryview) -> None:
+        n = buf.nbytes
+        if offset != self.filled or offset + n > self.flat.numel():
+            raise ProtocolError(f"part at byte {offset} (+{n}) does not continue the "
+                                f"{self.filled} of {self.flat.numel()} bytes received")
+        if self._host is not None:
+            np.copyto(self._host[offset:offset + n], np.frombuffer(buf, dtype=np.uint8))
+        else:
+            src = tensor_from_bytes(buf, torch.uint8, [n])
+            self.flat[offset:offset + n].copy_(src, non_blocking=True)
+        self.filled += n
+
+    def finish(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if self.filled != self.flat.numel() or numel * itemsize != self.filled:
+            raise ProtocolError(f"payload of {self.filled} bytes cannot hold {tuple(shape)} {dtype}")
+        return self.flat.view(dtype).view(tuple(shape))
 
 
 # ---------------------------------------------------------------------------- framing

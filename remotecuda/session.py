@@ -15,19 +15,20 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
 from . import cache, protocol
 from .compression import LinkModel
 from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, remote_exception
+from .protocol import ProtocolError
 
 #: flush when this many ops are queued
 BATCH_OPS = 256
 #: flush when this many payload bytes are queued; uploads this large go out at once, on the bulk connection
 BATCH_BYTES = 1 << 20
 #: uploads travel on the bulk connection in parts of this size, so the gateway's work overlaps the transfer
-PART_BYTES = 4 << 20
 #: flush ops that have waited this long (seconds), so the GPU is not kept idle
 BATCH_WINDOW = 0.002
 PING_EVERY = 2.0
@@ -79,6 +80,7 @@ class Session:
         self._seq = 0
         self._parts_sent = 0  # PART messages so far: an upload's op names how many precede it
         self._rid = 0
+        self._download: Download | None = None  # the PARTs of the awaited reply's result
         self._op_index = 0
         self._last_send = time.monotonic()
         self.stats = dict.fromkeys(STAT_KEYS, 0)
@@ -156,7 +158,7 @@ class Session:
 
         A payload the gateway's content cache already holds is sent as its key only.
         Large payloads go out at once, straight from the tensor's memory (zero-copy), in
-        parts of PART_BYTES, each its own message: the gateway checks and places part k
+        parts of protocol.PART_BYTES, each its own message: the gateway checks and places part k
         while part k+1 is on the wire. A blocking upload then waits until ZeroMQ has let
         go of that memory, as a synchronous host-to-device copy would.
         """
@@ -172,10 +174,10 @@ class Session:
                     self.wake()
             self.stats["uploads"] += 1
             mirror = self.cache if n >= cache.MIN_BYTES else None
-            digests = [protocol.payload_digest(buf[:PART_BYTES])]
-            if mirror is not None and (n <= PART_BYTES or mirror.may_hold((n, digests[0]))):
-                if n > PART_BYTES:  # it may be cached: hash it all before deciding
-                    digests = cache.part_digests(buf, PART_BYTES)
+            digests = [protocol.payload_digest(buf[:protocol.PART_BYTES])]
+            if mirror is not None and (n <= protocol.PART_BYTES or mirror.may_hold((n, digests[0]))):
+                if n > protocol.PART_BYTES:  # it may be cached: hash it all before deciding
+                    digests = cache.part_digests(buf, protocol.PART_BYTES)
                 key = cache.content_key(digests)
                 if mirror.get(key) is not None:
                     self.stats["cache_hits"] += 1
@@ -222,12 +224,12 @@ class Session:
         tensor's memory, hashed just before it goes if that is not done yet. The upload op
         joins the queued ops, naming how many PARTs precede it."""
         n, t0, sent, trackers = buf.nbytes, time.perf_counter(), 0, []
-        for i in range(-(-n // PART_BYTES)):
-            part = buf[i * PART_BYTES:(i + 1) * PART_BYTES]
+        for i in range(-(-n // protocol.PART_BYTES)):
+            part = buf[i * protocol.PART_BYTES:(i + 1) * protocol.PART_BYTES]
             if i == len(digests):
                 digests.append(protocol.payload_digest(part))
             desc, frame = protocol.encode_payload(part, codec, digests[i])
-            frames = protocol.encode(protocol.PART, {"h": h, "off": i * PART_BYTES, "total": n}, [(desc, frame)])
+            frames = protocol.encode(protocol.PART, {"h": h, "off": i * protocol.PART_BYTES, "total": n}, [(desc, frame)])
             sent += _size(frame)
             self._parts_sent += 1
             self.stats["messages"] += 1
@@ -319,6 +321,7 @@ class Session:
             self._rid += 1
             rid = self._rid
             t0 = time.perf_counter()
+            self._download = Download(rid)
             self.flush(req=rid)
             self.stats["blocking_round_trips"] += 1
             t_wait = time.monotonic()
@@ -326,6 +329,7 @@ class Session:
                 msg = self._wait(rid)
             finally:
                 self.stats["wait_seconds"] += time.monotonic() - t_wait
+                download, self._download = self._download, None
             body = msg.body
             if body.get("err"):
                 raise remote_exception(body["err"])
@@ -336,6 +340,10 @@ class Session:
                 buf = protocol.decode_payload(desc, frame)
                 self.stats["downloads"] += 1
                 return protocol.tensor_from_bytes(buf, res["dtype"], res["shape"])
+            if isinstance(res, dict) and "parts" in res:
+                self.link.observe(res["nbytes"], time.perf_counter() - t0)
+                self.stats["downloads"] += 1
+                return download.finish(res["parts"], res["dtype"], res["shape"])
             return res
 
     def _wait(self, rid: int) -> protocol.Message:
@@ -350,6 +358,8 @@ class Session:
                     msg = protocol.decode(frames)
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
                         return msg
+                    if msg.type == protocol.PART and msg.body.get("rid") == rid:
+                        self._download.add(msg)
                     if msg.type == protocol.ERROR:
                         self._raise_error(msg.body)
                     # else PONG, or the reply to a request abandoned by an interrupt
@@ -398,6 +408,43 @@ class Session:
             for sock in (self.bulk, self.sock, self.front):
                 if not sock.closed:
                     sock.close(linger=1000)
+
+
+class Download:
+    """A large download arriving as PART messages ahead of its REPLY, each checked and copied
+    into fresh memory as it comes; a bad part is reported at the REPLY, once the rest of the
+    stream has been read past."""
+
+    def __init__(self, rid: int):
+        self.rid, self.assembly, self.parts, self.error = rid, None, 0, None
+
+    def add(self, msg: protocol.Message) -> None:
+        self.parts += 1
+        if self.error is not None:
+            return
+        try:
+            off, total = msg.body.get("off"), msg.body.get("total")
+            if len(msg.payloads) != 1 or not isinstance(off, int) or not isinstance(total, int):
+                raise ProtocolError("malformed PART message (it needs int off and total and one payload)")
+            if self.assembly is None:
+                if off != 0 or not 0 < total <= protocol.MAX_PAYLOAD_BYTES:
+                    raise ProtocolError(f"download part at byte {off} of {total}: no download of it is under way")
+                # numpy's memory: large blocks get transparent huge pages, few faults to fill
+                self.assembly = protocol.Assembly(torch.from_numpy(np.empty(total, dtype=np.uint8)))
+            desc, frame = msg.payloads[0]
+            self.assembly.add(off, protocol.decode_payload(desc, frame, total))
+        except ProtocolError as e:
+            self.error = e
+
+    def finish(self, parts: Any, dtype: torch.dtype, shape: list) -> torch.Tensor:
+        try:
+            if self.error is not None:
+                raise self.error
+            if self.parts != parts or self.assembly is None:
+                raise ProtocolError(f"download of {parts} parts: {self.parts} arrived")
+            return self.assembly.finish(dtype, shape)
+        except ProtocolError as e:
+            raise GatewayProtocolError(f"a download from the gateway was damaged: {e}") from None
 
 
 def _size(frame: Any) -> int:

@@ -114,42 +114,14 @@ _MIN_BLOCK = 1 << 20  # smaller uploads come from the allocator's own free lists
 HOST_BLOCKS = HostBlocks()
 
 
-class Assembly:
-    """A tensor's bytes arriving in parts, each copied into place as it comes.
-
-    Copies go byte-wise into fresh, aligned memory: received frames are only 8-byte
-    aligned, and a byte copy needs no alignment (nor, on the CPU, an OpenMP hand-off
-    that costs more than a memcpy when the machine is busy)."""
+class Assembly(protocol.Assembly):
+    """An upload arriving in parts: into a recycled host block on the CPU, device memory on a GPU."""
 
     def __init__(self, nbytes: int, device: torch.device):
         if device.type == "cpu":
-            self._host = HOST_BLOCKS.take(nbytes)
-            self.flat = torch.from_numpy(self._host)
+            super().__init__(torch.from_numpy(HOST_BLOCKS.take(nbytes)))
         else:
-            self._host = None
-            self.flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.filled = 0
-
-    def add(self, offset: int, buf: memoryview) -> None:
-        n = buf.nbytes
-        if offset != self.filled or offset + n > self.flat.numel():
-            raise ProtocolError(f"upload part at byte {offset} (+{n}) does not continue the "
-                                f"{self.filled} of {self.flat.numel()} bytes received")
-        if self._host is not None:
-            np.copyto(self._host[offset:offset + n], np.frombuffer(buf, dtype=np.uint8))
-        else:
-            src = protocol.tensor_from_bytes(buf, torch.uint8, [n])
-            self.flat[offset:offset + n].copy_(src, non_blocking=True)
-        self.filled += n
-
-    def finish(self, dtype: torch.dtype, shape: list) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if self.filled != self.flat.numel() or numel * itemsize != self.filled:
-            raise ProtocolError(f"payload of {self.filled} bytes cannot hold {tuple(shape)} {dtype}")
-        return self.flat.view(dtype).view(tuple(shape))
+            super().__init__(torch.empty(nbytes, dtype=torch.uint8, device=device))
 
 
 class PartedUploads:
@@ -416,8 +388,14 @@ class Executor:
             t = self._arg(Handle(args[0])).detach()
             cpu = t.to("cpu") if t.device.type != "cpu" else t
             buf = protocol.tensor_bytes(cpu)
-            out_payloads.append(protocol.encode_payload(buf, _LINK.choose(buf, self.codecs)))
+            codec = _LINK.choose(buf, self.codecs)
             self.stats["downloads"] += 1
+            if buf.nbytes > protocol.DOWNLOAD_PARTS_ABOVE:  # the worker sends each as a PART
+                out_payloads.extend(protocol.encode_payload(buf[i:i + protocol.PART_BYTES], codec)
+                                    for i in range(0, buf.nbytes, protocol.PART_BYTES))
+                return {"parts": len(out_payloads), "nbytes": buf.nbytes, "shape": list(cpu.shape),
+                        "dtype": cpu.dtype}
+            out_payloads.append(protocol.encode_payload(buf, codec))
             return {"pl": len(out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
         if name == "seed":
             (seed,) = args

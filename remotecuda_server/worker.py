@@ -330,6 +330,12 @@ class Worker:
             return
         rid = msg.body.get("req")
         if rid is not None and not cancelled():
+            if isinstance(result, dict) and "parts" in result:  # a large download: PARTs, then the reply
+                for i, payload in enumerate(payloads):
+                    out.send_multipart(protocol.encode(protocol.PART, {
+                        "rid": rid, "off": i * protocol.PART_BYTES, "total": result["nbytes"]}, [payload]),
+                        copy=False)
+                payloads = []
             try:
                 frames = protocol.encode(protocol.REPLY, {"rid": rid, "res": result, "err": err}, payloads)
             except Exception as e:  # e.g. a result msgpack cannot carry

@@ -234,7 +234,7 @@ def test_sessions_take_the_direct_path(gateway, remote):
                                           (torch.int64, 1 << 20),  # exactly 2 parts
                                           (torch.float64, (3 << 19) + 1)])
 def test_large_uploads_travel_in_parts_and_arrive_whole(remote, dtype, numel):
-    from remotecuda.session import PART_BYTES
+    from remotecuda.protocol import PART_BYTES
     g = torch.Generator().manual_seed(numel)
     x = (torch.randn(numel, generator=g) * 1000).to(dtype)
     parts = -(-x.nbytes // PART_BYTES)
@@ -260,6 +260,52 @@ def test_parted_uploads_of_compressible_and_strided_tensors(remote):
     t = torch.arange(float(6 << 20)).view(2048, 3072).t()  # non-contiguous: uploaded as its dense copy
     assert torch.equal(t.cuda().cpu(), t)
     assert torch.equal((t.cuda() * 2).cpu(), t * 2)
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn((33 << 20) // 16 + 3, dtype=torch.complex128),  # 9 parts
+                                  lambda: torch.zeros(40 << 20, dtype=torch.uint8)],  # compressible parts
+                         ids=["complex128", "zeros"])
+def test_large_downloads_come_in_parts_and_arrive_whole(remote, monkeypatch, make):
+    """Over 32 MiB a download comes as PART messages copied into fresh memory as they arrive."""
+    from remotecuda import session as session_module
+    seen = []
+    add = session_module.Download.add
+    monkeypatch.setattr(session_module.Download, "add", lambda self, msg: (seen.append(msg.body["off"]), add(self, msg)))
+    x = make()
+    y = x.cuda()
+    assert torch.equal(y.cpu(), x)
+    assert seen == list(range(0, x.nbytes, protocol.PART_BYTES))
+    assert torch.equal((y + 1).cpu(), x + 1)
+    assert torch.equal(torch.ones(3, device="cuda").cpu(), torch.ones(3))  # the stream goes on
+
+
+def test_a_damaged_download_is_an_error_not_a_tensor():
+    """Download parts are checked like upload parts: a bad digest, a gap or a missing part make
+    the download a GatewayProtocolError."""
+    from remotecuda.errors import GatewayProtocolError
+    from remotecuda.session import Download
+    data = torch.arange(3 * protocol.PART_BYTES // 4, dtype=torch.float32)
+    buf = protocol.tensor_bytes(data)
+
+    def part(i: int, damage: bool = False) -> protocol.Message:
+        piece = buf[i * protocol.PART_BYTES:(i + 1) * protocol.PART_BYTES]
+        desc, frame = protocol.encode_payload(piece)
+        if damage:
+            frame = bytes(frame[:-1]) + bytes([frame[-1] ^ 1])
+        return protocol.decode(protocol.encode(protocol.PART, {"rid": 1, "off": i * protocol.PART_BYTES,
+                                                               "total": buf.nbytes}, [(desc, frame)]))
+
+    good = Download(1)
+    for i in range(3):
+        good.add(part(i))
+    assert torch.equal(good.finish(3, torch.float32, list(data.shape)), data)
+    for parts, count, why in [([0, 1], 3, "2 arrived"), ([0, 2, 1], 3, "does not continue"),
+                              ([1, 2], 2, "no download of it is under way"), ("damaged", 3, "integrity check")]:
+        d = Download(1)
+        for m in ([part(0), part(1, damage=True), part(2)] if parts == "damaged" else [part(i) for i in parts]):
+            d.add(m)
+        with pytest.raises(GatewayProtocolError, match=why):
+            d.finish(count, torch.float32, list(data.shape))
 
 
 def _delay_proxy_module():
@@ -293,6 +339,8 @@ rt = remotecuda.activate(sys.argv[1], fallback="error")
 x = torch.randn(3 << 20)
 y = x.cuda()
 assert torch.equal((y * 2).cpu(), x * 2)
+big = torch.randn((8 << 20) + 5)  # a download in PARTs, forwarded by the supervisor
+assert torch.equal((big.cuda() + 1).cpu(), big + 1)
 print("direct", rt.session(0).direct, "bulk", rt.session(0).bulk is not rt.session(0).sock)
 '''
 
