@@ -169,12 +169,25 @@ def _arg_at(args: tuple, kwargs: dict, pos: int | None, name: str) -> Any:
     return kwargs.get(name)
 
 
+def meta_stand_in(a: RemoteTensor) -> torch.Tensor:
+    """A meta tensor with ``a``'s dtype, shape, strides and offset."""
+    dtype, shape, stride, offset = a._k
+    n = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else offset
+    return torch.empty((n,), dtype=dtype, device="meta").as_strided(shape, stride, offset)
+
+
+def _stand_ins(a: Any) -> Any:
+    """``a`` with every remote tensor replaced by its meta stand-in, all else as it is."""
+    if isinstance(a, RemoteTensor):
+        return meta_stand_in(a)
+    if type(a) is list or type(a) is tuple:
+        return type(a)(_stand_ins(v) for v in a)
+    return a
+
+
 def _to_meta(a: Any) -> Any:
     if isinstance(a, RemoteTensor):
-        dtype, shape, stride, offset = a._k
-        n = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else offset
-        base = torch.empty((n,), dtype=dtype, device="meta")
-        return base.as_strided(shape, stride, offset)
+        return meta_stand_in(a)
     if isinstance(a, torch.Tensor):
         return a.to("meta")
     if type(a) is list or type(a) is tuple:
@@ -200,6 +213,12 @@ class Dispatcher:
     # ------------------------------------------------------------------ entry points
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         m = self.ops.get(id(func)) or self.op_meta(func)
+        dev = kwargs.get("device") if kwargs else None
+        if getattr(self.local, "user_meta", 0) or (type(dev) is torch.device and dev.type == "cpu" and m.special is None):
+            # x.new_zeros(2, device='cpu'), zeros_like(x, device='meta'), x.to('meta'): a tensor made
+            # here from the remote ones' metadata (user_meta: the user asked for 'meta', see interception)
+            with _DisableTorchDispatch():
+                return func(*_stand_ins(args), **{k: _stand_ins(v) for k, v in kwargs.items()})
         if m.special is not None:
             return m.special(self, m, args, kwargs)
         return self.run(m, args, kwargs)
@@ -462,7 +481,10 @@ def _to_copy(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
         kw.pop("device", None)
         return d.run(m, args, kw)
     if dev.type == "cpu":
-        cpu = d.download(src)
+        cpu = d.download(src)  # (contiguous)
+        _, shape, stride, _ = src._k
+        if kwargs.get("memory_format") in (None, torch.preserve_format) and _permuted_dense(shape, stride):  # e.g. x.t().cpu() keeps x.t()'s strides
+            cpu = torch.empty_strided(shape, stride, dtype=cpu.dtype).copy_(cpu)
         rest = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format") and v is not None}
         return cpu.to(**rest) if rest else cpu
     if dev.type == "cuda":  # another virtual device: through the client
@@ -470,6 +492,17 @@ def _to_copy(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
         kw = {k: v for k, v in kwargs.items() if k != "device"}
         return d.upload(cpu, d.runtime.session(dev.index), kw)
     raise RuntimeError(f"remotecuda: cannot copy a cuda tensor to device {dev}")
+
+
+def _permuted_dense(shape: Any, stride: Any) -> bool:
+    """Dense and non-overlapping but not contiguous: a layout that ``preserve_format`` keeps."""
+    strides = [st for size, st in zip(shape, stride) if size != 1]
+    expected = 1
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if st != expected:
+            return False
+        expected *= size
+    return strides != sorted(strides, reverse=True)
 
 
 def _to(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:

@@ -20,7 +20,6 @@ torch settings the wrapper needs, and put everything back exactly as it was.
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,10 +31,9 @@ from torch.utils import _device as device_context
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import autocast, cuda_api, generator, serialization
-from .dispatch import DISPATCHER
+from .dispatch import DISPATCHER, meta_stand_in
 from .tensor import RemoteTensor
 
-_local = threading.local()
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _DATA = torch._C.TensorBase.data
 #: the unpatched ``Tensor.to``, for calls made on the user's behalf
@@ -43,7 +41,7 @@ _TO = torch._C.TensorBase.to
 
 
 def _user_meta() -> bool:
-    return getattr(_local, "user_meta", 0) > 0
+    return getattr(DISPATCHER.local, "user_meta", 0) > 0
 
 
 class _UserMeta:
@@ -51,10 +49,10 @@ class _UserMeta:
     come from C++ building on a remote tensor's options, and become remote)."""
 
     def __enter__(self) -> None:
-        _local.user_meta = getattr(_local, "user_meta", 0) + 1
+        DISPATCHER.local.user_meta = getattr(DISPATCHER.local, "user_meta", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
-        _local.user_meta -= 1
+        DISPATCHER.local.user_meta -= 1
 
 
 def _is_meta(d: Any) -> bool:
@@ -120,9 +118,9 @@ def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
         if len(rest) >= n:
             copy, rest = rest[n - 1], rest[:n - 1]
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kw)
-    if device is not None and device.type == "meta":
+    if device is not None and device.type == "meta":  # (a remote tensor's C++ device is meta already)
         with _UserMeta():
-            return func(*args, **kwargs)
+            return func(meta_stand_in(self) if isinstance(self, RemoteTensor) else self, *args[1:], **kwargs)
     if device is None or device.type != "cuda":
         return func(*args, **kwargs)
     index = _cuda_index(device)
@@ -173,7 +171,12 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
 def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
     d = _device(kwargs.get("device"))
-    if not isinstance(self, RemoteTensor) and (d is None or d.type != "cuda"):
+    if d is not None and d.type != "cuda" or d is None and not isinstance(self, RemoteTensor):
+        # made here ('cpu' or 'meta' asked for, or a CPU tensor's): of self only its dtype matters
+        args = (meta_stand_in(self) if isinstance(self, RemoteTensor) else self, *args[1:])
+        if d is not None and d.type == "meta":
+            with _UserMeta():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
     kw = dict(kwargs)
     requires_grad = kw.pop("requires_grad", False)

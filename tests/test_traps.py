@@ -162,6 +162,32 @@ def test_user_meta_stays_meta_and_ordinals_mean_cuda():
     assert torch.where(x > 0, x, 0.).is_cuda  # C++ builds the scalar on 'meta' from x: remote
 
 
+def test_a_cuda_tensors_factories_go_where_they_are_told():
+    """``x.new_*``, ``*_like`` and ``to`` with an explicit 'cpu' or 'meta' give a tensor there, as on a
+    GPU, not a cuda tensor (C++ sees a remote tensor's device as meta, so 'meta' looks like staying put)."""
+    x = torch.arange(6, dtype=torch.float64, device="cuda").view(2, 3).t()
+    ref = torch.arange(6, dtype=torch.float64).view(2, 3).t()
+    for device in ("cpu", "meta"):
+        made = [x.new_zeros(2, device=device), x.new_ones((2, 2), device=device), x.new_empty(3, device=device),
+                x.new_full((2,), 7.0, device=device), x.new_empty_strided((2, 2), (1, 2), device=device),
+                x.new_tensor([1.0, 2.0], device=device), torch.zeros_like(x, device=device),
+                torch.rand_like(x, device=device), x.to(device, torch.float16)]
+        local = [ref.new_zeros(2, device=device), ref.new_ones((2, 2), device=device), ref.new_empty(3, device=device),
+                 ref.new_full((2,), 7.0, device=device), ref.new_empty_strided((2, 2), (1, 2), device=device),
+                 ref.new_tensor([1.0, 2.0], device=device), torch.zeros_like(ref, device=device),
+                 torch.rand_like(ref, device=device), ref.to(device, torch.float16)]
+        for t, want in zip(made, local):
+            assert type(t) is torch.Tensor and t.device.type == device, (device, t.device)
+            assert (t.dtype, t.shape, t.stride()) == (want.dtype, want.shape, want.stride())
+    with pytest.warns(UserWarning, match="copy construct"):  # as PyTorch warns for its own
+        assert torch.equal(x.new_tensor(x, device="cpu"), ref)
+    assert torch.equal(x.to("cpu", torch.float16), ref.half())
+    assert x.cpu().stride() == ref.stride() and x.cpu(memory_format=torch.contiguous_format).is_contiguous()
+    assert torch.equal(x.new_full((2,), 7.0, device="cpu"), torch.full((2,), 7.0, dtype=torch.float64))
+    assert torch.ones(3).new_zeros(2, device="meta").is_meta and torch.ones(3).new_tensor([1], device="meta").is_meta
+    assert x.new_zeros(2).is_cuda and torch.zeros_like(x).is_cuda and x.new_tensor([1.0]).is_cuda
+
+
 def test_other_threads_get_plain_pytorch_not_meta_tensors():
     """Interception is per thread (README, Limits): elsewhere 'cuda' fails as on a CPU build."""
     import threading
