@@ -60,9 +60,7 @@ class Session:
         self.codecs = protocol.common_codecs(self.info.get("codecs"))
         self.direct_failure: str | None = None
         self.bulk_failure: str | None = None
-        self._direct_endpoint: str | None = None
-        self.sock = self._open_direct(ctx, self.info.get("direct")) or self.front  # the op stream's socket
-        self.bulk = self._open_bulk(ctx) or self.sock  # large uploads' socket
+        self.sock, self.bulk = self._open_connections(ctx)  # the op stream's, and large transfers'
         self._poller = zmq.Poller()
         for sock in {self.sock, self.front, self.bulk}:
             self._poller.register(sock, zmq.POLLIN)
@@ -91,40 +89,43 @@ class Session:
         """Whether the op stream goes straight to the session's worker (else through the gateway's port)."""
         return self.sock is not self.front
 
-    def _open_direct(self, ctx: zmq.Context, offer: Any) -> zmq.Socket | None:
-        """The session worker's own data port, when this client can reach it: tensor bytes then
-        cross one socket, not two. Behind a tunnel or firewall that passes only the gateway's
-        port the HELLO there goes unanswered, and the session stays on the forwarded path."""
-        if not isinstance(offer, dict) or os.environ.get("REMOTECUDA_DIRECT", "1") == "0":
-            return None
-        endpoint = f"{self.endpoint.rsplit(':', 1)[0]}:{offer.get('port')}"
-        sock = _connect(ctx, endpoint, routing_id=os.urandom(16))
-        try:
-            hello(sock, {"token": offer.get("token")}, DIRECT_TIMEOUT, endpoint)
-        except (GatewayUnavailableError, protocol.ProtocolError) as e:
-            self.direct_failure = str(e)  # why this session took the forwarded path
-            sock.close(linger=0)
-            return None
-        self._direct_endpoint = endpoint
-        return sock
+    def _open_connections(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """The op stream's socket and the bulk one, greeted together (one round trip, not two).
 
-    def _open_bulk(self, ctx: zmq.Context) -> zmq.Socket | None:
-        """A second connection, on the op stream's path, for large uploads: TCP delivers a
-        connection's bytes in order, so on one connection an op issued after a prefetched
-        batch would wait for the whole batch to cross the link. Without it (a gateway that
-        does not offer one), parts go on the op stream."""
-        token = self.info.get("token")
+        The op stream goes to the session worker's own data port when this client can reach it:
+        tensor bytes then cross one socket, not two. Behind a tunnel or firewall that passes only
+        the gateway's port that HELLO goes unanswered, and the session stays on the forwarded
+        path. Large transfers get a second connection on the same path: TCP delivers a
+        connection's bytes in order, so on one connection an op issued after a prefetched batch
+        would wait for the whole batch to cross the link. Without it (a gateway that does not
+        offer one), parts go on the op stream."""
+        offer, token = self.info.get("direct"), self.info.get("token")
         if not isinstance(token, bytes):
-            return None
-        endpoint = self._direct_endpoint or self.endpoint
-        sock = _connect(ctx, endpoint, routing_id=os.urandom(16) if self._direct_endpoint else None)
-        try:
-            hello(sock, {"token": token, "bulk": True}, DIRECT_TIMEOUT, endpoint)
-        except (GatewayUnavailableError, protocol.ProtocolError) as e:
-            self.bulk_failure = str(e)
-            sock.close(linger=0)
-            return None
-        return sock
+            token = None
+        if isinstance(offer, dict) and os.environ.get("REMOTECUDA_DIRECT", "1") != "0":
+            endpoint = f"{self.endpoint.rsplit(':', 1)[0]}:{offer.get('port')}"
+            greetings = [(_connect(ctx, endpoint, routing_id=os.urandom(16)), {"token": offer.get("token")})]
+            if token is not None:
+                greetings.append((_connect(ctx, endpoint, routing_id=os.urandom(16)), {"token": token, "bulk": True}))
+            answers = greet(greetings, DIRECT_TIMEOUT, endpoint)
+            if isinstance(answers[0], dict):
+                bulk = self._bulk_or_none(greetings[-1][0], answers[-1]) if token is not None else None
+                return greetings[0][0], bulk or greetings[0][0]
+            self.direct_failure = str(answers[0])  # why this session took the forwarded path
+            for sock, _ in greetings:
+                sock.close(linger=0)
+        if token is None:
+            return self.front, self.front
+        sock = _connect(ctx, self.endpoint)
+        answer = greet([(sock, {"token": token, "bulk": True})], DIRECT_TIMEOUT, self.endpoint)[0]
+        return self.front, self._bulk_or_none(sock, answer) or self.front
+
+    def _bulk_or_none(self, sock: zmq.Socket, answer: dict | Exception) -> zmq.Socket | None:
+        if isinstance(answer, dict):
+            return sock
+        self.bulk_failure = str(answer)
+        sock.close(linger=0)
+        return None
 
     # ------------------------------------------------------------------ hot path
     def new_handle(self) -> int:
@@ -470,22 +471,41 @@ def _connect(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) -
 
 def hello(sock: zmq.Socket, body: dict, timeout: float, endpoint: str) -> dict:
     """Greet a gateway; the WELCOME body (inventory) or GatewayUnavailableError."""
-    body = dict(body, client={"host": socket.gethostname(), "pid": os.getpid(),
-                              "torch": torch.__version__, "protocol": protocol.VERSION})
+    answer = greet([(sock, body)], timeout, endpoint)[0]
+    if isinstance(answer, dict):
+        return answer
+    raise answer
+
+
+def greet(greetings: list[tuple[zmq.Socket, dict]], timeout: float, endpoint: str) -> list[dict | Exception]:
+    """Send each socket its HELLO and wait for all the answers at once; for each, the WELCOME
+    body or the error saying why none came (GatewayUnavailableError, ProtocolError)."""
+    client = {"host": socket.gethostname(), "pid": os.getpid(), "torch": torch.__version__,
+              "protocol": protocol.VERSION}
     deadline = time.monotonic() + timeout
-    sent = False  # with IMMEDIATE, a send fails (rather than queueing) until the TCP link is up
-    while time.monotonic() < deadline:
-        if not sent:
-            try:
+    unsent = {sock: dict(body, client=client) for sock, body in greetings}
+    answers: dict[zmq.Socket, dict | Exception] = {}
+    while len(answers) < len(greetings) and time.monotonic() < deadline:
+        for sock, body in list(unsent.items()):
+            try:  # with IMMEDIATE, a send fails (rather than queueing) until the TCP link is up
                 sock.send_multipart(protocol.encode(protocol.HELLO, body), zmq.NOBLOCK)
-                sent = True
+                del unsent[sock]
             except zmq.Again:
-                time.sleep(0.02)
+                pass
+        waiting = [sock for sock, _ in greetings if sock not in unsent and sock not in answers]
+        if not waiting:
+            time.sleep(0.02)
+            continue
+        ready, _, _ = zmq.select(waiting, [], [], 0.05)
+        for sock in ready:
+            try:
+                msg = protocol.decode(sock.recv_multipart())
+            except protocol.ProtocolError as e:
+                answers[sock] = e
                 continue
-        if sock.poll(50):
-            msg = protocol.decode(sock.recv_multipart())
             if msg.type == protocol.WELCOME:
-                return msg.body
-            if msg.type == protocol.ERROR:
-                raise GatewayUnavailableError(f"gateway {endpoint} refused the session: {msg.body.get('msg')}")
-    raise GatewayUnavailableError(f"no RemoteCUDA gateway answered at {endpoint} within {timeout:.1f} s")
+                answers[sock] = msg.body
+            elif msg.type == protocol.ERROR:
+                answers[sock] = GatewayUnavailableError(f"gateway {endpoint} refused the session: {msg.body.get('msg')}")
+    return [answers[sock] if sock in answers else GatewayUnavailableError(
+        f"no RemoteCUDA gateway answered at {endpoint} within {timeout:.1f} s") for sock, _ in greetings]
