@@ -224,22 +224,32 @@ class Session:
         """A large payload: each part a PART message on the bulk connection, straight from the
         tensor's memory, hashed just before it goes if that is not done yet. The upload op
         joins the queued ops, naming how many PARTs precede it."""
-        n, t0, sent, trackers = buf.nbytes, time.perf_counter(), 0, []
-        for i in range(-(-n // protocol.PART_BYTES)):
-            part = buf[i * protocol.PART_BYTES:(i + 1) * protocol.PART_BYTES]
-            if i == len(digests):
-                digests.append(protocol.payload_digest(part))
-            desc, frame = protocol.encode_payload(part, codec, digests[i])
-            frames = protocol.encode(protocol.PART, {"h": h, "off": i * protocol.PART_BYTES, "total": n}, [(desc, frame)])
-            sent += _size(frame)
-            self._parts_sent += 1
-            self.stats["messages"] += 1
-            self.stats["bytes_up"] += sum(_size(f) for f in frames)
-            trackers.append(self._send_frames(self.bulk, frames, track=frame is part))
+        n, t0, sent, trackers, first = buf.nbytes, time.perf_counter(), 0, [], self._parts_sent
+        try:
+            for i in range(-(-n // protocol.PART_BYTES)):
+                part = buf[i * protocol.PART_BYTES:(i + 1) * protocol.PART_BYTES]
+                if i == len(digests):
+                    digests.append(protocol.payload_digest(part))
+                desc, frame = protocol.encode_payload(part, codec, digests[i])
+                frames = protocol.encode(protocol.PART, {"h": h, "off": i * protocol.PART_BYTES, "total": n},
+                                         [(desc, frame)])
+                trackers.append(self._send_frames(self.bulk, frames, track=frame is part))
+                self._parts_sent += 1
+                sent += _size(frame)
+                self.stats["messages"] += 1
+                self.stats["bytes_up"] += sum(_size(f) for f in frames)
+        except BaseException:  # (an interrupt): the worker drops the parts sent, when they are in
+            if self._parts_sent > first:
+                self._ops.append(["rc::upload_abandon", [h, self._parts_sent], None, None])
+            raise
         key = self._enter(mirror, digests, n)
         self._ops.append(["rc::upload", [h, None, dtype, shape, key, self._parts_sent], None, None])
         self.stats["compressed_bytes_saved"] += n - sent
-        self._settle([tr for tr in trackers if tr is not None], sent, t0, non_blocking, t)
+        try:
+            self._settle([tr for tr in trackers if tr is not None], sent, t0, non_blocking, t)
+        except BaseException:  # interrupted while ZeroMQ sent: no tensor will ever hold h
+            self._release.append(h)
+            raise
         if self.sync:
             self.request("rc::sync", [])
 

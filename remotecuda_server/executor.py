@@ -139,12 +139,13 @@ class PartedUploads:
         self.received = 0  # PART messages seen, well-formed or not
         self.building: dict[int, tuple] = {}  # handle → (Assembly, parts, digests, ready event)
         self.failed: dict[int, BaseException] = {}  # handle → why its upload cannot finish
+        self.abandoned: dict[int, int] = {}  # handle → last PART number: its parts still coming are dropped
         self.closed = False
 
     def add(self, h: int, offset: Any, total: Any, buf: memoryview, digest: bytes) -> None:
         """Place one checked part (I/O thread); order violations are ProtocolErrors."""
         with self.cv:
-            if h in self.failed:
+            if h in self.failed or h in self.abandoned:
                 return
             entry = self.building.get(h)
         if offset == 0:
@@ -161,17 +162,37 @@ class PartedUploads:
         if flat.filled == flat.flat.numel() and self.copy_stream is not None:
             entry = (flat, parts, digests, self.copy_stream.record_event())
         with self.cv:
-            self.building[h] = entry
+            if h not in self.abandoned:
+                self.building[h] = entry
 
     def fail(self, h: int, e: BaseException) -> None:
         with self.cv:
             self.building.pop(h, None)
-            self.failed.setdefault(h, e)
+            if h not in self.abandoned:
+                self.failed.setdefault(h, e)
+
+    def abandon(self, h: Any, last: Any) -> None:
+        """The client stopped sending h's parts (an interrupt): drop those that came, and those
+        still on their way, up to PART number ``last``."""
+        if type(h) is not int or type(last) is not int:
+            raise ProtocolError("malformed rc::upload_abandon: expected [handle, last PART number]")
+        with self.cv:
+            self.building.pop(h, None)
+            self.failed.pop(h, None)
+            if last > self.received:
+                self.abandoned[h] = last
+
+    def building_bytes(self) -> int:
+        """Memory held by uploads whose parts are still coming."""
+        with self.cv:
+            return sum(entry[0].flat.numel() for entry in self.building.values())
 
     def arrived(self) -> None:
         """Count one PART message in, whatever became of it."""
         with self.cv:
             self.received += 1
+            if self.abandoned:
+                self.abandoned = {h: last for h, last in self.abandoned.items() if last > self.received}
             self.cv.notify_all()
 
     def close(self) -> None:
@@ -372,6 +393,9 @@ class Executor:
                 raise ProtocolError(f"upload of tensor {h}: its bytes are missing")
             self._land(h, up, args[4])
             return None
+        if name == "upload_abandon":  # [handle, last PART number]: an interrupt stopped its PARTs
+            self.parts.abandon(*args)
+            return None
         if name == "upload_cached":  # [handle, key, dtype, shape]: the bytes came earlier
             h, key, dtype, shape = args
             parts = self.cache.get(key) if self.cache is not None else None
@@ -460,8 +484,13 @@ class Executor:
 
     def _skipped(self, name: str, args: list) -> None:
         """A skipped upload still keeps the content cache in step with the client's mirror, and
-        its parts, on their way, are still taken in (and let go)."""
-        if name == "rc::upload" and isinstance(args, list) and len(args) >= 5 and args[1] is None:
+        its parts, on their way, are still taken in (and let go), as are an abandoned one's."""
+        if name == "rc::upload_abandon" and isinstance(args, list) and len(args) == 2:
+            try:
+                self.parts.abandon(*args)
+            except ProtocolError:
+                pass
+        elif name == "rc::upload" and isinstance(args, list) and len(args) >= 5 and args[1] is None:
             try:
                 self._expect(args)
             except ProtocolError:

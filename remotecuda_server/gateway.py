@@ -33,6 +33,8 @@ from .devices import DeviceInfo
 VERSION = "0.1.0"
 
 #: a worker's counts of direct-path traffic, and the session counters they add to
+#: worker figures that are levels, not counts: a session row shows them, totals do not add them up
+_GAUGES = ("memory", "cache_entries", "partial_upload_bytes")
 _DIRECT_KEYS = {"direct_messages_in": "messages_in", "direct_bytes_in": "bytes_in",
                 "direct_bytes_out": "bytes_out"}
 
@@ -177,7 +179,7 @@ class Gateway:
             for k, v in st.worker_stats.items():
                 k = _DIRECT_KEYS.get(k, k)
                 row[k] = row[k] + v if k in _DIRECT_KEYS.values() else v
-                if isinstance(v, int) and k not in ("memory", "cache_entries"):
+                if isinstance(v, int) and k not in _GAUGES:
                     total[k] = total.get(k, 0) + v
             sessions.append(row)
         for k, v in self.finished.items():
@@ -288,7 +290,7 @@ class Gateway:
     def _keep_totals(self, state: SessionState) -> None:
         for k, v in state.worker_stats.items():
             k = _DIRECT_KEYS.get(k, k)
-            if isinstance(v, int) and k not in ("memory", "cache_entries"):
+            if isinstance(v, int) and k not in _GAUGES:
                 self.finished[k] = self.finished.get(k, 0) + v
 
     def _forget_bulk_links(self, client: bytes) -> None:

@@ -191,7 +191,8 @@ class Worker:
         self._stats_at = time.monotonic()
         stats = dict(self.executor.stats, **self.direct_counts, memory=self.executor.sample_memory(),
                      cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
-                     cache_evictions=self.executor.cache.evictions if self.executor.cache else 0)
+                     cache_evictions=self.executor.cache.evictions if self.executor.cache else 0,
+                     parts_in=self.executor.parts.received, partial_upload_bytes=self.executor.parts.building_bytes())
         if stats != self._last_stats and self.client is not None:
             self._last_stats = stats
             self.sock.send_multipart([b"STATS", protocol.pack_body(stats)])

@@ -402,6 +402,74 @@ def test_a_dead_worker_is_reported_on_the_direct_path():
         gw.stop()
 
 
+def test_an_abandoned_upload_lets_go_of_its_parts_in_either_order():
+    """An interrupt between the PARTs of an upload: the parts that came are dropped, and so are
+    those still on their way, whether the abandon op or a part arrives first."""
+    from remotecuda_server.executor import PartedUploads
+    total = 3 * protocol.PART_BYTES
+    part = memoryview(bytearray(protocol.PART_BYTES))
+    for abandon_first in (False, True):
+        parts = PartedUploads(torch.device("cpu"))
+
+        def arrive(h: int, i: int) -> None:
+            parts.add(h, i * protocol.PART_BYTES, total, part, b"")
+            parts.arrived()
+
+        if not abandon_first:
+            arrive(7, 0)
+            assert parts.building_bytes() == total
+        parts.abandon(7, 2)  # the client had sent 2 PARTs in all
+        if abandon_first:
+            arrive(7, 0)
+        assert parts.building_bytes() == 0 and parts.abandoned == {7: 2}
+        arrive(7, 1)  # late, and from the middle: no error, nothing kept
+        assert parts.building_bytes() == 0 and not parts.abandoned and not parts.failed
+        for i in range(3):  # the next upload is not disturbed
+            arrive(8, i)
+        assert parts.take(8, 5, torch.uint8, [total], lambda: False).tensor.numel() == total
+    with pytest.raises(protocol.ProtocolError, match="upload_abandon"):
+        parts.abandon("7", None)
+
+
+INTERRUPTED = r'''
+import sys, time, torch, remotecuda
+from remotecuda import protocol
+rt = remotecuda.activate(sys.argv[1], fallback="error")
+x = torch.randn(3 * protocol.PART_BYTES // 4)
+real, calls = protocol.payload_digest, []
+def digest(buf):
+    calls.append(1)
+    if len(calls) == 2:  # hashing the second part, the first one sent
+        raise KeyboardInterrupt
+    return real(buf)
+protocol.payload_digest = digest
+try:
+    x.cuda()
+except KeyboardInterrupt:
+    print("interrupted", rt.session(0)._parts_sent)
+protocol.payload_digest = real
+y = x.cuda()
+assert torch.equal((y * 2).cpu(), x * 2)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:  # workers report every half second
+    row = remotecuda.gateway_status(sys.argv[1])["sessions"][0]
+    if row.get("parts_in") == 4 and row.get("partial_upload_bytes") == 0:
+        break
+    time.sleep(0.2)
+print("parts_in", row.get("parts_in"), "partial", row.get("partial_upload_bytes"))
+'''
+
+
+def test_an_upload_interrupted_between_its_parts_leaves_nothing_behind():
+    gw = GatewayProcess("--spare", "0")
+    try:
+        r = run_python("", args=["-c", INTERRUPTED, gw.address], timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "interrupted 1" in r.stdout and "parts_in 4 partial 0" in r.stdout, r.stdout + r.stderr[-3000:]
+    finally:
+        gw.stop()
+
+
 def test_host_blocks_come_back_only_when_no_tensor_uses_them():
     from remotecuda_server.executor import Assembly, HostBlocks
     pool = HostBlocks(limit_bytes=8 << 20)
