@@ -111,7 +111,7 @@ class Gateway:
         ident = f"w{self._n}".encode()
         cmd = [sys.executable, "-m", "remotecuda_server.worker", "--backend", self.backend,
                "--ident", ident.decode(), "--device", self.devices[device].torch_device,
-               "--max-frame", str(self.max_frame)]
+               "--max-frame", str(self.max_frame), "--parent", str(os.getpid())]
         if self.direct:
             cmd += ["--host", self.host]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env())

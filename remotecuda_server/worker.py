@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", required=True)
     p.add_argument("--host", default="", help="bind a data port on this address for the direct path")
     p.add_argument("--max-frame", type=int, default=protocol.MAX_PAYLOAD_BYTES)
+    p.add_argument("--parent", type=int, help="the gateway's pid: a worker must not outlive it")
     a = p.parse_args(argv)
-    # a worker must not outlive its gateway
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
             ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+    if a.parent is not None and os.getppid() != a.parent:  # it ended while we imported torch
+        os._exit(0)
     # the I/O thread must get the GIL soon while the executor thread runs Python op after op:
     # a part or a CANCEL waiting out the default 5 ms would stall the transfer it overlaps
     sys.setswitchinterval(0.0005)

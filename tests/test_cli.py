@@ -328,3 +328,26 @@ def test_session_memory_freed_on_close_and_on_client_death(tmp_path):
         assert gw.proc.poll() is None
     finally:
         gw.stop()
+
+
+def test_workers_do_not_outlive_a_killed_gateway():
+    """Not even spares still importing torch when it died: the kernel's parent-death signal is
+    set only once they run, so they check for their gateway themselves then."""
+    gw = GatewayProcess("--spare", "2")
+    assert wait_for(lambda: len(psutil.Process(gw.proc.pid).children()) == 2, 10)
+    workers = psutil.Process(gw.proc.pid).children()
+    gw.proc.kill()  # before the spares are ready (they take seconds to import torch)
+    gw.proc.wait()
+
+    def gone(p: psutil.Process) -> bool:
+        try:
+            return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    try:
+        assert wait_for(lambda: all(gone(p) for p in workers), 60), [p.pid for p in workers if not gone(p)]
+    finally:
+        for p in workers:
+            if not gone(p):
+                p.kill()
