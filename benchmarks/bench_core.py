@@ -95,11 +95,12 @@ def mlp_steps(device: str, sync_every_step: bool = False) -> tuple[float, float]
 
 
 def transfers(nbytes: int, reps: int) -> tuple[float, float]:
-    """Median (upload seconds, download seconds) for one float32 tensor of nbytes."""
+    """Median (upload seconds, download seconds) for one float32 tensor of nbytes, after one
+    untimed warm-up (a session's first large transfers also pay for its buffers' first use)."""
     n = nbytes // 4
     up, down = [], []
     g = torch.Generator().manual_seed(nbytes)
-    for i in range(reps):
+    for i in range(reps + 1):
         t = torch.randn(n, generator=g)  # float noise: sent raw, like real weights
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -110,8 +111,9 @@ def transfers(nbytes: int, reps: int) -> tuple[float, float]:
         t2 = time.perf_counter()
         if i == 0:
             assert torch.equal(back, t)
-        up.append(t1 - t0)
-        down.append(t2 - t1)
+        else:
+            up.append(t1 - t0)
+            down.append(t2 - t1)
         del r
     return statistics.median(up), statistics.median(down)
 
@@ -354,7 +356,7 @@ def markdown(r: dict, heading: str = "##") -> str:
 
 {t2}
 
-- medians; the raw TCP ceiling is plain Python sockets over loopback in the same run (sendall / recv_into,
+- medians after one untimed warm-up transfer; the raw TCP ceiling is plain Python sockets over loopback in the same run (sendall / recv_into,
   one-byte ack for uploads); remote transfers go through the client library and ZeroMQ straight to the
   session's worker process (the direct path), and include one blocking round trip.
 - random float32 data: not compressible, sent raw.

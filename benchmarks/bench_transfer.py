@@ -137,12 +137,10 @@ def stop(gw: subprocess.Popen) -> None:
 GATEWAY_PID: int | None = None
 
 
-def cpu_seconds() -> float:
-    """CPU time used so far by this process and the gateway's process tree (supervisor + workers)."""
-    total = time.process_time()
+def gateway_pids() -> set[int]:
+    """The gateway's process tree (supervisor + workers), or nothing when none is running."""
     if GATEWAY_PID is None:
-        return total
-    tick = os.sysconf("SC_CLK_TCK")
+        return set()
     pids = {GATEWAY_PID}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -152,7 +150,15 @@ def cpu_seconds() -> float:
                         pids.add(int(d))
             except (OSError, IndexError, ValueError):
                 pass
-    for pid in pids:
+    return pids
+
+
+def cpu_seconds(pids: set[int] | None = None) -> float:
+    """CPU time used so far by this process and the gateway's process tree (``pids``: found
+    afresh unless given; reading known ones costs microseconds, finding them milliseconds)."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in gateway_pids() if pids is None else pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -331,30 +337,42 @@ def measure_throughput(sizes: list, quick: bool) -> list:
     serial = 0
     primed = prime_upload_cache()
     raw = bench_core.RawTCP(max(n for n, _, _ in sizes))
+    pids = gateway_pids()
     for nbytes, label, reps in sizes:
         reps = min(reps, 3) if quick else reps
         base = torch.randn(nbytes // 4)
         ups, downs, cached, issue, raw_ups, raw_downs = [], [], [], [], [], []
+        cpu = {"up": [], "down": [], "tcp_up": [], "tcp_down": []}  # CPU seconds per transfer, all processes
         for i in range(reps + 1):  # the first of each size is a warm-up
             for _ in range(1 if i else 2):
+                p0 = time.process_time()  # (raw TCP's two ends are threads of this process)
                 raw_ups.append(raw.up(nbytes))
+                p1 = time.process_time()
                 raw_downs.append(raw.down(nbytes))
+                cpu["tcp_up"].append(p1 - p0)
+                cpu["tcp_down"].append(time.process_time() - p1)
             serial += 1
             t = fresh(base, serial)
             sync()
+            c0 = cpu_seconds(pids)
             t0 = time.perf_counter()
             r = t.to("cuda")
             ti = time.perf_counter()
             sync()
             t1 = time.perf_counter()
+            c1 = cpu_seconds(pids)
+            t1b = time.perf_counter()
             back = r.cpu()
             t2 = time.perf_counter()
+            c2 = cpu_seconds(pids)
             if i == 0:
                 assert torch.equal(back, t)
             else:
                 ups.append(t1 - t0)
-                downs.append(t2 - t1)
+                downs.append(t2 - t1b)
                 issue.append(ti - t0)
+                cpu["up"].append(c1 - c0)
+                cpu["down"].append(c2 - c1)
             if i < 3 and nbytes >= 64 * KB:  # the same bytes again: the gateway's cache has them
                 t3 = time.perf_counter()
                 r2 = t.to("cuda")
@@ -367,7 +385,8 @@ def measure_throughput(sizes: list, quick: bool) -> list:
                "down_min_s": min(downs), "down_med_s": statistics.median(downs),
                "issue_med_s": statistics.median(issue),
                "cached_up_min_s": min(cached) if cached else None,
-               "tcp_up_min_s": min(raw_ups), "tcp_down_min_s": min(raw_downs)}
+               "tcp_up_min_s": min(raw_ups), "tcp_down_min_s": min(raw_downs),
+               "cpu_s": {k: statistics.mean(v) for k, v in cpu.items()}}
         rows.append(row)
         log(f"(c) {label}: up {nbytes / row['up_min_s'] / 1e9:.3f} GB/s, down {nbytes / row['down_min_s'] / 1e9:.3f} GB/s")
         del base
@@ -867,7 +886,9 @@ takes ~100 ms: {lh['calibration_step_ms']:.1f} ms at calibration; the same step 
                      f"{gbps(n, tc['up_min_s']):.3f} / {gbps(n, tc['down_min_s']):.3f}",
                      f"{tc['up_min_s'] / row['up_min_s']:.0%} / {tc['down_min_s'] / row['down_min_s']:.0%}",
                      f"{row['issue_med_s'] * 1e3:.2f} ms",
-                     cached))
+                     cached,
+                     (f"{c['up'] * 1e3:.0f} / {c['tcp_up'] * 1e3:.0f} ms; {c['down'] * 1e3:.0f} / {c['tcp_down'] * 1e3:.0f} ms"
+                      if (c := row.get("cpu_s")) and n >= 16 * MB else "—")))
     parts.append(f"""{h} (c) Upload / download throughput vs the raw loopback socket
 
 Direct connection (no proxy). Every upload carries fresh content (one element changed), so the content cache
@@ -879,7 +900,7 @@ include one blocking round trip. Best of {r['throughput'][0]['reps']}…{r['thro
 plain Python sockets (sendall / recv_into, 1-byte ack for uploads), one transfer each way next to each remote run
 (so both see the same load on this shared machine), best of those.
 
-{_table(("size (float32)", "upload GB/s", "download GB/s", "raw TCP up / down GB/s", "remote as % of raw (up / down)", "upload: client part (median)", "cached re-upload (same bytes)"), rows)}
+{_table(("size (float32)", "upload GB/s", "download GB/s", "raw TCP up / down GB/s", "remote as % of raw (up / down)", "upload: client part (median)", "cached re-upload (same bytes)", "CPU per transfer, all processes, remote / raw TCP: up; down (mean)"), rows)}
 
 - target: 64 MB upload ≥ 70 % of raw TCP — {verdict(tcp[64 * MB]['up_min_s'] / next(x for x in r['throughput'] if x['nbytes'] == 64 * MB)['up_min_s'] >= 0.70)}.
 - the session uses the direct path ({'yes' if r.get('session_direct') else 'NO'}): one socket from the client to
@@ -889,6 +910,10 @@ plain Python sockets (sendall / recv_into, 1-byte ack for uploads), one transfer
 - reading: small sizes are bounded by the round trip (client → worker and back, two Python processes),
   large sizes by copies and per-byte work (the client's xxh3-128 of the tensor, the kernel's two TCP copies,
   the worker's digest check and its copy into the tensor), all on the same 2 CPUs as the benchmark.
+- CPU per transfer: the CPU time of every process involved (client with its ZeroMQ and flush threads,
+  supervisor, worker; raw TCP's two ends are threads of the benchmark), so where the remote column is
+  larger the gap is work on top of the kernel's copies, and on 2 CPUs it is at least half that gap in time
+  (the gateway's process times count in 10 ms ticks: a mean over the runs).
 - "client part": time until `.to('cuda')` returns (hash for the cache, compression check, and for ≥ 1 MB
   until ZeroMQ has sent the zero-copy frames); the rest of the upload time is the gateway side and the reply.
 - cached re-upload: the gateway already holds the bytes, so only the digest travels; the time is the client's
