@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import socket
 import threading
 import time
@@ -233,8 +234,9 @@ class Session:
                 desc, frame = protocol.encode_payload(part, codec, digests[i])
                 frames = protocol.encode(protocol.PART, {"h": h, "off": i * protocol.PART_BYTES, "total": n},
                                          [(desc, frame)])
-                trackers.append(self._send_frames(self.bulk, frames, track=frame is part))
-                self._parts_sent += 1
+                with HeldInterrupts():  # a part handed to ZeroMQ is counted
+                    trackers.append(self._send_frames(self.bulk, frames, track=frame is part))
+                    self._parts_sent += 1
                 sent += _size(frame)
                 self.stats["messages"] += 1
                 self.stats["bytes_up"] += sum(_size(f) for f in frames)
@@ -275,23 +277,25 @@ class Session:
                 body["rel"] = rel
             if req is not None:
                 body["req"] = req
-            self._seq += 1
-            frames = protocol.encode(protocol.OPS, body, self._payloads, self._seq)
-            self._op_index += len(self._ops)
-            self.stats["ops"] += len(self._ops)
-            self.stats["messages"] += 1
-            self.stats["bytes_up"] += sum(_size(f) for f in frames)
-            self._ops, self._payloads, self._pending_bytes = [], [], 0
-            self._last_send = time.monotonic()
-            if self._inflight:
-                self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
-            self._send_frames(self.sock, frames)
+            with HeldInterrupts():  # the queue is cleared and sent as one step
+                self._seq += 1
+                frames = protocol.encode(protocol.OPS, body, self._payloads, self._seq)
+                self._op_index += len(self._ops)
+                self.stats["ops"] += len(self._ops)
+                self.stats["messages"] += 1
+                self.stats["bytes_up"] += sum(_size(f) for f in frames)
+                self._ops, self._payloads, self._pending_bytes = [], [], 0
+                self._last_send = time.monotonic()
+                if self._inflight:
+                    self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
+                self._send_frames(self.sock, frames)
 
     def _send_frames(self, sock: zmq.Socket, frames: list, track: bool = False) -> Any:
         """Send without copying; the MessageTracker when ``track``. A send that waited out
         SEND_TIMEOUT means the gateway is gone."""
         try:
-            return sock.send_multipart(frames, copy=False, track=track)
+            with HeldInterrupts():
+                return sock.send_multipart(frames, copy=False, track=track)
         except zmq.Again:
             self.closed = True
             raise GatewayLostError(f"gateway {self.endpoint} is not connected "
@@ -318,9 +322,10 @@ class Session:
             self.lock.release()
 
     def _send(self, msg_type: int, body: dict) -> None:
-        self._seq += 1
-        self.sock.send_multipart(protocol.encode(msg_type, body, (), self._seq))
-        self._last_send = time.monotonic()
+        with HeldInterrupts():
+            self._seq += 1
+            self._send_frames(self.sock, protocol.encode(msg_type, body, (), self._seq))
+            self._last_send = time.monotonic()
 
     # ------------------------------------------------------------------ sync points
     def request(self, name: str, args: list, kwargs: dict | None = None, base: int | None = None) -> Any:
@@ -419,6 +424,32 @@ class Session:
             for sock in (self.bulk, self.sock, self.front):
                 if not sock.closed:
                     sock.close(linger=1000)
+
+
+class HeldInterrupts:
+    """Holds a KeyboardInterrupt (Ctrl-C, Jupyter's interrupt) back until a message is handed to
+    ZeroMQ whole and the session's books agree with it: raised between two frames it would leave
+    half a message queued, to be joined to the next one; between clearing the op queue and
+    sending it, the ops would be lost. Only the main thread gets KeyboardInterrupt, so elsewhere
+    (the flusher) this does nothing; a send blocked on a gone gateway holds Ctrl-C for at most
+    SEND_TIMEOUT."""
+
+    def __enter__(self) -> None:
+        self.previous, self.tripped = None, False
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is not None:  # (None: a handler not set from Python, which we could not put back)
+                self.previous = previous
+                signal.signal(signal.SIGINT, self._trip)
+
+    def _trip(self, signum: int, frame: Any) -> None:
+        self.tripped = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            if self.tripped:
+                signal.raise_signal(signal.SIGINT)  # now, to whoever handled it before
 
 
 class Download:
