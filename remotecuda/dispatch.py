@@ -199,6 +199,15 @@ def _to_meta(a: Any) -> Any:
     return a
 
 
+class ThreadState(threading.local):
+    """What dispatch needs to know about the thread it runs in. Class-level defaults: a missing
+    attribute would cost a caught AttributeError on every op."""
+
+    vdev: int | None = None  # the virtual device of the last op run here
+    target: int | None = None  # the device a copy is headed for (interception's Tensor.cuda)
+    user_meta = 0  # > 0 inside a factory the user asked for on 'meta'
+
+
 class Dispatcher:
     """Turns aten calls on RemoteTensors into queued remote ops."""
 
@@ -207,14 +216,14 @@ class Dispatcher:
         self.ops: dict[int, OpMeta] = {}
         self.cache: dict[tuple, Any] = {}
         self.cache_limit = 65536
-        self.local = threading.local()
+        self.local = ThreadState()
         self.hits = self.misses = 0
 
     # ------------------------------------------------------------------ entry points
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         m = self.ops.get(id(func)) or self.op_meta(func)
         dev = kwargs.get("device") if kwargs else None
-        if getattr(self.local, "user_meta", 0) or (type(dev) is torch.device and dev.type == "cpu" and m.special is None):
+        if self.local.user_meta or (type(dev) is torch.device and dev.type == "cpu" and m.special is None):
             # x.new_zeros(2, device='cpu'), zeros_like(x, device='meta'), x.to('meta'): a tensor made
             # here from the remote ones' metadata (user_meta: the user asked for 'meta', see interception)
             with _DisableTorchDispatch():
@@ -399,7 +408,7 @@ class Dispatcher:
         """Where a CPU tensor goes: an explicit cuda index, the one ``Tensor.to`` asked for, else current."""
         if dev is not None and dev.type == "cuda" and dev.index is not None:
             return dev.index
-        return getattr(self.local, "target", None)
+        return self.local.target
 
     def download(self, t: RemoteTensor) -> torch.Tensor:
         return t._s.request("rc::fetch", [t._h])

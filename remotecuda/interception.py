@@ -41,7 +41,7 @@ _TO = torch._C.TensorBase.to
 
 
 def _user_meta() -> bool:
-    return getattr(DISPATCHER.local, "user_meta", 0) > 0
+    return DISPATCHER.local.user_meta > 0
 
 
 class _UserMeta:
@@ -49,7 +49,7 @@ class _UserMeta:
     come from C++ building on a remote tensor's options, and become remote)."""
 
     def __enter__(self) -> None:
-        DISPATCHER.local.user_meta = getattr(DISPATCHER.local, "user_meta", 0) + 1
+        DISPATCHER.local.user_meta += 1
 
     def __exit__(self, *exc: object) -> None:
         DISPATCHER.local.user_meta -= 1
@@ -87,7 +87,7 @@ def _cuda_index(d: torch.device) -> int:
 def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool = False,
             memory_format: Any = None) -> RemoteTensor:
     """``t.to('cuda:index')`` for a CPU tensor, through aten so autograd records the copy."""
-    prev = getattr(DISPATCHER.local, "target", None)
+    prev = DISPATCHER.local.target
     DISPATCHER.local.target = index
     try:
         kw: dict = {"non_blocking": non_blocking}
@@ -356,9 +356,9 @@ class RemoteDispatchMode(TorchDispatchMode):
             if d.type == "cuda":
                 return DISPATCHER.factory(func, args, kwargs, d.index)
             if d.type == "meta" and not _user_meta():
-                target = getattr(DISPATCHER.local, "target", None)
+                target = DISPATCHER.local.target
                 return DISPATCHER.factory(func, args, kwargs,
-                                          target if target is not None else getattr(DISPATCHER.local, "vdev", None))
+                                          target if target is not None else DISPATCHER.local.vdev)
         return func(*args, **kwargs)
 
 
