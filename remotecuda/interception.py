@@ -100,6 +100,17 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
         DISPATCHER.local.target = prev
 
 
+def _made_here(func: Callable, args: tuple, kwargs: dict, meta: bool) -> Any:
+    """``func`` for a tensor the user asked for on 'cpu' or 'meta': made here, with a remote
+    ``self`` replaced by its meta stand-in, as only its metadata matters."""
+    self = args[0]
+    args = (meta_stand_in(self) if isinstance(self, RemoteTensor) else self, *args[1:])
+    if meta:
+        with _UserMeta():
+            return func(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
 def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
     kw = dict(kwargs)
@@ -119,8 +130,7 @@ def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
             copy, rest = rest[n - 1], rest[:n - 1]
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kw)
     if device is not None and device.type == "meta":  # (a remote tensor's C++ device is meta already)
-        with _UserMeta():
-            return func(meta_stand_in(self) if isinstance(self, RemoteTensor) else self, *args[1:], **kwargs)
+        return _made_here(func, args, kwargs, meta=True)
     if device is None or device.type != "cuda":
         return func(*args, **kwargs)
     index = _cuda_index(device)
@@ -172,12 +182,7 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
     d = _device(kwargs.get("device"))
     if d is not None and d.type != "cuda" or d is None and not isinstance(self, RemoteTensor):
-        # made here ('cpu' or 'meta' asked for, or a CPU tensor's): of self only its dtype matters
-        args = (meta_stand_in(self) if isinstance(self, RemoteTensor) else self, *args[1:])
-        if d is not None and d.type == "meta":
-            with _UserMeta():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        return _made_here(func, args, kwargs, meta=d is not None and d.type == "meta")  # (or a CPU tensor's)
     kw = dict(kwargs)
     requires_grad = kw.pop("requires_grad", False)
     kw.pop("device", None)

@@ -79,7 +79,6 @@ class Session:
         self._seq = 0
         self._parts_sent = 0  # PART messages so far: an upload's op names how many precede it
         self._rid = 0
-        self._download: Download | None = None  # the PARTs of the awaited reply's result
         self._op_index = 0
         self._last_send = time.monotonic()
         self.stats = dict.fromkeys(STAT_KEYS, 0)
@@ -293,9 +292,8 @@ class Session:
     def _send_frames(self, sock: zmq.Socket, frames: list, track: bool = False) -> Any:
         """Send without copying; the MessageTracker when ``track``. A send that waited out
         SEND_TIMEOUT means the gateway is gone."""
-        try:
-            with HeldInterrupts():
-                return sock.send_multipart(frames, copy=False, track=track)
+        try:  # (callers hold interrupts: half a message must never stay queued)
+            return sock.send_multipart(frames, copy=False, track=track)
         except zmq.Again:
             self.closed = True
             raise GatewayLostError(f"gateway {self.endpoint} is not connected "
@@ -337,15 +335,13 @@ class Session:
             self._rid += 1
             rid = self._rid
             t0 = time.perf_counter()
-            self._download = Download(rid)
             self.flush(req=rid)
             self.stats["blocking_round_trips"] += 1
             t_wait = time.monotonic()
             try:
-                msg = self._wait(rid)
+                msg, download = self._wait(rid)
             finally:
                 self.stats["wait_seconds"] += time.monotonic() - t_wait
-                download, self._download = self._download, None
             body = msg.body
             if body.get("err"):
                 raise remote_exception(body["err"])
@@ -359,10 +355,12 @@ class Session:
             if isinstance(res, dict) and "parts" in res:
                 self.link.observe(res["nbytes"], time.perf_counter() - t0)
                 self.stats["downloads"] += 1
-                return download.finish(res["parts"], res["dtype"], res["shape"])
+                return (download or Download()).finish(res["parts"], res["dtype"], res["shape"])
             return res
 
-    def _wait(self, rid: int) -> protocol.Message:
+    def _wait(self, rid: int) -> tuple[protocol.Message, Download | None]:
+        """The REPLY to request ``rid``, and the PARTs that came ahead of it (a large download)."""
+        download = None
         last_heard = time.monotonic()
         last_ping = last_heard
         try:
@@ -373,9 +371,10 @@ class Session:
                     self.stats["bytes_down"] += sum(len(f) for f in frames)
                     msg = protocol.decode(frames)
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
-                        return msg
+                        return msg, download
                     if msg.type == protocol.PART and msg.body.get("rid") == rid:
-                        self._download.add(msg)
+                        download = download or Download()
+                        download.add(msg)
                     if msg.type == protocol.ERROR:
                         self._raise_error(msg.body)
                     # else PONG, or the reply to a request abandoned by an interrupt
@@ -457,8 +456,8 @@ class Download:
     into fresh memory as it comes; a bad part is reported at the REPLY, once the rest of the
     stream has been read past."""
 
-    def __init__(self, rid: int):
-        self.rid, self.assembly, self.parts, self.error = rid, None, 0, None
+    def __init__(self) -> None:
+        self.assembly, self.parts, self.error = None, 0, None
 
     def add(self, msg: protocol.Message) -> None:
         self.parts += 1

@@ -32,9 +32,9 @@ from .devices import DeviceInfo
 
 VERSION = "0.1.0"
 
-#: a worker's counts of direct-path traffic, and the session counters they add to
 #: worker figures that are levels, not counts: a session row shows them, totals do not add them up
 _GAUGES = ("memory", "cache_entries", "partial_upload_bytes")
+#: a worker's counts of direct-path traffic, and the session counters they add to
 _DIRECT_KEYS = {"direct_messages_in": "messages_in", "direct_bytes_in": "bytes_in",
                 "direct_bytes_out": "bytes_out"}
 

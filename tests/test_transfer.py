@@ -295,13 +295,13 @@ def test_a_damaged_download_is_an_error_not_a_tensor():
         return protocol.decode(protocol.encode(protocol.PART, {"rid": 1, "off": i * protocol.PART_BYTES,
                                                                "total": buf.nbytes}, [(desc, frame)]))
 
-    good = Download(1)
+    good = Download()
     for i in range(3):
         good.add(part(i))
     assert torch.equal(good.finish(3, torch.float32, list(data.shape)), data)
     for parts, count, why in [([0, 1], 3, "2 arrived"), ([0, 2, 1], 3, "does not continue"),
                               ([1, 2], 2, "no download of it is under way"), ("damaged", 3, "integrity check")]:
-        d = Download(1)
+        d = Download()
         for m in ([part(0), part(1, damage=True), part(2)] if parts == "damaged" else [part(i) for i in parts]):
             d.add(m)
         with pytest.raises(GatewayProtocolError, match=why):
