@@ -175,11 +175,13 @@ class DelayProxy:
             _Pipe(self, u, c, f"proxy{n}-down", "down").start()
 
     def link_slot(self, direction: str, due: float, nbytes: int) -> float:
-        """When a chunk due at ``due`` may leave: once the link has sent the chunks before it."""
+        """When a chunk due at ``due`` has crossed the link, so may leave: the link first sends
+        the chunks before it, then this one's bytes at its rate (leaving at the start of its slot
+        would deliver each transfer's last chunk early, beating the link)."""
         with self._lock:
-            start = max(due, self._link_free[direction])
-            self._link_free[direction] = start + nbytes / self.rate
-            return start
+            done = max(due, self._link_free[direction]) + nbytes / self.rate
+            self._link_free[direction] = done
+            return done
 
     def _close_pair(self, *socks: socket.socket) -> None:
         for s in socks:
