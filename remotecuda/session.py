@@ -74,7 +74,7 @@ class Session:
         self._payloads: list = []
         self._pending_bytes = 0
         self._first_pending = 0.0
-        self._release: list[int] = []
+        self._release: list[tuple[int, int]] = []  # (ops queued before it, handle)
         self._inflight: list = []  # (tracker, tensor): zero-copy uploads zmq has not sent yet
         self._seq = 0
         self._parts_sent = 0  # PART messages so far: an upload's op names how many precede it
@@ -151,8 +151,10 @@ class Session:
             return base
 
     def release(self, handle: int) -> None:
-        """Called from finalizers on any thread: only an atomic append here."""
-        self._release.append(handle)
+        """Called from finalizers on any thread: only an atomic append here. It records how many
+        ops were queued then: the gateway frees the tensor right after them, not at the end of
+        the message, so a batch of several steps peaks at the memory of one, as it would locally."""
+        self._release.append((len(self._ops), handle))
 
     def upload(self, t: torch.Tensor, non_blocking: bool = False) -> int:
         """Queue a CPU tensor's bytes for the gateway; return its handle.
@@ -249,7 +251,7 @@ class Session:
         try:
             self._settle([tr for tr in trackers if tr is not None], sent, t0, non_blocking, t)
         except BaseException:  # interrupted while ZeroMQ sent: no tensor will ever hold h
-            self._release.append(h)
+            self.release(h)
             raise
         if self.sync:
             self.request("rc::sync", [])
@@ -273,7 +275,8 @@ class Session:
             body: dict = {"ops": self._ops, "n0": self._op_index}
             if self._release:
                 rel, self._release = self._release, []
-                body["rel"] = rel
+                body["rel"] = [h for _, h in rel]
+                body["rel_at"] = [n for n, _ in rel]
             if req is not None:
                 body["req"] = req
             with HeldInterrupts():  # the queue is cleared and sent as one step

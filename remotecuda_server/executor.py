@@ -305,13 +305,15 @@ class Executor:
         first = body.get("n0", 0)
         if not isinstance(ops, list) or not isinstance(first, int):
             raise ProtocolError("malformed ops list")
-        rel = body.get("rel")
-        if rel is not None and not (isinstance(rel, list) and all(type(h) is int for h in rel)):
-            raise ProtocolError("malformed release list (rel): expected a list of handle ids")
+        frees = self._frees(body, len(ops))
+        k = 0
         if self.pending:
             self._resolve_arrived()
         result, out_payloads = None, []
         for i, op in enumerate(ops):
+            while frees[k][0] <= i:
+                self._free(frees[k][1])
+                k += 1
             if not (isinstance(op, list) and len(op) == 4 and isinstance(op[0], str)):
                 raise ProtocolError(f"malformed op record at position {i}")
             name, args, kwargs, outs = op
@@ -334,12 +336,8 @@ class Executor:
                 self.stats["errors"] += 1
                 self._poison(outs, f"remotecuda: this tensor was never computed: op {name} failed "
                                    f"({type(e).__name__}: {e})")
-        if rel:
-            for h in rel:
-                self.handles.pop(h, None)
-                self.invalid.pop(h, None)
-                if h in self.pending:
-                    self.dropped.add(h)
+        for _, h in frees[k:-1]:
+            self._free(h)
         self.stats["ops"] += len(ops)
         self.stats["messages"] += 1
         err = None
@@ -347,6 +345,29 @@ class Executor:
             err, self.failed = self.failed, None
             result, out_payloads = None, []
         return result, err, out_payloads
+
+    @staticmethod
+    def _frees(body: dict, n_ops: int) -> list:
+        """The message's releases as (ops to run before it, handle), ending with a sentinel.
+        Freeing each where the client dropped it, not after the whole message, keeps the peak
+        memory of a message holding several steps at that of one step. They are taken in the
+        order sent: one listed after a later position waits for it (late, never early)."""
+        rel, at = body.get("rel", []), body.get("rel_at")
+        if rel is None:
+            rel = []
+        if not (isinstance(rel, list) and all(type(h) is int for h in rel)):
+            raise ProtocolError("malformed release list (rel): expected a list of handle ids")
+        if at is None:
+            at = [n_ops] * len(rel)
+        elif not (isinstance(at, list) and len(at) == len(rel) and all(type(n) is int for n in at)):
+            raise ProtocolError("malformed release positions (rel_at): expected an op count per handle in rel")
+        return [*zip(at, rel), (float("inf"), None)]
+
+    def _free(self, h: int) -> None:
+        self.handles.pop(h, None)
+        self.invalid.pop(h, None)
+        if h in self.pending:
+            self.dropped.add(h)
 
     def _execute(self, name: str, args: list, kwargs: dict, outs: Any, payloads: list,
                  out_payloads: list) -> Any:

@@ -475,9 +475,44 @@ def test_malformed_ops_in_a_session(gw, good, bad_session):
     assert "malformed release list" in bad.error()
     bad.send(protocol.OPS, {"ops": [], "rel": [[1], {"a": 1}]})
     assert "malformed release list" in bad.error()
+    for at in (5, [0, 0], ["x"], [None]):
+        bad.send(protocol.OPS, {"ops": [], "rel": [1], "rel_at": at})
+        assert "malformed release positions" in bad.error()
     assert bad.quiet()
     x = torch.ones(3)
     assert torch.equal(bad.add(x, x), x * 3)
+    assert_still_served(gw, good)
+
+
+def test_a_tensor_is_freed_where_the_client_dropped_it(gw, good):
+    """``rel_at`` frees a handle right after the ops queued before the client dropped it, not
+    at the end of the message: a message holding several steps then peaks at one step's memory."""
+    c = RawClient(gw.endpoint)
+    c.hello()
+    try:
+        xh, x_up, x_pl = c.upload_op(torch.ones(3), 0)
+        y, z = c.handle(), c.handle()
+        ops = [x_up, ["aten::mul.Scalar", [Handle(xh), 2.0], None, [y]],
+               ["aten::mul.Scalar", [Handle(xh), 3.0], None, [z]]]
+        fetch_z = ["rc::fetch", [z], None, {"base": None}]
+        c.rid += 1
+        c.send(protocol.OPS, {"ops": [*ops, fetch_z], "n0": 0, "rel": [xh], "rel_at": [2], "req": c.rid}, [x_pl])
+        msg = c.recv()  # x was freed after the first mul: the second one cannot find it
+        assert msg.body["err"] and "unknown to the gateway" in msg.body["err"]["msg"], msg.body
+        xh, x_up, x_pl = c.upload_op(torch.ones(3), 0)
+        ops = [x_up, ["aten::mul.Scalar", [Handle(xh), 2.0], None, [y]],
+               ["aten::mul.Scalar", [Handle(xh), 3.0], None, [z]]]
+        for rel_at in ([3], [3, 2], None):  # after its last use (in any order), or (no rel_at) at the end
+            c.rid += 1
+            rel = [xh, y][:len(rel_at or [0])]
+            body = {"ops": [*ops, fetch_z], "n0": 0, "rel": rel, "req": c.rid}
+            if rel_at is not None:
+                body["rel_at"] = rel_at
+            c.send(protocol.OPS, body, [x_pl])
+            assert torch.equal(fetched(c.recv()), torch.full((3,), 3.0))
+    finally:
+        c.send(protocol.BYE, {})
+        c.close()
     assert_still_served(gw, good)
 
 

@@ -212,6 +212,45 @@ def test_queued_ops_go_out_while_the_client_is_busy_elsewhere(remote):
     assert y.cpu().tolist() == [2.0, 2.0, 2.0]
 
 
+def test_a_message_of_several_steps_frees_each_steps_tensors_where_they_died(remote, monkeypatch):
+    """The client tells where in its ops each tensor was dropped, so the gateway frees a step's
+    temporaries before the next step runs, even when many steps share one message; never
+    before an op that uses them."""
+    from remotecuda import session as session_module
+    bodies = []
+    encode = protocol.encode
+
+    def recording(msg_type, body, *a, **kw):
+        if msg_type == protocol.OPS:
+            bodies.append(body)
+        return encode(msg_type, body, *a, **kw)
+
+    x = torch.randn(64, 64)
+    xr = x.cuda()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(session_module, "BATCH_WINDOW", 60.0)  # every step in one message
+    monkeypatch.setattr(protocol, "encode", recording)
+    sums = []
+    for i in range(6):
+        y = (xr * i).relu().sum()
+        sums.append(y * 1)
+    got = torch.stack(sums).cpu()
+    monkeypatch.setattr(protocol, "encode", encode)
+    torch.testing.assert_close(got, torch.stack([(x * i).relu().sum() for i in range(6)]))
+    body = next(b for b in bodies if len(b["ops"]) >= 18)
+    early = 0
+    for h, at in zip(body["rel"], body["rel_at"]):
+        ref = protocol.handle_ext(h)
+        used = [i for i, op in enumerate(body["ops"]) if _mentions(op[1], ref)]
+        assert all(i < at for i in used), (h, at, used)
+        early += at < len(body["ops"]) - 1
+    assert early >= 10, body["rel_at"]
+
+
+def _mentions(args, ref: bytes) -> bool:
+    return any(_mentions(a, ref) if isinstance(a, (list, tuple)) else a == ref for a in args)
+
+
 # ---------------------------------------------------------------------------- the direct path and parts
 
 def test_sessions_take_the_direct_path(gateway, remote):
