@@ -163,6 +163,8 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
         if d is not None and d.type == "meta":
             with _UserMeta():
                 return func(*args, **kwargs)
+        if kwargs.get("pin_memory"):  # as in _factory
+            kwargs = dict(kwargs, pin_memory=False)
         return func(*args, **kwargs)
     kw = dict(kwargs, device="cpu")
     requires_grad = kw.pop("requires_grad", False)
@@ -260,7 +262,10 @@ def _is_pinned(func: Callable, args: tuple, kwargs: dict) -> bool:
 
 def _factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     """A factory called by the user: ``device=0`` means the accelerator, which C++ says is
-    absent, so make it 'cuda:0'; on 'meta' (given, or ``with torch.device('meta')``) it stays meta."""
+    absent, so make it 'cuda:0'; on 'meta' (given, or ``with torch.device('meta')``) it stays meta.
+    ``pin_memory=True`` gives plain memory (see ``_pin_memory``): a CPU-only torch would raise."""
+    if kwargs.get("pin_memory"):
+        kwargs = dict(kwargs, pin_memory=False)
     d = kwargs.get("device")
     if type(d) is int:
         kwargs = dict(kwargs, device=torch.device("cuda", d))

@@ -80,6 +80,23 @@ def test_factories_and_device_spellings():
     assert torch.as_tensor([1, 2], device="cuda").is_cuda
 
 
+def test_code_written_for_pinned_memory_runs_unchanged():
+    """A CPU-only torch has no page-locked allocator and raises for pin_memory=True; a loop written
+    for a local GPU (pinned buffers, DataLoader(pin_memory=True), non_blocking copies) must run."""
+    import warnings
+    buf = torch.empty(2, 3, pin_memory=True)
+    assert buf.device.type == "cpu" and torch.zeros(3, pin_memory=True).tolist() == [0, 0, 0]
+    assert torch.tensor([1.0, 2.0], pin_memory=True).pin_memory().tolist() == [1.0, 2.0]
+    buf.copy_(torch.arange(6.0).view(2, 3))
+    assert torch.equal(buf.cuda(non_blocking=True).cpu(), torch.arange(6.0).view(2, 3))
+    ds = torch.utils.data.TensorDataset(torch.arange(12.0).view(6, 2), torch.arange(6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own: "no accelerator is found"
+        got = [(x.cuda(non_blocking=True) * 2).sum().item() + y.cuda(non_blocking=True).sum().item()
+               for x, y in torch.utils.data.DataLoader(ds, batch_size=4, pin_memory=True)]
+    assert got == [2 * 28.0 + 6, 2 * 38.0 + 9]
+
+
 def test_transfers_and_conversions():
     cpu = torch.arange(6.).reshape(2, 3)
     x = cpu.cuda()
