@@ -6,7 +6,8 @@ Starts its own gateway (``remotecuda start --device cpu`` on 127.0.0.1, a free p
 measures, against local CPU eager PyTorch in the same process:
 
 1. the client's cost per op for a chain of small elementwise ops (one sync at the end);
-2. an MLP training step (Linear 32->64->64->1, Adam, batch 256);
+2. training steps of an MLP (Linear 32->64->64->1, Adam, batch 256) and of a small transformer
+   (2 encoder layers, d_model 64, AdamW);
 3. upload / download throughput for 4 KB, 1 MB and 64 MB float32 tensors, against a raw
    loopback TCP socket (sendall / recv_into of the same sizes) as the ceiling.
 
@@ -30,7 +31,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 CHAIN_ITERS = 2000  # x = x * 1.0001 + 0.0001: two aten ops per iteration
-MLP_WARMUP, MLP_STEPS = 10, 50
 SIZES = [(4 << 10, "4 KB", 200), (1 << 20, "1 MB", 20), (64 << 20, "64 MB", 3)]
 
 
@@ -67,6 +67,20 @@ def small_mlp(device: str, init_scale: float | None = 0.1):
     return train_step(model, torch.optim.Adam(model.parameters(), lr=1e-3), x, y)
 
 
+def small_transformer(device: str):
+    """The benchmark's small transformer (2 encoder layers, d_model 64, 4 heads, feed-forward 256,
+    batch 16 of 32 tokens, AdamW) on ``device``; returns its training step."""
+    torch.manual_seed(0)  # the layers' initialisation: the same weights locally and remote
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                                torch.nn.Linear(64, 1))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 32, 64, generator=g)
+    y = x.mean(-1, keepdim=True).sin()
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    return train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), x, y)
+
+
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
     """One MSE training step on fixed data, as a function returning the loss."""
     def step() -> torch.Tensor:
@@ -78,20 +92,43 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
     return step
 
 
-def mlp_steps(device: str, sync_every_step: bool = False) -> tuple[float, float]:
-    """(seconds per step, final loss) over MLP_STEPS steps after MLP_WARMUP warm-up steps."""
-    step = small_mlp(device)
-    for _ in range(MLP_WARMUP):
+def train_steps(model: str, device: str, sync_every_step: bool = False) -> tuple[float, float]:
+    """(seconds per step, final loss) of a benchmark model ("mlp" or "transformer") over its
+    timed steps, after its warm-up steps."""
+    make, warmup, steps = MODELS[model]
+    step = make(device)
+    for _ in range(warmup):
         step()
     if device != "cpu":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(MLP_STEPS):
+    for _ in range(steps):
         loss = step()
         if sync_every_step:
             loss.item()
     final = loss.item()
-    return (time.perf_counter() - t0) / MLP_STEPS, final
+    return (time.perf_counter() - t0) / steps, final
+
+
+def step_times(model: str, device: str, repeats: int) -> dict:
+    """A model's step: best of ``repeats`` runs without a read per step and with ``loss.item()``
+    each step (ms), its final loss, and (remote) the ops a step sends."""
+    import remotecuda
+    train_steps(model, device)  # warm-up: first calls, caches
+    counting = remotecuda.is_active()
+    if counting:
+        remotecuda.stats(reset=True)
+    plain = min(train_steps(model, device)[0] for _ in range(repeats))
+    ops = remotecuda.stats()["ops"] / repeats / sum(MODELS[model][1:]) if counting else None
+    item_runs = [train_steps(model, device, sync_every_step=True) for _ in range(repeats)]
+    return {"ms": plain * 1e3, "item_ms": min(r[0] for r in item_runs) * 1e3, "loss": item_runs[0][1],
+            "ops_per_step": ops}
+
+
+#: model → (its step's maker, warm-up steps, timed steps)
+MODELS = {"mlp": (small_mlp, 10, 50), "transformer": (small_transformer, 3, 15)}
+MODEL_LABELS = {"mlp": "MLP 32-64-64-1, Adam, batch 256",
+                "transformer": "Transformer encoder 2 layers, d 64, 4 heads, ff 256, AdamW, batch 16×32 tokens"}
 
 
 def transfers(nbytes: int, reps: int) -> tuple[float, float]:
@@ -242,10 +279,7 @@ def measure(quick: bool = False) -> dict:
     local_runs = [chain("cpu") for _ in range(local_repeats)]
     local_chain, local_chain_cpu = min(r[0] for r in local_runs), min(r[3] for r in local_runs)
     chain_ref = chain("cpu")[2]
-    mlp_steps("cpu")
-    local_mlp = min(mlp_steps("cpu")[0] for _ in range(local_repeats))
-    local_item_runs = [mlp_steps("cpu", sync_every_step=True) for _ in range(local_repeats)]
-    local_mlp_item, local_loss = min(r[0] for r in local_item_runs), local_item_runs[0][1]
+    local_steps = {m: step_times(m, "cpu", local_repeats) for m in MODELS}
     tcp = raw_socket_ceiling(SIZES)
 
     # --- remote
@@ -259,13 +293,10 @@ def measure(quick: bool = False) -> dict:
         remote_chain_total = min(r[1] for r in runs)
         remote_chain_cpu = min(r[3] for r in runs)
         assert torch.allclose(runs[0][2].cpu(), chain_ref)
-        remotecuda.stats(reset=True)
-        mlp_steps("cuda")
-        mlp_ops = remotecuda.stats()["ops"] / (MLP_WARMUP + MLP_STEPS)  # (with a little setup)
-        remote_mlp = min(mlp_steps("cuda")[0] for _ in range(repeats))
-        remote_item_runs = [mlp_steps("cuda", sync_every_step=True) for _ in range(repeats)]
-        remote_mlp_item, remote_loss = min(r[0] for r in remote_item_runs), remote_item_runs[0][1]
-        assert abs(remote_loss - local_loss) <= 1e-4 * max(1.0, abs(local_loss)), (remote_loss, local_loss)
+        remote_steps = {m: step_times(m, "cuda", repeats) for m in MODELS}
+        for m, r in remote_steps.items():
+            local_loss = local_steps[m]["loss"]
+            assert abs(r["loss"] - local_loss) <= 1e-4 * max(1.0, abs(local_loss)), (m, r["loss"], local_loss)
         xfer = {n: transfers(n, reps if not quick else min(reps, 3)) for n, _, reps in SIZES}
         stats = remotecuda.stats()
         remotecuda.deactivate()
@@ -288,9 +319,7 @@ def measure(quick: bool = False) -> dict:
         "remote_chain_total_us_per_op": remote_chain_total / n_ops * 1e6,
         "local_chain_cpu_us_per_op": local_chain_cpu / n_ops * 1e6,
         "remote_chain_client_cpu_us_per_op": remote_chain_cpu / n_ops * 1e6,
-        "local_mlp_ms": local_mlp * 1e3, "remote_mlp_ms": remote_mlp * 1e3,
-        "local_mlp_item_ms": local_mlp_item * 1e3, "remote_mlp_item_ms": remote_mlp_item * 1e3,
-        "mlp_ops_per_step": mlp_ops, "local_loss": local_loss, "remote_loss": remote_loss,
+        "local_steps": local_steps, "remote_steps": remote_steps,
         "transfers": [{"nbytes": n, "label": label, "up_s": xfer[n][0], "down_s": xfer[n][1],
                        "tcp_up_s": tcp[n][0], "tcp_down_s": tcp[n][1]} for n, label, _ in SIZES],
         "stats": {k: stats[k] for k in ("ops", "messages", "blocking_round_trips", "bytes_up", "bytes_down")},
@@ -315,12 +344,12 @@ def tables(r: dict) -> tuple[str, str]:
     rows.append(("Elementwise chain incl. final sync (gateway done)",
                  f"{r['local_chain_us_per_op']:.1f} µs/op", f"{r['remote_chain_total_us_per_op']:.1f} µs/op",
                  f"{r['remote_chain_total_us_per_op'] / r['local_chain_us_per_op']:.2f}x"))
-    rows.append(("MLP train step 32-64-64-1, Adam, batch 256 (sync at end)",
-                 f"{r['local_mlp_ms']:.3f} ms", f"{r['remote_mlp_ms']:.3f} ms",
-                 f"{r['remote_mlp_ms'] / r['local_mlp_ms']:.2f}x"))
-    rows.append(("MLP train step with loss.item() every step",
-                 f"{r['local_mlp_item_ms']:.3f} ms", f"{r['remote_mlp_item_ms']:.3f} ms",
-                 f"{r['remote_mlp_item_ms'] / r['local_mlp_item_ms']:.2f}x"))
+    for m, label in MODEL_LABELS.items():
+        loc, rem = r["local_steps"][m], r["remote_steps"][m]
+        rows.append((f"{label} train step (sync at end)", f"{loc['ms']:.3f} ms", f"{rem['ms']:.3f} ms",
+                     f"{rem['ms'] / loc['ms']:.2f}x"))
+        rows.append((f"{label} train step with loss.item() every step", f"{loc['item_ms']:.3f} ms",
+                     f"{rem['item_ms']:.3f} ms", f"{rem['item_ms'] / loc['item_ms']:.2f}x"))
     xrows = []
     for x in r["transfers"]:
         n, up, down, tup, tdown = x["nbytes"], x["up_s"], x["down_s"], x["tcp_up_s"], x["tcp_down_s"]
@@ -339,6 +368,9 @@ def markdown(r: dict, heading: str = "##") -> str:
     t1, t2 = tables(r)
     st = r["stats"]
     h = heading
+    ops = "; ".join(f"{label.split(',')[0]} ~{r['remote_steps'][m]['ops_per_step']:.0f}" for m, label in MODEL_LABELS.items())
+    losses = "; ".join(f"{label.split(',')[0]} {r['local_steps'][m]['loss']:.6f} vs {r['remote_steps'][m]['loss']:.6f}"
+                       for m, label in MODEL_LABELS.items())
     return f"""{h} Per-op cost and training step
 
 {t1}
@@ -347,10 +379,11 @@ def markdown(r: dict, heading: str = "##") -> str:
   batches without waiting); "incl. final sync" adds the wait until the gateway has executed all of them.
   The CPU-time row counts what the client process itself spent (its Python thread, flusher and ZeroMQ
   threads), which time spent waiting for a CPU held by the gateway's worker or other load does not inflate.
-- the MLP step sends ~{r['mlp_ops_per_step']:.0f} ops to the gateway (forward, backward, Adam; setup included);
-  final losses local {r['local_loss']:.6f} vs remote {r['remote_loss']:.6f}.
-- best of {r['local_repeats']} runs each for the elementwise chain; the MLP rows best of {r['repeats']} runs
-  remote and {r['local_repeats']} local.
+- ops sent to the gateway per step (forward, backward, optimizer; setup included): {ops}.
+  Final losses, local vs remote: {losses}.
+- best of {r['local_repeats']} runs each for the elementwise chain; the training rows best of {r['repeats']} runs
+  remote and {r['local_repeats']} local ({MODELS['mlp'][2]} MLP steps, {MODELS['transformer'][2]} transformer
+  steps per run, after warm-up steps).
 
 {h} Transfers (core sizes)
 
