@@ -110,11 +110,32 @@ class RemoteTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         from torch._tensor_str import _str, _tensor_str
-        cpu = self.detach().cpu()
         if tensor_contents is None:
             with torch.no_grad():
-                tensor_contents = _tensor_str(cpu, 7)
+                tensor_contents = _tensor_str(self._printable(), 7)
         return _str(self, tensor_contents=tensor_contents).replace("RemoteTensor(", "tensor(", 1)
+
+    def _printable(self) -> torch.Tensor:
+        """A CPU tensor that prints as this one, fetched in one round trip. A tensor too large to
+        print whole shows only its edge items, so only those cross the network (printing a 1 GB
+        activation must not download it): they go into their places in an uninitialised CPU
+        tensor of the same shape, whose other elements torch's printing never reads."""
+        from torch._tensor_str import PRINT_OPTS
+        e = PRINT_OPTS.edgeitems
+        t = self.detach()
+        if self.numel() <= PRINT_OPTS.threshold or self.dim() == 0 or e == 0:
+            return t.cpu()
+        places = []
+        for d, n in enumerate(self.shape):
+            if n > 2 * e:
+                t = torch.cat((t.narrow(d, 0, e), t.narrow(d, n - e, e)), d)
+                places.append(torch.cat((torch.arange(e), torch.arange(n - e, n))))
+            else:
+                places.append(torch.arange(n))
+        out = torch.empty(self.shape, dtype=self.dtype)
+        nd = self.dim()
+        out.index_put_(tuple(i.view([-1 if k == d else 1 for k in range(nd)]) for d, i in enumerate(places)), t.cpu())
+        return out
 
     # ---------------------------------------------------------------- copies and pickling
     def __deepcopy__(self, memo: dict) -> RemoteTensor:

@@ -116,6 +116,31 @@ def test_transfers_and_conversions():
     assert torch.equal(z.cpu(), cpu)
 
 
+def test_printing_a_large_tensor_fetches_only_what_is_shown():
+    """print(x) of a tensor too large to show whole shows its edge items: only they cross the
+    network, in one round trip, and the text is what the whole tensor would print."""
+    from torch._tensor_str import _str, _tensor_str
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(1000, 1000, generator=g)
+    big[0, 0], big[-1, -1], big[500, 500] = float("nan"), float("inf"), 1e30  # (the middle is never shown)
+    cases = [big, torch.randn(3, 400, 5, generator=g), torch.randn(40, 40, dtype=torch.complex64, generator=g),
+             torch.randint(-5, 10**6, (30, 40), generator=g), torch.rand(2000, generator=g) > 0.5]
+    try:
+        for opts in ({}, {"edgeitems": 1, "threshold": 10}):
+            torch.set_printoptions(**opts)
+            for c in cases:
+                r = c.cuda()
+                torch.cuda.synchronize()
+                remotecuda.stats(reset=True)
+                text = repr(r)
+                st = remotecuda.stats()
+                assert text == _str(r, tensor_contents=_tensor_str(c, 7)).replace("RemoteTensor(", "tensor(", 1)
+                assert st["blocking_round_trips"] == 1 and st["bytes_down"] < 8192, (c.shape, st)
+    finally:
+        torch.set_printoptions(profile="default")
+    assert "device='cuda:0'" in str(big[:2].cuda()) and f"{big[:3, 0].cuda()}" == str(big[:3, 0].cuda())
+
+
 def test_views_and_inplace_on_views_match_local():
     ref = torch.arange(24.).reshape(4, 6)
     x = ref.cuda()
