@@ -40,6 +40,9 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
         raise ValueError(f"REMOTECUDA_FALLBACK must be 'cpu' or 'error', not {fallback!r}")
     if sync is None:
         sync = os.environ.get("REMOTECUDA_SYNC", "") not in ("", "0")
+    # torch's Python meta kernels import torch._dynamo on their first call (torch._disable_dynamo):
+    # ~1 s, paid here (a kernel's start) rather than by the user's first op on 'cuda'
+    import torch._dynamo  # noqa: F401
     DISPATCHER.runtime = Pool(servers_from_env(servers), fallback=fallback, sync=sync)
     interception.install()
     return DISPATCHER.runtime

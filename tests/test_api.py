@@ -292,7 +292,13 @@ def test_two_gateways_are_two_devices(gateway):
 
 def test_deactivate_restores_torch(gateway):
     code = textwrap.dedent("""
-        import torch, remotecuda
+        import sys, torch, remotecuda
+        assert 'torch._dynamo' not in sys.modules
+        remotecuda.activate()
+        remotecuda.deactivate()
+        # activation imported torch._dynamo (or the first op would wait ~1 s for it), whose import
+        # wraps torch.manual_seed: torch's own doing, which stays
+        assert 'torch._dynamo' in sys.modules
         before = (torch.cuda.is_available, torch.manual_seed, torch.load, torch.Generator,
                   torch.cuda.device_count, torch.__future__.get_swap_module_params_on_conversion())
         remotecuda.activate()
