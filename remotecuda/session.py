@@ -8,6 +8,7 @@ the next request and is raised there, as CUDA does.
 """
 from __future__ import annotations
 
+import _signal  # signal's functions without its enum conversions: ~12 µs less per send
 import itertools
 import os
 import signal
@@ -428,6 +429,9 @@ class Session:
                     sock.close(linger=1000)
 
 
+SIGINT = int(signal.SIGINT)
+
+
 class HeldInterrupts:
     """Holds a KeyboardInterrupt (Ctrl-C, Jupyter's interrupt) back until a message is handed to
     ZeroMQ whole and the session's books agree with it: raised between two frames it would leave
@@ -439,19 +443,19 @@ class HeldInterrupts:
     def __enter__(self) -> None:
         self.previous, self.tripped = None, False
         if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGINT)
+            previous = _signal.getsignal(SIGINT)
             if previous is not None:  # (None: a handler not set from Python, which we could not put back)
                 self.previous = previous
-                signal.signal(signal.SIGINT, self._trip)
+                _signal.signal(SIGINT, self._trip)
 
     def _trip(self, signum: int, frame: Any) -> None:
         self.tripped = True
 
     def __exit__(self, *exc: object) -> None:
         if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+            _signal.signal(SIGINT, self.previous)
             if self.tripped:
-                signal.raise_signal(signal.SIGINT)  # now, to whoever handled it before
+                signal.raise_signal(SIGINT)  # now, to whoever handled it before
 
 
 class Download:
