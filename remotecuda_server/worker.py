@@ -64,7 +64,7 @@ class Worker:
         self.direct_counts = {"direct_messages_in": 0, "direct_bytes_in": 0, "direct_bytes_out": 0}
         self.outbox = self.ctx.socket(zmq.PULL)
         self.outbox.bind(f"inproc://out-{id(self)}")
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.client: bytes | None = None
         self.cancel_upto = -1  # messages with seq <= this are dropped
         self.current_seq = -1
