@@ -95,7 +95,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tens
 def train_steps(model: str, device: str, sync_every_step: bool = False) -> tuple[float, float]:
     """(seconds per step, final loss) of a benchmark model ("mlp" or "transformer") over its
     timed steps, after its warm-up steps."""
-    make, warmup, steps = MODELS[model]
+    make, warmup, steps, _ = MODELS[model]
     step = make(device)
     for _ in range(warmup):
         step()
@@ -119,16 +119,16 @@ def step_times(model: str, device: str, repeats: int) -> dict:
     if counting:
         remotecuda.stats(reset=True)
     plain = min(train_steps(model, device)[0] for _ in range(repeats))
-    ops = remotecuda.stats()["ops"] / repeats / sum(MODELS[model][1:]) if counting else None
+    ops = remotecuda.stats()["ops"] / repeats / (MODELS[model][1] + MODELS[model][2]) if counting else None
     item_runs = [train_steps(model, device, sync_every_step=True) for _ in range(repeats)]
     return {"ms": plain * 1e3, "item_ms": min(r[0] for r in item_runs) * 1e3, "loss": item_runs[0][1],
             "ops_per_step": ops}
 
 
-#: model → (its step's maker, warm-up steps, timed steps)
-MODELS = {"mlp": (small_mlp, 10, 50), "transformer": (small_transformer, 3, 15)}
-MODEL_LABELS = {"mlp": "MLP 32-64-64-1, Adam, batch 256",
-                "transformer": "Transformer encoder 2 layers, d 64, 4 heads, ff 256, AdamW, batch 16×32 tokens"}
+#: model → (its step's maker, warm-up steps, timed steps, its row's label)
+MODELS = {"mlp": (small_mlp, 10, 50, "MLP 32-64-64-1, Adam, batch 256"),
+          "transformer": (small_transformer, 3, 15,
+                          "Transformer encoder 2 layers, d 64, 4 heads, ff 256, AdamW, batch 16×32 tokens")}
 
 
 def transfers(nbytes: int, reps: int) -> tuple[float, float]:
@@ -344,7 +344,7 @@ def tables(r: dict) -> tuple[str, str]:
     rows.append(("Elementwise chain incl. final sync (gateway done)",
                  f"{r['local_chain_us_per_op']:.1f} µs/op", f"{r['remote_chain_total_us_per_op']:.1f} µs/op",
                  f"{r['remote_chain_total_us_per_op'] / r['local_chain_us_per_op']:.2f}x"))
-    for m, label in MODEL_LABELS.items():
+    for m, (*_, label) in MODELS.items():
         loc, rem = r["local_steps"][m], r["remote_steps"][m]
         rows.append((f"{label} train step (sync at end)", f"{loc['ms']:.3f} ms", f"{rem['ms']:.3f} ms",
                      f"{rem['ms'] / loc['ms']:.2f}x"))
@@ -368,9 +368,8 @@ def markdown(r: dict, heading: str = "##") -> str:
     t1, t2 = tables(r)
     st = r["stats"]
     h = heading
-    ops = "; ".join(f"{label.split(',')[0]} ~{r['remote_steps'][m]['ops_per_step']:.0f}" for m, label in MODEL_LABELS.items())
-    losses = "; ".join(f"{label.split(',')[0]} {r['local_steps'][m]['loss']:.6f} vs {r['remote_steps'][m]['loss']:.6f}"
-                       for m, label in MODEL_LABELS.items())
+    ops = "; ".join(f"{m} ~{r['remote_steps'][m]['ops_per_step']:.0f}" for m in MODELS)
+    losses = "; ".join(f"{m} {r['local_steps'][m]['loss']:.6f} vs {r['remote_steps'][m]['loss']:.6f}" for m in MODELS)
     return f"""{h} Per-op cost and training step
 
 {t1}

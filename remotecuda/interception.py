@@ -163,9 +163,7 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
         if d is not None and d.type == "meta":
             with _UserMeta():
                 return func(*args, **kwargs)
-        if kwargs.get("pin_memory"):  # as in _factory
-            kwargs = dict(kwargs, pin_memory=False)
-        return func(*args, **kwargs)
+        return func(*args, **_unpinned(kwargs))
     kw = dict(kwargs, device="cpu")
     requires_grad = kw.pop("requires_grad", False)
     src = args[0] if args else kw.get("obj", kw.get("data"))
@@ -260,12 +258,16 @@ def _is_pinned(func: Callable, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _unpinned(kwargs: dict) -> dict:
+    """A factory's ``pin_memory=True`` gives plain memory, as ``_pin_memory`` does: a CPU-only
+    torch has no page-locked allocator and would raise."""
+    return dict(kwargs, pin_memory=False) if kwargs.get("pin_memory") else kwargs
+
+
 def _factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     """A factory called by the user: ``device=0`` means the accelerator, which C++ says is
-    absent, so make it 'cuda:0'; on 'meta' (given, or ``with torch.device('meta')``) it stays meta.
-    ``pin_memory=True`` gives plain memory (see ``_pin_memory``): a CPU-only torch would raise."""
-    if kwargs.get("pin_memory"):
-        kwargs = dict(kwargs, pin_memory=False)
+    absent, so make it 'cuda:0'; on 'meta' (given, or ``with torch.device('meta')``) it stays meta."""
+    kwargs = _unpinned(kwargs)
     d = kwargs.get("device")
     if type(d) is int:
         kwargs = dict(kwargs, device=torch.device("cuda", d))

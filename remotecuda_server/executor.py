@@ -352,9 +352,8 @@ class Executor:
         Freeing each where the client dropped it, not after the whole message, keeps the peak
         memory of a message holding several steps at that of one step. They are taken in the
         order sent: one listed after a later position waits for it (late, never early)."""
-        rel, at = body.get("rel", []), body.get("rel_at")
-        if rel is None:
-            rel = []
+        rel, at = body.get("rel"), body.get("rel_at")
+        rel = [] if rel is None else rel
         if not (isinstance(rel, list) and all(type(h) is int for h in rel)):
             raise ProtocolError("malformed release list (rel): expected a list of handle ids")
         if at is None:
