@@ -371,6 +371,8 @@ class Assembly:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.filled != self.flat.numel() or numel * itemsize != self.filled:
             raise ProtocolError(f"payload of {self.filled} bytes cannot hold {tuple(shape)} {dtype}")
+        if numel == 0:  # numpy gives an empty buffer stride 0, which view(dtype) refuses
+            return torch.empty(tuple(shape), dtype=dtype, device=self.flat.device)
         return self.flat.view(dtype).view(tuple(shape))
 
 
