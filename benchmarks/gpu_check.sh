@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for sessions lent a GPU machine (finishes within ~8 minutes):
 # a gateway with --device cuda, and a client with CUDA hidden from it on the same machine,
-# remote vs local figures. Needs pyzmq and zstandard importable (carry wheels if absent;
+# remote vs local figures (gpu_bench.py) and results (gpu_parity.py).
+# GPU_CHECK_PARTS=bench,parity (default both) runs only the parts named. Needs pyzmq and zstandard importable (carry wheels if absent;
 # see the device tool's README), run from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,21 @@ trap 'kill $GW 2>/dev/null || true' EXIT
 for _ in $(seq 1200); do grep -q '^READY ' "$OUT/gateway.log" && break; sleep 0.1; done
 cat "$OUT/gateway.log"
 ADDR=$(grep '^READY ' "$OUT/gateway.log" | sed 's|READY tcp://||')
+PARTS=${GPU_CHECK_PARTS:-bench,parity}
+stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+if [[ ,$PARTS, == *,parity,* ]]; then
+  stamp parity
+  timeout 240 "$PY" benchmarks/gpu_parity.py --mode local > "$OUT/parity_local.json" || true
+  CUDA_VISIBLE_DEVICES="" timeout 240 "$PY" benchmarks/gpu_parity.py --mode remote --server "$ADDR" \
+    > "$OUT/parity_remote.json" || true
+  "$PY" benchmarks/gpu_parity.py --compare "$OUT/parity_local.json" "$OUT/parity_remote.json" || true
+fi
+[[ ,$PARTS, == *,bench,* ]] || exit 0
+stamp bench local
 timeout 240 "$PY" benchmarks/gpu_bench.py --mode local | tee "$OUT/local.json"
+stamp bench remote
 CUDA_VISIBLE_DEVICES="" timeout 300 "$PY" benchmarks/gpu_bench.py --mode remote --server "$ADDR" | tee "$OUT/remote.json"
+stamp done
 "$PY" - "$OUT/local.json" "$OUT/remote.json" <<'PYEOF'
 import json, sys
 local, remote = (json.loads(open(p).read().strip().splitlines()[-1]) for p in sys.argv[1:3])

@@ -343,28 +343,45 @@ class Session:
             self.stats["blocking_round_trips"] += 1
             t_wait = time.monotonic()
             try:
-                msg, download = self._wait(rid)
+                msg, downloads = self._wait(rid)
             finally:
                 self.stats["wait_seconds"] += time.monotonic() - t_wait
             body = msg.body
             if body.get("err"):
                 raise remote_exception(body["err"])
             res = body.get("res")
-            if isinstance(res, dict) and "pl" in res and msg.payloads:
-                self.link.observe(msg.payloads[res["pl"]][0][0], time.perf_counter() - t0)
-                desc, frame = msg.payloads[res["pl"]]
-                buf = protocol.decode_payload(desc, frame)
-                self.stats["downloads"] += 1
-                return protocol.tensor_from_bytes(buf, res["dtype"], res["shape"])
-            if isinstance(res, dict) and "parts" in res:
-                self.link.observe(res["nbytes"], time.perf_counter() - t0)
-                self.stats["downloads"] += 1
-                return (download or Download()).finish(res["parts"], res["dtype"], res["shape"])
+            if name == "rc::fetch":
+                res = self._downloaded(res, msg, downloads.get(0))
+            elif name == "rc::fetch_many":
+                if not (isinstance(res, list) and len(res) == len(args)):
+                    raise GatewayProtocolError(f"gateway {self.endpoint} answered a fetch of {len(args)} "
+                                               "tensors with something else")
+                res = [self._downloaded(r, msg, downloads.get(i)) for i, r in enumerate(res)]
+            nbytes = sum(t.nbytes for t in (res if isinstance(res, list) else [res]) if isinstance(t, torch.Tensor))
+            if nbytes:
+                self.link.observe(nbytes, time.perf_counter() - t0)
             return res
 
-    def _wait(self, rid: int) -> tuple[protocol.Message, Download | None]:
-        """The REPLY to request ``rid``, and the PARTs that came ahead of it (a large download)."""
-        download = None
+    def fetch_many(self, handles: list[int]) -> list[torch.Tensor]:
+        """CPU copies of several gateway tensors (contiguous), in one round trip."""
+        return self.request("rc::fetch_many", list(handles))
+
+    def _downloaded(self, res: Any, msg: protocol.Message, download: Download | None) -> torch.Tensor:
+        """The CPU tensor a fetch result describes: a reply payload, or PARTs assembled already."""
+        if not isinstance(res, dict) or not ("pl" in res or "parts" in res):
+            raise GatewayProtocolError(f"gateway {self.endpoint} answered a fetch with something else")
+        self.stats["downloads"] += 1
+        if "parts" in res:
+            return (download or Download()).finish(res["parts"], res["dtype"], res["shape"])
+        if not 0 <= res["pl"] < len(msg.payloads):
+            raise GatewayProtocolError(f"gateway {self.endpoint}: a fetch names a payload its reply lacks")
+        desc, frame = msg.payloads[res["pl"]]
+        return protocol.tensor_from_bytes(protocol.decode_payload(desc, frame), res["dtype"], res["shape"])
+
+    def _wait(self, rid: int) -> tuple[protocol.Message, dict[int, Download]]:
+        """The REPLY to request ``rid``, and the PARTs that came ahead of it (large downloads),
+        by their place in the request."""
+        downloads: dict[int, Download] = {}
         last_heard = time.monotonic()
         last_ping = last_heard
         try:
@@ -375,10 +392,9 @@ class Session:
                     self.stats["bytes_down"] += sum(len(f) for f in frames)
                     msg = protocol.decode(frames)
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
-                        return msg, download
+                        return msg, downloads
                     if msg.type == protocol.PART and msg.body.get("rid") == rid:
-                        download = download or Download()
-                        download.add(msg)
+                        downloads.setdefault(msg.body.get("i", 0), Download()).add(msg)
                     if msg.type == protocol.ERROR:
                         self._raise_error(msg.body)
                     # else PONG, or the reply to a request abandoned by an interrupt
