@@ -14,7 +14,14 @@ from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableEr
 
 from .prefetch import prefetch
 
-__all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "prefetch",
+
+def fetch(tensors: Any) -> list:
+    """``[t.cpu() for t in tensors]`` in one round trip per gateway session (see downloads.py)."""
+    from .downloads import fetch as fetch_all
+    return fetch_all(tensors)
+
+
+__all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "prefetch", "fetch",
            "gateway_status",
            "RemoteCUDAError", "GatewayUnavailableError", "GatewayLostError", "GatewayProtocolError"]
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch._C import _DisableTorchDispatch
 
+from . import downloads
 from .generator import wire_ref
 from .protocol import DTYPE_EXT
 from .tensor import RemoteTensor, layout, make, refresh_key, wrap
@@ -411,7 +412,8 @@ class Dispatcher:
         return self.local.target
 
     def download(self, t: RemoteTensor) -> torch.Tensor:
-        return t._s.request("rc::fetch", [t._h])
+        fetched = downloads.take(t)  # fetched ahead with others (torch.save, Module.cpu...)
+        return fetched if fetched is not None else t._s.request("rc::fetch", [t._h])
 
 
 def _is_data_dependent(e: Exception) -> bool:

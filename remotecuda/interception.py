@@ -30,7 +30,7 @@ from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _device as device_context
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import autocast, cuda_api, generator, serialization
+from . import autocast, cuda_api, downloads, generator, serialization
 from .dispatch import DISPATCHER, meta_stand_in
 from .tensor import RemoteTensor
 
@@ -456,6 +456,7 @@ def install() -> None:
     p.set(optimizer.Optimizer, "_group_tensors_by_device_and_dtype", staticmethod(grouped))
     p.set(torch.nn.DataParallel, "forward", _data_parallel_forward)
     serialization.install(p)
+    downloads.install(p)
     _state["foreach"] = [lst for lst in (foreach_utils._foreach_supported_types,
                                          optimizer._foreach_supported_types) if RemoteTensor not in lst]
     for lst in _state["foreach"]:

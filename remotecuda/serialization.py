@@ -3,6 +3,9 @@
 Saving: a RemoteTensor pickles as a CPU tensor rebuilt on 'cuda:N' by
 ``torch._utils._rebuild_device_tensor_from_cpu_tensor`` (see tensor.py), which plain
 torch on a GPU machine loads as a real CUDA tensor, and ``weights_only`` allows.
+``torch.save`` first finds every remote tensor in the object (a pickling pass that writes
+nothing and stops at tensors) and fetches them together (downloads.py): one round trip
+for a whole checkpoint, not one per tensor.
 
 Loading: a checkpoint whose storages are located on 'cuda' (written on a GPU machine)
 cannot be restored by a CPU-only torch. A deserializer registered for 'cuda'
@@ -12,11 +15,13 @@ moving every tensor.
 """
 from __future__ import annotations
 
+import pickle
 import threading
 from typing import Any
 
 import torch
 
+from . import downloads
 from .tensor import RemoteTensor
 
 _loading = threading.local()
@@ -87,6 +92,45 @@ def _move(obj: Any, target: Any, seen_ptrs: dict, memo: dict) -> Any:
     return out
 
 
+class _Finder(pickle.Pickler):
+    """Pickles into nothing, only to list the remote tensors an object holds."""
+
+    class _Nowhere:
+        def write(self, data: Any) -> None:
+            pass
+
+    def __init__(self) -> None:
+        super().__init__(self._Nowhere(), protocol=2)
+        self.found: list[RemoteTensor] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            if isinstance(obj, RemoteTensor):
+                self.found.append(obj)
+            return 0  # (a tensor's contents are not walked)
+        return None
+
+
+def remote_tensors(obj: Any) -> list[RemoteTensor]:
+    """The remote tensors that pickling ``obj`` would save; none if it does not pickle (then
+    ``torch.save`` raises its own error)."""
+    finder = _Finder()
+    try:
+        finder.dump(obj)
+    except Exception:
+        return []
+    return finder.found
+
+
+def _make_save(original: Any) -> Any:
+    def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        with downloads.prefetching(remote_tensors(obj)):
+            return original(obj, *args, **kwargs)
+    save.__doc__ = original.__doc__
+    save.__wrapped__ = original
+    return save
+
+
 def _make_load(original: Any) -> Any:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
         target = _map_location_device(map_location)
@@ -111,4 +155,6 @@ def install(patches: Any) -> None:
         torch.serialization.register_package(0, _tag, _deserialize)
         _registered = True
     patches.set(torch, "load", _make_load(torch.load))
+    patches.set(torch, "save", _make_save(torch.save))
+    patches.set(torch.serialization, "save", torch.save)
     patches.set(torch.serialization, "load", torch.load)

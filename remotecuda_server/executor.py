@@ -240,6 +240,7 @@ class Executor:
         self.events: dict[int, Any] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.peak_bytes = 0
+        self.out_parts: list[tuple[int, int, list]] = []  # the running message's downloads in parts
         self.codecs: tuple[str, ...] = ()  # what the client decodes, set when the session is attached
         self.stats = dict.fromkeys(("ops", "messages", "uploads", "downloads", "cache_hits",
                                     "cache_misses", "cache_bytes_saved", "errors"), 0)
@@ -295,12 +296,14 @@ class Executor:
     def run(self, body: dict, payloads: list, cancelled=lambda: False,
             prepared: dict | None = None) -> tuple[Any, dict | None, list]:
         """Execute one OPS message; return (result of the request op, error, reply payloads).
+        Downloads too large for one frame are left in ``out_parts`` as (index, total bytes, payloads).
 
         ``payloads`` are checked, decompressed buffers; ``prepared`` maps an uploaded handle to
         its ``Upload`` (or to why it could not be prepared), made by the worker's I/O thread.
         """
         self._prepared = prepared or {}
         self._cancelled = cancelled
+        self.out_parts = []
         ops = body.get("ops") or []
         first = body.get("n0", 0)
         if not isinstance(ops, list) or not isinstance(first, int):
@@ -343,7 +346,7 @@ class Executor:
         err = None
         if "req" in body and self.failed is not None:
             err, self.failed = self.failed, None
-            result, out_payloads = None, []
+            result, out_payloads, self.out_parts = None, [], []
         return result, err, out_payloads
 
     @staticmethod
@@ -429,18 +432,11 @@ class Executor:
             self.stats["cache_bytes_saved"] += sum(p.nbytes for p in parts)
             return None
         if name == "fetch":  # [handle] → payload
-            t = self._arg(Handle(args[0])).detach()
-            cpu = t.to("cpu") if t.device.type != "cpu" else t
-            buf = protocol.tensor_bytes(cpu)
-            codec = _LINK.choose(buf, self.codecs)
-            self.stats["downloads"] += 1
-            if buf.nbytes > protocol.DOWNLOAD_PARTS_ABOVE:  # the worker sends each as a PART
-                out_payloads.extend(protocol.encode_payload(buf[i:i + protocol.PART_BYTES], codec)
-                                    for i in range(0, buf.nbytes, protocol.PART_BYTES))
-                return {"parts": len(out_payloads), "nbytes": buf.nbytes, "shape": list(cpu.shape),
-                        "dtype": cpu.dtype}
-            out_payloads.append(protocol.encode_payload(buf, codec))
-            return {"pl": len(out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
+            return self._fetch(args[0], 0, out_payloads)
+        if name == "fetch_many":  # [handle, ...] → a fetch's result per handle, in one reply
+            if not all(type(h) is int for h in args):
+                raise ProtocolError("malformed rc::fetch_many: expected handle ids")
+            return [self._fetch(h, i, out_payloads) for i, h in enumerate(args)]
         if name == "seed":
             (seed,) = args
             if self.device.type == "cuda":
@@ -501,6 +497,23 @@ class Executor:
                 _set_backend_flag(key, value)
             return None
         raise UnknownOpError(f"unknown internal op rc::{name}")
+
+    def _fetch(self, h: int, index: int, out_payloads: list) -> dict:
+        """Tensor h's bytes for the client: a reply payload, or over DOWNLOAD_PARTS_ABOVE parts
+        that the worker sends as PART messages (tagged with ``index``, the tensor's place in its
+        request) ahead of the reply."""
+        t = self._arg(Handle(h)).detach()
+        cpu = t.to("cpu") if t.device.type != "cpu" else t
+        buf = protocol.tensor_bytes(cpu)
+        codec = _LINK.choose(buf, self.codecs)
+        self.stats["downloads"] += 1
+        if buf.nbytes > protocol.DOWNLOAD_PARTS_ABOVE:
+            parts = [protocol.encode_payload(buf[i:i + protocol.PART_BYTES], codec)
+                     for i in range(0, buf.nbytes, protocol.PART_BYTES)]
+            self.out_parts.append((index, buf.nbytes, parts))
+            return {"parts": len(parts), "nbytes": buf.nbytes, "shape": list(cpu.shape), "dtype": cpu.dtype}
+        out_payloads.append(protocol.encode_payload(buf, codec))
+        return {"pl": len(out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
 
     def _skipped(self, name: str, args: list) -> None:
         """A skipped upload still keeps the content cache in step with the client's mirror, and

@@ -331,12 +331,12 @@ class Worker:
             return
         rid = msg.body.get("req")
         if rid is not None and not cancelled():
-            if isinstance(result, dict) and "parts" in result:  # a large download: PARTs, then the reply
-                for i, payload in enumerate(payloads):
+            for index, total, parts in self.executor.out_parts:  # large downloads: PARTs, then the reply
+                for i, payload in enumerate(parts):
                     out.send_multipart(protocol.encode(protocol.PART, {
-                        "rid": rid, "off": i * protocol.PART_BYTES, "total": result["nbytes"]}, [payload]),
+                        "rid": rid, "i": index, "off": i * protocol.PART_BYTES, "total": total}, [payload]),
                         copy=False)
-                payloads = []
+            self.executor.out_parts = []
             try:
                 frames = protocol.encode(protocol.REPLY, {"rid": rid, "res": result, "err": err}, payloads)
             except Exception as e:  # e.g. a result msgpack cannot carry

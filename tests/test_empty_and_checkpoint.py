@@ -104,3 +104,106 @@ def test_empty_tensors_save_and_load():
     for k, v in local.items():
         assert back[k].is_cuda
         _same(back[k], v)
+
+
+# ---------------------------------------------------------------- checkpoints: many tensors, one round trip
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(23)], nn.BatchNorm1d(16))  # 48 params + 3 buffers
+
+
+def _round_trips(fn) -> tuple:
+    torch.cuda.synchronize()
+    remotecuda.stats(reset=True)
+    out = fn()
+    return out, remotecuda.stats()["blocking_round_trips"]
+
+
+def _equal_dicts(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        assert type(a[k]) is torch.Tensor and torch.equal(a[k], b[k]), k
+
+
+def test_torch_save_of_a_state_dict_is_one_round_trip():
+    local = _model()
+    ref = {k: v.clone() for k, v in local.state_dict().items()}
+    sd = local.cuda().state_dict()
+    assert len(sd) >= 48
+    buf = io.BytesIO()
+    _, trips = _round_trips(lambda: torch.save(sd, buf))
+    assert trips <= 2, f"torch.save of {len(sd)} tensors took {trips} round trips"
+    buf.seek(0)
+    _equal_dicts(torch.load(buf, map_location="cpu"), ref)
+    buf.seek(0)
+    back = torch.load(buf)  # back onto the remote device
+    assert all(v.is_cuda for v in back.values())
+    _equal_dicts({k: v.cpu() for k, v in back.items()}, ref)
+
+
+def test_checkpoint_with_model_optimizer_and_scalars():
+    model = _model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 16, device="cuda")).sum().backward()
+    opt.step()
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3, "view": model[0].weight[2:5]}
+    local = {"model": {k: v.cpu() for k, v in ckpt["model"].items()},
+             "state": {i: {k: v.cpu() for k, v in s.items()} for i, s in ckpt["optimizer"]["state"].items()},
+             "view": ckpt["view"].cpu()}
+    buf = io.BytesIO()
+    _, trips = _round_trips(lambda: torch.save(ckpt, buf))
+    assert trips <= 2
+    buf.seek(0)
+    back = torch.load(buf, map_location="cpu")
+    _equal_dicts(back["model"], local["model"])
+    for i, s in local["state"].items():
+        _equal_dicts(back["optimizer"]["state"][i], s)
+    assert back["epoch"] == 3 and torch.equal(back["view"], local["view"])
+    _, trips = _round_trips(lambda: torch.save(opt.state_dict(), io.BytesIO()))
+    assert trips <= 2
+
+
+def test_fetch_helper():
+    sd = _model().cuda().state_dict()
+    cpu_tensor = torch.arange(3)
+    t = torch.randn(4, 6, device="cuda").t()  # .cpu() keeps a transpose's strides
+    values, trips = _round_trips(lambda: remotecuda.fetch([*sd.values(), cpu_tensor, t]))
+    assert trips == 1
+    for v, ref in zip(values, [*(x.cpu() for x in sd.values()), cpu_tensor, t.cpu()]):
+        assert type(v) is torch.Tensor and v.stride() == ref.stride() and torch.equal(v, ref)
+    assert values[-2] is cpu_tensor
+
+
+def test_module_cpu_and_to_cpu_fetch_together():
+    local = _model()
+    ref = {k: v.clone() for k, v in local.state_dict().items()}
+    for move in (lambda m: m.cpu(), lambda m: m.to("cpu"), lambda m: m.to(torch.device("cpu"), torch.float64)):
+        m = copy.deepcopy(local).cuda()
+        m[0].weight.grad = torch.ones(16, 16, device="cuda")
+        _, trips = _round_trips(lambda: move(m))
+        assert trips <= 2
+        assert all(type(v) is torch.Tensor for v in m.state_dict().values())
+        _equal_dicts(m.state_dict(), {k: v.to(m[0].weight.dtype) if v.is_floating_point() else v
+                                      for k, v in ref.items()})
+        assert torch.equal(m[0].weight.grad, torch.ones(16, 16, dtype=m[0].weight.dtype))
+
+
+def test_deepcopy_of_a_cuda_model_reads_nothing():
+    model = _model().cuda()
+    ref = {k: v.cpu() for k, v in model.state_dict().items()}
+    (m2, sd2), trips = _round_trips(lambda: (copy.deepcopy(model), copy.deepcopy(model.state_dict())))
+    assert trips == 0, "copies stay on the gateway"
+    _equal_dicts({k: v.cpu() for k, v in m2.state_dict().items()}, ref)
+    _equal_dicts({k: v.cpu() for k, v in sd2.items()}, ref)
+
+
+def test_safetensors_save_file(tmp_path):
+    from safetensors.torch import load_file, save_file
+    local = _model()
+    ref = {k: v.clone() for k, v in local.state_dict().items()}
+    sd = local.cuda().state_dict()
+    _, trips = _round_trips(lambda: save_file(sd, tmp_path / "m.safetensors"))
+    assert trips <= 2
+    back = load_file(tmp_path / "m.safetensors")
+    assert set(back) == set(ref) and all(torch.equal(back[k], ref[k]) for k in ref)

@@ -1,0 +1,155 @@
+"""Reading many remote tensors in one round trip.
+
+Each ``.cpu()`` is a sync point: a checkpoint of 48 tensors read one by one costs 48 round
+trips. Where the whole set is known up front (``torch.save``, ``Module.cpu()``/``.to('cpu')``,
+safetensors' ``save_file``, ``remotecuda.fetch``), it is fetched in one request per session
+(``rc::fetch_many``), and the copies wait in a per-thread stash that the ``.cpu()`` calls
+made inside that scope take from (``take``, called by every download). The stash lives only
+for the scope: no op of this thread runs in it between the fetch and the reads, so the values
+are those the reads would have got.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from contextlib import contextmanager
+from importlib.abc import MetaPathFinder
+from importlib.machinery import PathFinder
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from .tensor import RemoteTensor
+
+#: one request carries at most this many bytes: the gateway holds a request's copies until it is sent
+BATCH_BYTES = 256 << 20
+
+_local = threading.local()
+
+
+def take(t: RemoteTensor) -> torch.Tensor | None:
+    """The CPU copy of ``t`` fetched ahead by the enclosing ``prefetching`` scope, once; else None."""
+    stash = getattr(_local, "stash", None)
+    return stash.pop((t._sid, t._k), None) if stash else None
+
+
+@contextmanager
+def prefetching(tensors: Iterable[Any]) -> Iterator[None]:
+    """Fetch the remote tensors among ``tensors`` now, in one round trip per session (per
+    BATCH_BYTES), for the downloads of this scope to take."""
+    outer = getattr(_local, "stash", None)
+    stash = dict(outer or {})
+    groups: dict[Any, list] = {}
+    for t in tensors:
+        if isinstance(t, RemoteTensor) and (t._sid, t._k) not in stash:
+            groups.setdefault(t._s, {})[(t._sid, t._k)] = t
+    for s, wanted in groups.items():
+        for batch in _batches(list(wanted.values())):
+            stash.update(zip(((t._sid, t._k) for t in batch), s.fetch_many([t._h for t in batch])))
+    _local.stash = stash
+    try:
+        yield
+    finally:
+        _local.stash = outer
+
+
+def _batches(tensors: list) -> Iterator[list]:
+    batch, size = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if batch and size + n > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(t)
+        size += n
+    if batch:
+        yield batch
+
+
+def fetch(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``[t.cpu() for t in tensors]`` in one round trip per gateway session (CPU tensors are
+    returned as they are), e.g. ``dict(zip(sd, remotecuda.fetch(sd.values())))``."""
+    tensors = list(tensors)
+    with prefetching(tensors):
+        return [t.cpu() for t in tensors]
+
+
+def module_tensors(m: torch.nn.Module) -> list[torch.Tensor]:
+    """What ``Module._apply`` converts: parameters, their gradients, buffers."""
+    params = list(m.parameters())
+    return [*params, *(p.grad for p in params if p.grad is not None), *m.buffers()]
+
+
+def _module_cpu(original: Any) -> Any:
+    def cpu(self: torch.nn.Module) -> torch.nn.Module:
+        with prefetching(module_tensors(self)):
+            return original(self)
+    cpu.__doc__, cpu.__wrapped__ = original.__doc__, original
+    return cpu
+
+
+def _module_to(original: Any) -> Any:
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is None or device.type != "cpu":
+            return original(self, *args, **kwargs)
+        with prefetching(module_tensors(self)):
+            return original(self, *args, **kwargs)
+    to.__doc__, to.__wrapped__ = original.__doc__, original
+    return to
+
+
+def _safetensors_flatten(original: Any) -> Any:
+    """safetensors' ``save``/``save_file`` (and so Hugging Face's ``save_pretrained``) read
+    their tensors through ``_flatten_as_ptr``, one ``.to('cpu')`` each."""
+    def flatten(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        with prefetching(tensors.values() if isinstance(tensors, dict) else ()):
+            return original(tensors, *args, **kwargs)
+    flatten.__wrapped__ = original
+    return flatten
+
+
+class _OnImport(MetaPathFinder):
+    """Patches safetensors.torch when it is imported (importing it here would slow every start).
+    Deactivation turns ``active`` off (through the patches); the finder then removes itself."""
+
+    active = False
+
+    def __init__(self, patches: Any):
+        self.patches = patches
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if not self.active:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            return None
+        if name != "safetensors.torch":
+            return None
+        spec = PathFinder.find_spec(name, path)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            if self.active:
+                _patch_safetensors(self.patches, module)
+        spec.loader.exec_module = exec_and_patch  # (this spec's own loader)
+        return spec
+
+
+def _patch_safetensors(patches: Any, module: Any) -> None:
+    if hasattr(module, "_flatten_as_ptr") and not hasattr(module._flatten_as_ptr, "__wrapped__"):
+        patches.set(module, "_flatten_as_ptr", _safetensors_flatten(module._flatten_as_ptr))
+
+
+def install(patches: Any) -> None:
+    """Batch the reads of Module.cpu()/.to('cpu') and of safetensors while remotecuda is active."""
+    patches.set(torch.nn.Module, "cpu", _module_cpu(torch.nn.Module.cpu))
+    patches.set(torch.nn.Module, "to", _module_to(torch.nn.Module.to))
+    if "safetensors.torch" in sys.modules:
+        _patch_safetensors(patches, sys.modules["safetensors.torch"])
+    else:
+        finder = _OnImport(patches)
+        patches.set(finder, "active", True)
+        sys.meta_path.insert(0, finder)
