@@ -1,23 +1,26 @@
 """``F.scaled_dot_product_attention`` as the fused kernel the gateway's device would pick.
 
 SDPA is a composite op: on the client it would decompose (on meta tensors) into the
-~22-op math path, so a GPU would run many small kernels instead of one flash or
-memory-efficient attention kernel. Instead the client asks the gateway once per input
-signature which backend its device picks (``aten._fused_sdp_choice``) and calls that
-backend's aten op directly; those ops have meta kernels and autograd formulas, so the
-backward runs the fused kernel too.
+~22-op math path, so a GPU would run many small kernels instead of one flash, memory-efficient
+or cuDNN attention kernel. Instead the client asks the gateway once per input signature which
+backend its device picks (``aten._fused_sdp_choice``) and then does what PyTorch's own
+``scaled_dot_product_attention`` (aten/src/ATen/native/transformers/attention.cpp) does for
+that backend: the same mask conversion and padding, then the backend's aten op. Those ops
+have meta kernels and autograd formulas, so the backward runs the fused kernel too.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from .dispatch import DISPATCHER
 from .tensor import RemoteTensor
 
 aten = torch.ops.aten
-MATH, FLASH, EFFICIENT = 0, 1, 2
+MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
 _choices: dict[tuple, int] = {}
 
 
@@ -26,22 +29,57 @@ def _bind(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
     return q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
+def _additive(mask: Any, dtype: torch.dtype, fill: float) -> Any:
+    """A boolean mask (True: attend) as the additive float mask the kernels take
+    (``convert_boolean_attn_mask``; cuDNN's variant fills -65504 instead of -inf)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask.logical_not(), fill, torch.scalar_tensor(0.0, dtype=dtype, device=mask.device))
+
+
+def _efficient_mask(mask: Any, q: Any, k: Any) -> Any:
+    """``preprocess_mask``: the memory-efficient kernel wants the bias's rows 8-aligned in memory
+    (pad, then slice back) and the bias expanded to (batch, heads, L, S)."""
+    if not (all(s % 8 == 0 for s in mask.stride()[:-1]) and mask.stride(-1) == 1):
+        n = mask.shape[-1]
+        mask = F.pad(mask, (0, 8 - n % 8))[..., :n]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _cuda_flash(q: Any, k: Any, v: Any, p: float, causal: bool, scale: float | None) -> Any:
+    """CUDA flash attention: head dims padded to a multiple of 8, the scale taken from the
+    original head dim, the output sliced back."""
+    e = q.shape[-1]
+    if e % 8:
+        q, k, v = (F.pad(t, (0, 8 - e % 8)) for t in (q, k, v))
+    out = aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False,
+                                                  scale=scale if scale is not None else 1.0 / math.sqrt(e))[0]
+    return out[..., :e] if out.shape[-1] != e else out
+
+
 def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     q, k, v, mask, p, causal, scale, gqa = _bind(*args, **kwargs)
-    if not all(isinstance(t, RemoteTensor) for t in (q, k, v)) or gqa or \
+    if not all(isinstance(t, RemoteTensor) for t in (q, k, v)) or \
             (mask is not None and not isinstance(mask, RemoteTensor)):
         return func(*args, **kwargs)
     kind = DISPATCHER.runtime.device(q._dev).props.get("kind", "cuda")
-    key = (kind, q._k, k._k, v._k, None if mask is None else mask._k, p > 0, causal, scale)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    key = (kind, q._k, k._k, v._k, None if mask is None else mask._k, p > 0, causal, scale, gqa, grad)
     choice = _choices.get(key)
     if choice is None:
-        choice = _choices[key] = int(aten._fused_sdp_choice(q, k, v, mask, p, causal, scale=scale))
-    if kind == "cpu" and choice == FLASH:
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, attn_mask=mask,
-                                                                scale=scale)[0]
-    if kind == "cuda" and choice == FLASH and mask is None:
-        return aten._scaled_dot_product_flash_attention(q, k, v, p, causal, scale=scale)[0]
-    if kind == "cuda" and choice == EFFICIENT:
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        choice = _choices[key] = int(aten._fused_sdp_choice(q, k, v, mask, p, causal, scale=scale,
+                                                            enable_gqa=gqa))
+    if choice == CUDNN and kind == "cuda":
+        return aten._scaled_dot_product_cudnn_attention(q, k, v, _additive(mask, q.dtype, -65504.0), grad, p,
+                                                        causal, False, scale=scale)[0]
+    if choice == FLASH and kind == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, p, causal, attn_mask=_additive(mask, q.dtype, -math.inf), scale=scale)[0]
+    if choice == FLASH and kind == "cuda":
+        return _cuda_flash(q, k, v, p, causal, scale)  # (flash is never chosen with a mask)
+    if choice == EFFICIENT and kind == "cuda":
+        mask = _additive(mask, q.dtype, -math.inf)
+        if mask is not None:
+            mask = _efficient_mask(mask, q, k)
         return aten._scaled_dot_product_efficient_attention(q, k, v, mask, grad, p, causal, scale=scale)[0]
-    return func(*args, **kwargs)
+    return func(*args, **kwargs)  # the math path, which the composite takes on the client too

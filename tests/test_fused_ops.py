@@ -1,0 +1,143 @@
+"""Composite ops sent to the gateway as the one fused op its device runs (SDPA, RNNs), against a
+real gateway; every value is compared with the same computation in local PyTorch on the CPU."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import remotecuda
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def _ops(fn):
+    """(fn's result, the number of ops it sent)."""
+    torch.cuda.synchronize()
+    before = remotecuda.stats()["ops"]
+    out = fn()
+    return out, remotecuda.stats()["ops"] - before
+
+
+def _sdpa_both(q, k, v, mask=None, **kw):
+    """SDPA locally and remotely, forward and backward: (local out, grads), (remote out, grads)."""
+    results = []
+    for dev in ("cpu", "cuda"):
+        leaves = [t.detach().to(dev).requires_grad_() for t in (q, k, v)]
+        m = None if mask is None else mask.to(dev)
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=m, **kw)
+        (out * torch.arange(out.numel(), device=dev).view(out.shape).sin()).sum().backward()
+        results.append((out.detach().cpu(), [t.grad.cpu() for t in leaves]))
+    return results
+
+
+# ---------------------------------------------------------------- scaled dot-product attention
+
+def _padding_mask(b, heads, lq, lk, lengths):
+    """(b, heads, lq, lk) True where a key is a real token; row 0's last query sees nothing."""
+    mask = (torch.arange(lk)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]
+    mask = mask.expand(b, heads, lq, lk).clone()
+    mask[0, :, -1, :] = False
+    return mask
+
+
+@pytest.mark.parametrize("shape", ["4d_broadcast_heads", "4d_full", "2d", "3d"])
+def test_sdpa_boolean_mask_matches_local(shape):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    full = _padding_mask(2, 3, 5, 5, [5, 3])
+    mask = {"4d_broadcast_heads": full[:, :1], "4d_full": full, "2d": full[1, 0], "3d": full[1]}[shape]
+    (ref, ref_grads), (out, grads) = _sdpa_both(q, k, v, mask)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_sdpa_boolean_mask_runs_the_fused_kernel():
+    q, k, v = (torch.randn(2, 3, 5, 8, device="cuda") for _ in range(3))
+    mask = _padding_mask(2, 1, 5, 5, [5, 3]).cuda()
+    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # the backend choice, asked once
+    _, n = _ops(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert n <= 6, f"mask conversion and one fused attention op, not the math path ({n} ops)"
+
+
+@pytest.mark.parametrize("case", ["float_mask", "causal", "scale", "gqa", "gqa_mask", "3d_inputs"])
+def test_sdpa_variants_match_local(case):
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    mask, kw = None, {}
+    if case == "float_mask":
+        mask = torch.randn(2, 1, 6, 6)
+    elif case == "causal":
+        kw = {"is_causal": True}
+    elif case == "scale":
+        kw = {"scale": 0.3}
+    elif case.startswith("gqa"):
+        k, v, kw = k[:, :2].contiguous(), v[:, :2].contiguous(), {"enable_gqa": True}
+        if case == "gqa_mask":
+            mask = _padding_mask(2, 1, 6, 6, [6, 2])
+    elif case == "3d_inputs":
+        q, k, v = q[0], k[0], v[0]
+    (ref, ref_grads), (out, grads) = _sdpa_both(q, k, v, mask, **kw)
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_sdpa_dropout_with_boolean_mask_keeps_masked_keys_out():
+    torch.manual_seed(2)
+    q, k = torch.randn(2, 2, 4, 8, device="cuda"), torch.randn(2, 2, 4, 8, device="cuda")
+    v = torch.ones(2, 2, 4, 8)
+    v[:, :, 2:] = 1e6  # keys 2 and 3 are masked out: their values must never show
+    mask = torch.tensor([True, True, False, False], device="cuda")
+    out = F.scaled_dot_product_attention(q, k, v.cuda(), attn_mask=mask, dropout_p=0.5).cpu()
+    assert out.abs().max() < 10
+    assert torch.isin(out, torch.tensor([0.0, 2.0])).float().mean() < 1  # dropout rescales kept weights
+
+
+# ---------------------------------------------------------------- Hugging Face models, padded batches
+
+def _hf_model(name):
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=64, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cls = transformers.GPT2LMHeadModel
+    elif name == "llama":
+        cfg = transformers.LlamaConfig(**small, num_key_value_heads=2, max_position_embeddings=16)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.BertConfig(**small, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0, num_labels=3)
+        cls = transformers.BertForSequenceClassification
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return cls(cfg)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_hf_padded_batch_matches_local(name, side):
+    model = _hf_model(name)
+    remote_model = copy.deepcopy(model).cuda()
+    torch.manual_seed(3)
+    ids = torch.randint(0, 64, (3, 7))
+    attn = torch.ones(3, 7, dtype=torch.long)
+    pad = (slice(None, 3) if side == "left" else slice(4, None))
+    attn[1, pad] = 0
+    attn[2, (slice(None, 1) if side == "left" else slice(6, None))] = 0
+    labels = torch.randint(0, 3, (3,)) if name == "bert" else ids.masked_fill(attn == 0, -100)
+    ref = model(input_ids=ids, attention_mask=attn, labels=labels)
+    ref.loss.backward()
+    out = remote_model(input_ids=ids.cuda(), attention_mask=attn.cuda(), labels=labels.cuda())
+    out.loss.backward()
+    keep = attn.bool() if name != "bert" else slice(None)
+    torch.testing.assert_close(out.logits.detach().cpu()[keep], ref.logits.detach()[keep], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.loss.detach().cpu(), ref.loss.detach(), rtol=1e-4, atol=1e-5)
+    for (n, p), (_, rp) in zip(remote_model.named_parameters(), model.named_parameters()):
+        if rp.grad is not None:
+            torch.testing.assert_close(p.grad.cpu(), rp.grad, rtol=1e-4, atol=1e-5, msg=n)
