@@ -233,13 +233,13 @@ class Executor:
         self.pending: dict[int, tuple] = {}  # handle → (last PART, dtype, shape, key): bytes on the way
         self.dropped: set[int] = set()  # pending handles released before they landed
         self._cancelled: Callable[[], bool] = lambda: False  # the running message's: whether an interrupt dropped it
-        self.handles: dict[int, torch.Tensor] = {}
+        #: on the CPU the table itself counts the bytes its tensors hold (CUDA's allocator does on a GPU)
+        self.handles: dict[int, torch.Tensor] = {} if device.type == "cuda" else CountedHandles()
         self.invalid: dict[int, str] = {}
         self.resolver = OpResolver()
         self.failed: dict | None = None
         self.events: dict[int, Any] = {}
         self.generators: dict[int, torch.Generator] = {}
-        self.peak_bytes = 0
         self.out_parts: list[tuple[int, int, list]] = []  # the running message's downloads in parts
         self.codecs: tuple[str, ...] = ()  # what the client decodes, set when the session is attached
         self.stats = dict.fromkeys(("ops", "messages", "uploads", "downloads", "cache_hits",
@@ -481,10 +481,10 @@ class Executor:
         if name == "memory":
             return self.memory_stats()
         if name == "reset_peak":
-            self.peak_bytes = 0
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            self.sample_memory()
+            else:
+                self.handles.reset_peak()
             return None
         if name == "empty_cache":
             if self.device.type == "cuda":
@@ -596,24 +596,10 @@ class Executor:
 
     # ------------------------------------------------------------------ memory
     def allocated_bytes(self) -> int:
+        """Bytes held by the session's tensors (read by the I/O thread's stats report too)."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        seen, total = set(), 0
-        for t in list(self.handles.values()):  # also read by the I/O thread's stats report
-            for s in _storages(t):
-                key = s.data_ptr()
-                if key not in seen:
-                    seen.add(key)
-                    total += s.nbytes()
-        return total
-
-    def sample_memory(self) -> int:
-        """On the CPU the peak is sampled (stats reports, memory queries): summing every held
-        tensor after each message would cost O(tensors) per message."""
-        alloc = self.allocated_bytes()
-        if self.device.type != "cuda":
-            self.peak_bytes = max(self.peak_bytes, alloc)
-        return alloc
+        return self.handles.allocated
 
     def memory_stats(self) -> dict:
         if self.device.type == "cuda":
@@ -624,9 +610,82 @@ class Executor:
                     "free": free, "total": total}
         import psutil
         vm = psutil.virtual_memory()
-        alloc = self.allocated_bytes()
-        return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": max(self.peak_bytes, alloc),
+        alloc = self.handles.recount()
+        return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": self.handles.peak,
                 "free": vm.available, "total": vm.total}
+
+
+class CountedHandles(dict):
+    """A CPU device's handle table (handle → tensor) that counts the bytes of the storages its
+    tensors hold as they come and go, each storage once however many views share it: the
+    memory figures, peak included, are exact at every op, as CUDA's allocator keeps them, not
+    sampled between messages. A storage is known by its StorageImpl (``_cdata``), which an
+    in-place resize keeps; such a resize is counted at the next ``recount`` (a memory query)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, list] = {}  # StorageImpl → [tensors in the table on it, bytes counted]
+        self.held: dict[int, tuple] = {}  # handle → the StorageImpls counted for its tensor
+        self.allocated = self.peak = 0
+
+    def __setitem__(self, h: int, t: torch.Tensor) -> None:
+        held = self.held
+        if h in held:
+            self._drop(h)
+        dict.__setitem__(self, h, t)
+        if t.layout is torch.strided:  # (the common case, inline: this runs for every op's output)
+            s = t.untyped_storage()
+            key = s._cdata
+            entry = self.storages.get(key)
+            if entry is None:
+                n = s.nbytes()
+                self.storages[key] = [1, n]
+                self.allocated += n
+                if self.allocated > self.peak:
+                    self.peak = self.allocated
+            else:
+                entry[0] += 1
+            held[h] = key
+            return
+        keys = []
+        for s in _storages(t):
+            keys.append(s._cdata)
+            entry = self.storages.setdefault(s._cdata, [0, s.nbytes()])
+            if entry[0] == 0:
+                self.allocated += entry[1]
+            entry[0] += 1
+        held[h] = tuple(keys)
+        self.peak = max(self.peak, self.allocated)
+
+    def pop(self, h: int, default: Any = None) -> Any:
+        if h in self.held:
+            self._drop(h)
+        return dict.pop(self, h, default)
+
+    def __delitem__(self, h: int) -> None:
+        self.pop(h)
+
+    def _drop(self, h: int) -> None:
+        keys = self.held.pop(h)
+        for key in (keys,) if type(keys) is int else keys:
+            entry = self.storages[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self.storages[key]
+                self.allocated -= entry[1]
+
+    def recount(self) -> int:
+        """Count again from the storages as they are now (catching in-place resizes)."""
+        held = list(self.items())
+        self.storages, self.held, self.allocated = {}, {}, 0
+        for h, t in held:
+            dict.__delitem__(self, h)
+            self[h] = t
+        self.peak = max(self.peak, self.allocated)
+        return self.allocated
+
+    def reset_peak(self) -> None:
+        self.peak = self.allocated
 
 
 _FLAGS = {

@@ -189,7 +189,7 @@ class Worker:
         at most every STATS_INTERVAL: summing the session's memory after each message cost the
         I/O thread as much as placing a large upload's part."""
         self._stats_at = time.monotonic()
-        stats = dict(self.executor.stats, **self.direct_counts, memory=self.executor.sample_memory(),
+        stats = dict(self.executor.stats, **self.direct_counts, memory=self.executor.allocated_bytes(),
                      cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
                      cache_evictions=self.executor.cache.evictions if self.executor.cache else 0,
                      parts_in=self.executor.parts.received, partial_upload_bytes=self.executor.parts.building_bytes())

@@ -207,3 +207,29 @@ def test_safetensors_save_file(tmp_path):
     assert trips <= 2
     back = load_file(tmp_path / "m.safetensors")
     assert set(back) == set(ref) and all(torch.equal(back[k], ref[k]) for k in ref)
+
+
+# ---------------------------------------------------------------- memory figures on a CPU gateway
+
+def test_peak_memory_sees_a_temporary_between_samples():
+    """The CPU gateway counts its tensors' storages as they come and go, as CUDA's allocator
+    does: a 64 MB temporary that lives for one op inside one message is in the peak."""
+    x = torch.randn(16 << 20, device="cuda")  # 64 MiB
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    assert torch.cuda.max_memory_allocated() == base
+    y = (x * 2).sum()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() >= base + (64 << 20)
+    del y
+    assert torch.cuda.memory_allocated() == base
+    v = x[: 1 << 20]  # a view: its storage is counted once
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base
+    del v, x
+    assert torch.cuda.memory_allocated() == base - (64 << 20)
+    torch.cuda.reset_peak_memory_stats()
+    assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+    stats = torch.cuda.memory_stats()
+    assert stats["allocated_bytes.all.peak"] == torch.cuda.max_memory_allocated()
