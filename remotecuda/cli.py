@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import builtins
+import importlib.machinery
+import io
 import os
 import runpy
 import signal
 import sys
+import types
+import zipfile
 
 
 def _start(a: argparse.Namespace, argv: list[str]) -> int:
@@ -42,35 +48,100 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+USAGE = "usage: remotecuda run [--server HOST:PORT] python (SCRIPT.py | -m MODULE | -c CODE) [ARGS...]"
+
+
 def _run(a: argparse.Namespace) -> int:
+    """``python ...`` with interception on: the program sees what ``python`` would show it
+    (sys.argv, sys.path[0], ``__main__`` and its ``__file__``/``__spec__``), prints an uncaught
+    exception as Python does (without the runtime's frames) and exits with Python's code."""
     cmd = list(a.command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if not cmd or os.path.basename(cmd[0]).rstrip("0123456789.") not in ("python", "python3") \
-            and cmd[0] != sys.executable:
-        print("usage: remotecuda run [--server HOST:PORT] python SCRIPT.py [ARGS...] | python -m MODULE",
-              file=sys.stderr)
-        return 2
-    import remotecuda
-    remotecuda.activate(a.server)
+    is_python = cmd and (os.path.basename(cmd[0]).rstrip("0123456789.") in ("python", "python3")
+                         or cmd[0] == sys.executable)
     rest = cmd[1:]
+    if not is_python or not rest or rest[0] in ("-m", "-c") and len(rest) < 2 \
+            or rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    atexit.register(_exit_by_sigint)  # first registered, so it runs last, as Python's own does
+    import remotecuda
+    from remotecuda.errors import hide_runtime_frames
+    remotecuda.activate(a.server)
     try:
-        if rest[:1] == ["-m"] and len(rest) > 1:
-            sys.argv = [rest[1], *rest[2:]]
-            runpy.run_module(rest[1], run_name="__main__", alter_sys=True)
-        elif rest:
-            sys.argv = rest
-            sys.path.insert(0, os.path.dirname(os.path.abspath(rest[0])))
-            runpy.run_path(rest[0], run_name="__main__")
-        else:
-            print("remotecuda run: give a script or -m MODULE", file=sys.stderr)
-            return 2
+        _execute(rest)
     except SystemExit as e:
-        code = e.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
-    finally:
+        return _exit_code(e.code)
+    except BaseException as e:  # noqa: BLE001 - printed as Python prints an uncaught one
+        sys.excepthook(type(e), e, hide_runtime_frames(e).__traceback__)
+        if isinstance(e, KeyboardInterrupt):
+            _INTERRUPTED.append(True)
+        return 1
+    try:  # the program's remote work is done before it ends, and an error in it is shown
         remotecuda.synchronize()
+    except Exception as e:
+        sys.excepthook(type(e), e, None)
+        return 1
     return 0
+
+
+def _execute(rest: list[str]) -> None:
+    """Run ``python`` + ``rest`` in this process, in a fresh ``__main__`` set up as the
+    interpreter sets it up (pickling what the program defines finds it there)."""
+    if rest[0] == "-m":
+        sys.argv = ["-m", *rest[2:]]  # runpy replaces "-m" by the module's path
+        sys.path[0] = os.getcwd()
+        _main_module()
+        runpy._run_module_as_main(rest[1], alter_argv=True)  # what `python -m` itself runs
+    elif rest[0] == "-c":
+        sys.argv = ["-c", *rest[2:]]
+        sys.path[0] = ""
+        exec(compile(rest[1], "<string>", "exec", dont_inherit=True), _main_module().__dict__)
+    else:
+        sys.argv = list(rest)
+        sys.path[0] = os.path.dirname(os.path.realpath(rest[0]))
+        if os.path.isdir(rest[0]) or zipfile.is_zipfile(rest[0]):  # runs its __main__.py
+            sys.path[0] = rest[0]
+            _main_module()
+            runpy._run_module_as_main("__main__", alter_argv=False)
+            return
+        path = os.path.join(os.getcwd(), rest[0])  # absolute, not normalised: Python's __file__
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec", dont_inherit=True)
+        module = _main_module(__file__=path, __cached__=None,
+                              __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+        exec(code, module.__dict__)
+
+
+def _main_module(**attrs: object) -> types.ModuleType:
+    """A new ``sys.modules['__main__']`` with the attributes the interpreter gives its own."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update({"__annotations__": {}, "__builtins__": builtins,
+                            "__loader__": importlib.machinery.BuiltinImporter, **attrs})
+    sys.modules["__main__"] = module
+    return module
+
+
+def _exit_code(code: object) -> int:
+    """Python's exit status for ``sys.exit(code)``: a non-integer is printed, and means 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+_INTERRUPTED: list[bool] = []
+
+
+def _exit_by_sigint() -> None:
+    """Python ends a program that a Ctrl-C stopped by SIGINT, so its parent sees that."""
+    if _INTERRUPTED:
+        sys.stdout.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--quiet", action="store_true", help="print only the READY line")
     r = sub.add_parser("run", help="run a Python script with 'cuda' on the gateways")
     r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT] (default REMOTECUDA_SERVERS)")
-    r.add_argument("command", nargs=argparse.REMAINDER, help="python SCRIPT.py [ARGS...]")
+    r.add_argument("command", nargs=argparse.REMAINDER,
+                   help="python SCRIPT.py [ARGS...] | python -m MODULE [ARGS...] | python -c CODE [ARGS...]")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     return _start(a, argv) if a.cmd == "start" else _run(a)

@@ -26,6 +26,7 @@ import torch
 from torch._C import _DisableTorchDispatch
 
 from . import downloads
+from .errors import RemoteCUDAError
 from .generator import wire_ref
 from .protocol import DTYPE_EXT
 from .tensor import RemoteTensor, layout, make, refresh_key, wrap
@@ -278,7 +279,10 @@ class Dispatcher:
         entry = DESCRIBE if m.describe else self.cache.get(key)
         if entry is None:
             self.misses += 1
-            entry = self._compute(m, args, kwargs)
+            try:
+                entry = self._compute(m, args, kwargs)
+            except Exception as e:
+                return self._refused(m, key, s, wargs, wkw, args, kwargs, e)
             if len(self.cache) >= self.cache_limit:
                 self.cache.pop(next(iter(self.cache)))
             self.cache[key] = entry
@@ -331,6 +335,22 @@ class Dispatcher:
         if not m.multi and len(items) == 1 and items[0] is not None and items[0][0] == "new":
             return ("new1", items[0][1])
         return ("out", m.multi, tuple(items))
+
+    def _refused(self, m: OpMeta, key: tuple, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict,
+                 meta_error: Exception) -> Any:
+        """The meta kernel refused the op; the gateway's device has the last word (one round trip,
+        on errors only). Its error is the one local PyTorch gives ("mat1 and mat2 shapes cannot be
+        multiplied", not the meta kernel's "a and b must have same reduction dim"); where it runs
+        the op after all, its outputs are the op's, and the gateway describes this signature from
+        now on."""
+        try:
+            out = self._describe(m, s, wargs, wkw, args, kwargs)
+        except RemoteCUDAError:
+            raise meta_error from None  # no gateway to ask
+        except Exception as e:
+            raise e from None  # (not "during handling of" the meta kernel's error)
+        self.cache[key] = DESCRIBE
+        return out
 
     def _describe(self, m: OpMeta, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict) -> Any:
         base = s.reserve(1024)

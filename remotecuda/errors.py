@@ -1,5 +1,11 @@
-"""Exceptions, and turning a gateway's error report back into the one PyTorch would raise."""
+"""Exceptions; turning a gateway's error report back into the one PyTorch would raise; and
+tracebacks that show the user's code, not the runtime's."""
 from __future__ import annotations
+
+import os
+import sys
+from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -28,14 +34,107 @@ _TYPES: dict[str, type[BaseException]] = {
     "OutOfMemoryError": torch.OutOfMemoryError, "ProtocolError": GatewayProtocolError,
     "AcceleratorError": RuntimeError,
 }
+#: what the gateway says of a tensor whose op an interrupt cancelled (remotecuda_server/executor.py)
+_CANCELLED = "cancelled by an interrupt"
 
 
-def remote_exception(info: dict) -> BaseException:
-    """The exception local PyTorch would raise, naming the op that failed remotely."""
+def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
+    """The exception local PyTorch would raise: the gateway's type and message, unchanged.
+
+    Where it is raised matters to the reader, so a note says why when that is not the line
+    that caused it: an op that failed asynchronously (raised at a later sync point), or a
+    tensor whose op an interrupt cancelled (raised where the tensor is next used).
+    """
     cls = _TYPES.get(info.get("type", ""), RuntimeError)
-    msg = (f"{info.get('msg', '')}\n[remotecuda] raised by op {info.get('op')} (#{info.get('index')}) "
-           "on the gateway; ops run asynchronously, so the Python line that issued it may be "
-           "earlier than this one (set REMOTECUDA_SYNC=1 to raise at the call site)")
-    if cls is KeyError:
-        cls = RuntimeError
-    return cls(msg)
+    msg = str(info.get("msg", ""))
+    e = (RuntimeError if cls is KeyError else cls)(msg)  # KeyError would quote the message
+    if _CANCELLED in msg:
+        e.add_note("[remotecuda] an interrupt (Ctrl-C, or Jupyter's interrupt) cancelled the op "
+                   "that was to compute this tensor; run the code that computes it again")
+    elif asynchronous:
+        e.add_note(f"[remotecuda] raised by op {info.get('op')} (#{info.get('index')}) on the "
+                   "gateway; ops run asynchronously, so the Python line that issued it may be "
+                   "earlier than this one (set REMOTECUDA_SYNC=1 to raise at the call site)")
+    return e
+
+
+# ---------------------------------------------------------------------- tracebacks
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LIBRARIES = tuple({os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                    sys.base_exec_prefix)})
+
+
+def _ours(tb: TracebackType) -> bool:
+    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+
+
+def _library(tb: TracebackType) -> bool:
+    name = tb.tb_frame.f_code.co_filename
+    return name.startswith(_LIBRARIES) or name.startswith("<frozen ")
+
+
+def user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` as local PyTorch would have it: without the runtime's frames.
+
+    Dropped: remotecuda's own frames, those above the user's code (``remotecuda run``,
+    runpy), and the library frames below a remotecuda frame (meta kernels, ZeroMQ: where
+    local PyTorch is in C++). The last frame shown is then the line that called torch.
+    A traceback with no frame of the user's (a bug of remotecuda's) is left whole.
+    """
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    kept: list[TracebackType] = []
+    user = below_ours = False
+    for t in frames:
+        if _ours(t):
+            below_ours = user
+        elif not user and t.tb_frame.f_code.co_filename == "<frozen runpy>":
+            continue
+        elif not (below_ours and _library(t)):
+            kept.append(t)
+            if not _library(t):
+                user, below_ours = True, False
+    if not user:
+        return frames[0] if frames else None
+    out = None
+    for t in reversed(kept):
+        out = TracebackType(out, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return out
+
+
+def hide_runtime_frames(e: BaseException, _seen: set | None = None) -> BaseException:
+    """``e``, and the exceptions chained to it, with ``user_traceback``s; returns ``e``."""
+    seen = set() if _seen is None else _seen
+    if e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = user_traceback(e.__traceback__)
+        for chained in (e.__cause__, e.__context__):
+            if chained is not None:
+                hide_runtime_frames(chained, seen)
+    return e
+
+
+def excepthook(etype: type, value: BaseException, tb: TracebackType | None) -> Any:
+    """sys.excepthook while remotecuda is active: the hook it replaced, shown the user's frames."""
+    if value is not None and value.__traceback__ is tb:
+        tb = hide_runtime_frames(value).__traceback__
+    else:
+        tb = user_traceback(tb)
+    return _previous_hook(etype, value, tb)
+
+
+_previous_hook = sys.excepthook
+
+
+def install_excepthook() -> None:
+    global _previous_hook
+    if sys.excepthook is not excepthook:
+        _previous_hook, sys.excepthook = sys.excepthook, excepthook
+
+
+def uninstall_excepthook() -> None:
+    if sys.excepthook is excepthook:
+        sys.excepthook = _previous_hook

@@ -335,6 +335,7 @@ class Session:
         with self.lock:
             if self.closed:
                 raise GatewayLostError("this remotecuda session is closed")
+            index = self._op_index + len(self._ops)  # this op's number in the session's stream
             self._ops.append([name, args, kwargs, {"base": base}])
             self._rid += 1
             rid = self._rid
@@ -347,8 +348,9 @@ class Session:
             finally:
                 self.stats["wait_seconds"] += time.monotonic() - t_wait
             body = msg.body
-            if body.get("err"):
-                raise remote_exception(body["err"])
+            if body.get("err"):  # this op's own error, or (with a note) an earlier one's
+                err = body["err"]
+                raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
             res = body.get("res")
             if name == "rc::fetch":
                 res = self._downloaded(res, msg, downloads.get(0))
