@@ -233,3 +233,18 @@ def test_peak_memory_sees_a_temporary_between_samples():
     assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
     stats = torch.cuda.memory_stats()
     assert stats["allocated_bytes.all.peak"] == torch.cuda.max_memory_allocated()
+
+
+def test_hugging_face_save_pretrained(tmp_path):
+    """save_pretrained writes through safetensors: one fetch for the whole model, the same file as locally."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path / "local")
+    model.cuda()
+    _, trips = _round_trips(lambda: model.save_pretrained(tmp_path / "remote"))
+    assert trips <= 2
+    local, remote = (load_file(tmp_path / d / "model.safetensors") for d in ("local", "remote"))
+    _equal_dicts(dict(sorted(remote.items())), dict(sorted(local.items())))
