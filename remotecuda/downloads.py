@@ -36,21 +36,30 @@ def take(t: RemoteTensor) -> torch.Tensor | None:
 @contextmanager
 def prefetching(tensors: Iterable[Any]) -> Iterator[None]:
     """Fetch the remote tensors among ``tensors`` now, in one round trip per session (per
-    BATCH_BYTES), for the downloads of this scope to take."""
-    outer = getattr(_local, "stash", None)
-    stash = dict(outer or {})
-    groups: dict[Any, list] = {}
-    for t in tensors:
-        if isinstance(t, RemoteTensor) and (t._sid, t._k) not in stash:
-            groups.setdefault(t._s, {})[(t._sid, t._k)] = t
-    for s, wanted in groups.items():
-        for batch in _batches(list(wanted.values())):
-            stash.update(zip(((t._sid, t._k) for t in batch), s.fetch_many([t._h for t in batch])))
-    _local.stash = stash
+    BATCH_BYTES), for the downloads of this scope to take. A nested scope adds to the stash and
+    takes back, on leaving, what it added and nobody took."""
+    stash = getattr(_local, "stash", None)
+    outermost = stash is None
+    if outermost:
+        stash = _local.stash = {}
+    added: list = []
     try:
+        groups: dict[Any, dict] = {}
+        for t in tensors:
+            if isinstance(t, RemoteTensor) and (t._sid, t._k) not in stash:
+                groups.setdefault(t._s, {})[(t._sid, t._k)] = t
+        for s, wanted in groups.items():
+            for batch in _batches(list(wanted.values())):
+                keys = [(t._sid, t._k) for t in batch]
+                stash.update(zip(keys, s.fetch_many([t._h for t in batch])))
+                added += keys
         yield
     finally:
-        _local.stash = outer
+        if outermost:
+            _local.stash = None
+        else:
+            for key in added:
+                stash.pop(key, None)
 
 
 def _batches(tensors: list) -> Iterator[list]:
