@@ -248,3 +248,13 @@ def test_hugging_face_save_pretrained(tmp_path):
     assert trips <= 2
     local, remote = (load_file(tmp_path / d / "model.safetensors") for d in ("local", "remote"))
     _equal_dicts(dict(sorted(remote.items())), dict(sorted(local.items())))
+
+
+def test_fetch_of_large_tensors_in_parts_keeps_each_in_its_place():
+    """Tensors over 32 MiB come as PART messages naming their place in the request."""
+    torch.manual_seed(0)
+    local = [torch.randn(3), torch.randn(9 << 20), torch.arange(5), torch.randn(10 << 20), torch.zeros(0)]
+    values, trips = _round_trips(lambda: remotecuda.fetch([t.cuda() for t in local]))
+    assert trips == 1
+    for v, ref in zip(values, local):
+        assert torch.equal(v, ref)
