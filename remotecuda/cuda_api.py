@@ -166,6 +166,9 @@ class Stream:
     def wait_stream(self, stream: Any) -> None:
         return None
 
+    def is_capturing(self) -> bool:
+        return is_current_stream_capturing()
+
     def wait_event(self, event: Any) -> None:
         return None
 
@@ -222,6 +225,12 @@ class StreamContext:
 
 def stream(stream: Stream | None) -> StreamContext:
     return StreamContext(stream)
+
+
+def is_current_stream_capturing() -> bool:
+    """CUDA graphs are never captured here (each op goes to the gateway as it is issued); the
+    optimizers ask before every ``step()``."""
+    return False
 
 
 class Event:
@@ -299,6 +308,10 @@ def reset_max_memory_allocated(device: Any = None) -> None:
     reset_peak_memory_stats(device)
 
 
+def reset_accumulated_memory_stats(device: Any = None) -> None:
+    _index(device)  # memory_stats has no accumulated counters (only current and peak) to reset
+
+
 def empty_cache() -> None:
     for s in list(_rt().sessions.values()):
         s.request("rc::empty_cache", [])
@@ -343,6 +356,28 @@ def _lazy_init() -> None:
     return None
 
 
+# ---------------------------------------------------------------------- NVTX
+# profiler ranges mark a local GPU's timeline; there is none here (a CPU-only torch raises)
+def range_push(msg: str) -> int:
+    return 0
+
+
+def range_pop() -> int:
+    return 0
+
+
+def range_start(msg: str) -> int:
+    return 0
+
+
+def range_end(range_id: int) -> None:
+    return None
+
+
+def mark(msg: str) -> None:
+    return None
+
+
 #: what replaces torch.cuda.<name> while active
 REPLACEMENTS = {name: obj for name, obj in dict(globals()).items() if name in {
     "is_available", "is_initialized", "init", "device_count", "current_device", "set_device",
@@ -350,5 +385,8 @@ REPLACEMENTS = {name: obj for name, obj in dict(globals()).items() if name in {
     "get_arch_list", "device", "device_of", "synchronize", "Stream", "Event", "stream",
     "StreamContext", "current_stream", "default_stream", "set_stream", "memory_allocated",
     "memory_reserved", "max_memory_allocated", "max_memory_reserved", "memory_stats",
-    "reset_peak_memory_stats", "reset_max_memory_allocated", "empty_cache", "mem_get_info",
+    "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats", "empty_cache",
+    "mem_get_info", "is_current_stream_capturing",
     "ipc_collect", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "_lazy_init"}}
+#: what replaces torch.cuda.nvtx.<name> while active (``nvtx.range`` uses these)
+NVTX_REPLACEMENTS = {name: globals()[name] for name in ("range_push", "range_pop", "range_start", "range_end", "mark")}

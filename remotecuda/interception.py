@@ -14,12 +14,14 @@
 * CUDA autocast needs every matmul, softmax... seen at the Python level; its function
   mode (``AutocastMode``) is pushed only while a ``torch.autocast('cuda')`` block runs.
 
-``install()``/``uninstall()`` also swap in the ``torch.cuda`` replacements and the few
-torch settings the wrapper needs, and put everything back exactly as it was.
+``install()``/``uninstall()`` also swap in the ``torch.cuda`` and ``torch.accelerator``
+replacements, the backend-flag setters (flags.py) and the few torch settings the wrapper
+needs, and put everything back exactly as it was.
 """
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +32,7 @@ from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _device as device_context
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import autocast, cuda_api, downloads, generator, serialization
+from . import accelerator_api, autocast, cuda_api, downloads, flags, generator, serialization
 from .dispatch import DISPATCHER, meta_stand_in
 from .tensor import RemoteTensor
 
@@ -86,7 +88,8 @@ def _cuda_index(d: torch.device) -> int:
 
 def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool = False,
             memory_format: Any = None) -> RemoteTensor:
-    """``t.to('cuda:index')`` for a CPU tensor, through aten so autograd records the copy."""
+    """``t.to('cuda:index')`` for a CPU tensor, through aten so autograd records the copy
+    (past any function mode: ``with torch.device('cuda')`` would hand it to the patched ``to``)."""
     prev = DISPATCHER.local.target
     DISPATCHER.local.target = index
     try:
@@ -95,7 +98,8 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
             kw["dtype"] = dtype
         if memory_format is not None:
             kw["memory_format"] = memory_format
-        return _TO(t, torch.device("meta"), **kw)
+        with torch._C.DisableTorchFunction():
+            return _TO(t, torch.device("meta"), **kw)
     finally:
         DISPATCHER.local.target = prev
 
@@ -277,6 +281,15 @@ def _factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
+def _get_default_device(func: Callable, args: tuple, kwargs: dict) -> torch.device:
+    """Under ``set_default_device('cuda')`` torch finds the index by making ``torch.tensor([])``
+    there: an upload; the current device says it without one."""
+    d = _context_device()
+    if d is not None and d.type == "cuda" and d.index is None:
+        return torch.device("cuda", DISPATCHER.runtime.current_device)
+    return func(*args, **kwargs)
+
+
 #: factories taking a ``device=``, in ``torch`` and as ``Tensor.new_*``
 _FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "range",
               "linspace", "logspace", "eye", "empty_strided", "empty_permuted", "normal", "scalar_tensor",
@@ -303,6 +316,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.Tensor, "pin_memory", _pin_memory),
     (torch.Tensor, "is_pinned", _is_pinned),
     (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
+    (torch, "get_default_device", _get_default_device),
 ]
 
 
@@ -383,8 +397,11 @@ class _Patches:
         self.saved: list[tuple[Any, str, Any, bool]] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
-        had = name in vars(obj) if isinstance(obj, type) else hasattr(obj, name)
-        self.saved.append((obj, name, getattr(obj, name, None), had))
+        if isinstance(obj, (type, types.ModuleType)):  # the raw entry: a descriptor, not what it gives
+            had, old = name in vars(obj), vars(obj).get(name)
+        else:
+            had, old = hasattr(obj, name), getattr(obj, name, None)
+        self.saved.append((obj, name, old, had))
         setattr(obj, name, value)
 
     def restore(self) -> None:
@@ -435,12 +452,76 @@ def _data_parallel_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
     return self.module(*inputs, **kwargs)
 
 
+def _first_only(fn: Callable, first: torch.Tensor, applied: torch.Tensor) -> Callable:
+    """``fn``, answering ``applied`` (already computed) for ``first`` the first time."""
+    done = []
+
+    def once(t: torch.Tensor) -> Any:
+        if t is first and not done:
+            done.append(True)
+            return applied
+        return fn(t)
+    return once
+
+
+def _module_apply(original: Callable) -> Callable:
+    """``Module._apply`` (``.cuda()``, ``.to()``, ``.double()``...) that swaps each parameter for its
+    converted self (``swap_tensors``: an optimizer built before ``model.cuda()`` keeps training the
+    same, now remote, parameters) only when the conversion crosses between here and the gateway,
+    as a GPU's ``param.data = ...`` does; every other conversion is exactly torch's own. A live
+    autograd graph holding a parameter forbids the swap: that module is then converted as torch
+    does without it (new Parameter objects), not refused."""
+    def _apply(self: torch.nn.Module, fn: Callable, recurse: bool = True) -> torch.nn.Module:
+        if not _active_here() or torch.__future__.get_swap_module_params_on_conversion():
+            return original(self, fn, recurse)  # another thread, or the user's own choice of swap
+        if recurse:
+            for module in self.children():
+                module._apply(fn)
+        first = next((p for p in self._parameters.values() if p is not None), None)
+        if first is None:
+            return original(self, fn, False)
+        with torch.no_grad():
+            applied = fn(first)
+        fn_once = _first_only(fn, first, applied)
+        if isinstance(applied, RemoteTensor) == isinstance(first, RemoteTensor):
+            return original(self, fn_once, False)
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            return original(self, fn_once, False)
+        except RuntimeError as e:
+            if "Couldn't swap" not in str(e):
+                raise
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        return original(self, fn, False)  # parameters swapped already convert to themselves
+    return _apply
+
+
+def _cudnn_is_acceptable(tensor: torch.Tensor) -> bool:
+    """The gateway's cuDNN takes what a GPU's would (the client has none to initialise)."""
+    from torch.backends import cudnn
+    return (torch._C._get_cudnn_enabled() and tensor.device.type == "cuda"
+            and tensor.dtype in cudnn.CUDNN_TENSOR_DTYPES)
+
+
 def install() -> None:
     if _state.get("installed"):
         return
     p = _Patches()
     for name, obj in cuda_api.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
+    p.set(torch.cuda.graphs, "is_current_stream_capturing", cuda_api.is_current_stream_capturing)
+    for name, obj in cuda_api.NVTX_REPLACEMENTS.items():
+        p.set(torch.cuda.nvtx, name, obj)
+    for name, obj in accelerator_api.REPLACEMENTS.items():
+        p.set(torch.accelerator, name, obj)
+    for name, obj in accelerator_api.MEMORY_REPLACEMENTS.items():
+        p.set(torch.accelerator.memory, name, obj)
+    # on cudnn's module object only: its own functions (set_flags...) still see the local truth
+    p.set(torch.backends.cudnn, "is_available", lambda: True)
+    p.set(torch.backends.cudnn, "is_acceptable", _cudnn_is_acceptable)
+    p.set(torch, "_use_cudnn_rnn_flatten_weight", lambda: False)  # flat cuDNN weights are a local GPU's
+    flags.install(p)
     p.set(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)
     _state["orig_manual_seed"] = torch.random.manual_seed
     p.set(torch, "manual_seed", _patched_manual_seed)
@@ -461,8 +542,7 @@ def install() -> None:
                                          optimizer._foreach_supported_types) if RemoteTensor not in lst]
     for lst in _state["foreach"]:
         lst.append(RemoteTensor)
-    _state["swap"] = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
+    p.set(torch.nn.Module, "_apply", _module_apply(torch.nn.Module._apply))
     device_context._device_constructors()  # `with torch.device(...)` caches the originals: before patching
     for owner, name, handler in _ROUTES:
         p.set(owner, name, _routed(getattr(owner, name), handler))
@@ -479,7 +559,6 @@ def uninstall() -> None:
     if not _state.get("installed"):
         return
     _state["mode"].__exit__(None, None, None)
-    torch.__future__.set_swap_module_params_on_conversion(_state["swap"])
     for lst in _state["foreach"]:
         lst.remove(RemoteTensor)
     _state["patches"].restore()

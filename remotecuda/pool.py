@@ -56,6 +56,7 @@ class Pool:
         self.sessions: dict[int, Session] = {}
         self.current_device = 0
         self.seed: int | None = None  # the last torch.manual_seed, applied to sessions opened later
+        self.flags: dict = {}  # backend flags set so far (remotecuda.flags), applied to sessions opened later
         self.fallback_gateway: subprocess.Popen | None = None
         self._lock = threading.Lock()
         unreachable = []
@@ -128,6 +129,8 @@ class Pool:
                                 wake=self._pending.set)
                     if self.seed is not None:
                         s.enqueue("rc::seed", [self.seed], None, None)
+                    if self.flags:
+                        s.enqueue("rc::set_flags", [dict(self.flags)], None, None)
                     self.sessions[index] = s
         return s
 

@@ -694,7 +694,18 @@ _FLAGS = {
     "cudnn.benchmark": lambda v: setattr(torch.backends.cudnn, "benchmark", bool(v)),
     "cudnn.deterministic": lambda v: setattr(torch.backends.cudnn, "deterministic", bool(v)),
     "float32_matmul_precision": lambda v: torch.set_float32_matmul_precision(str(v)),
+    "cudnn.enabled": lambda v: setattr(torch.backends.cudnn, "enabled", bool(v)),
+    "matmul.allow_fp16_reduced_precision_reduction":
+        lambda v: setattr(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", _reduction(v)),
+    "matmul.allow_bf16_reduced_precision_reduction":
+        lambda v: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", _reduction(v)),
+    "deterministic_algorithms": lambda v: torch.use_deterministic_algorithms(bool(v[0]), warn_only=bool(v[1])),
 }
+
+
+def _reduction(v: Any) -> bool | tuple:
+    """A reduced-precision-reduction setting: a bool, or (allow_reduced_precision, allow_splitk)."""
+    return tuple(bool(x) for x in v) if isinstance(v, (list, tuple)) else bool(v)
 
 
 def _set_backend_flag(key: str, value: Any) -> None:

@@ -1,0 +1,145 @@
+"""``torch.accelerator.*`` answered by the gateways.
+
+Current PyTorch examples pick their device with ``torch.accelerator`` rather than
+``torch.cuda``; on a CPU-only build it says there is no accelerator, and such code would
+run on the client's CPU without a word. While remotecuda is active these functions
+(also in ``torch.accelerator.memory``) are replaced by the ones here, which speak for
+the virtual 'cuda' devices through ``cuda_api`` (and are restored on deactivation).
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from . import cuda_api
+
+_CUDA = torch.device("cuda")
+
+
+def _index(device: Any) -> int:
+    return cuda_api._index(device)
+
+
+def is_available() -> bool:
+    return True
+
+
+def current_accelerator(check_available: bool = False) -> torch.device:
+    return _CUDA
+
+
+def device_count() -> int:
+    return cuda_api.device_count()
+
+
+def current_device_index() -> int:
+    return cuda_api.current_device()
+
+
+def current_device_idx() -> int:
+    warnings.warn("Use `current_device_index` instead.", FutureWarning, stacklevel=2)
+    return current_device_index()
+
+
+def set_device_index(device: Any, /) -> None:
+    cuda_api.set_device(device)  # a negative index is a no-op, as in torch
+
+
+def set_device_idx(device: Any, /) -> None:
+    warnings.warn("Use `set_device_index` instead.", FutureWarning, stacklevel=2)
+    set_device_index(device)
+
+
+class device_index:
+    """``with torch.accelerator.device_index(i):`` makes cuda:i current; None changes nothing."""
+
+    def __init__(self, device: int | None, /) -> None:
+        self.idx = device
+        self.prev_idx = -1
+
+    def __enter__(self) -> None:
+        if self.idx is not None:
+            self.prev_idx = current_device_index()
+            set_device_index(self.idx)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.idx is not None:
+            set_device_index(self.prev_idx)
+
+
+def current_stream(device: Any = None, /) -> cuda_api.Stream:
+    return cuda_api.current_stream(device)
+
+
+def set_stream(stream: cuda_api.Stream) -> None:
+    """Makes ``stream`` current, and its device too (as torch does)."""
+    cuda_api.set_stream(stream)
+    set_device_index(stream.device.index)
+
+
+def synchronize(device: Any = None, /) -> None:
+    cuda_api.synchronize(device)
+
+
+def get_device_capability(device: Any = None, /) -> dict[str, Any]:
+    """The dtypes a CUDA device allocates and converts between: all but the quantized ones."""
+    _index(device)
+    dtypes = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+    return {"supported_dtypes": {d for d in dtypes if not str(d).startswith(("torch.qint", "torch.quint"))}}
+
+
+# ---------------------------------------------------------------------- memory
+def memory_allocated(device_index: Any = None, /) -> int:
+    return cuda_api.memory_allocated(device_index)
+
+
+def max_memory_allocated(device_index: Any = None, /) -> int:
+    return cuda_api.max_memory_allocated(device_index)
+
+
+def memory_reserved(device_index: Any = None, /) -> int:
+    return cuda_api.memory_reserved(device_index)
+
+
+def max_memory_reserved(device_index: Any = None, /) -> int:
+    return cuda_api.max_memory_reserved(device_index)
+
+
+def memory_stats(device_index: Any = None, /) -> OrderedDict[str, Any]:
+    return OrderedDict(sorted(cuda_api.memory_stats(device_index).items()))
+
+
+def reset_peak_memory_stats(device_index: Any = None, /) -> None:
+    cuda_api.reset_peak_memory_stats(device_index)
+
+
+def reset_accumulated_memory_stats(device_index: Any = None, /) -> None:
+    cuda_api.reset_accumulated_memory_stats(device_index)
+
+
+def empty_cache() -> None:
+    cuda_api.empty_cache()
+
+
+def empty_host_cache() -> None:
+    return None  # no page-locked host memory is ever allocated here (see interception._pin_memory)
+
+
+def get_memory_info(device_index: Any = None, /) -> tuple[int, int]:
+    return cuda_api.mem_get_info(device_index)
+
+
+_MEMORY = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+           "memory_stats", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "empty_cache",
+           "empty_host_cache", "get_memory_info")
+
+#: what replaces torch.accelerator.<name> while active
+REPLACEMENTS = {name: globals()[name] for name in (
+    "is_available", "current_accelerator", "device_count", "current_device_index", "current_device_idx",
+    "set_device_index", "set_device_idx", "device_index", "current_stream", "set_stream", "synchronize",
+    "get_device_capability", *_MEMORY)}
+#: what replaces torch.accelerator.memory.<name> while active
+MEMORY_REPLACEMENTS = {name: globals()[name] for name in _MEMORY}

@@ -1,0 +1,105 @@
+"""Backend flags a script sets (cuDNN, TF32, matmul precision, deterministic algorithms)
+reach the gateways, where the work they govern runs.
+
+Every Python-level way of setting them (``torch.backends.cudnn.benchmark = True``,
+``cudnn.flags(...)``, ``torch.backends.cuda.matmul.allow_tf32``,
+``torch.set_float32_matmul_precision``, ``torch.use_deterministic_algorithms``) ends in
+one of a few ``torch._C`` setters; while active those are wrapped to queue an
+``rc::set_flags`` op with what changed. It travels with the next batch of ops: no
+round trip, and nothing at all when a flag is set to the value the gateway already has.
+Sessions opened later get every flag set so far.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.backends import ContextProp
+
+from .dispatch import DISPATCHER
+
+
+def _deterministic() -> list[bool]:
+    return [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()]
+
+
+#: flag name (as the gateway's ``rc::set_flags`` knows it) → how to read it here
+_READ: dict[str, Callable[[], Any]] = {
+    "cudnn.enabled": lambda: torch.backends.cudnn.enabled,
+    "cudnn.benchmark": lambda: torch.backends.cudnn.benchmark,
+    "cudnn.deterministic": lambda: torch.backends.cudnn.deterministic,
+    "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+    "matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+    "matmul.allow_fp16_reduced_precision_reduction":
+        lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+    "matmul.allow_bf16_reduced_precision_reduction":
+        lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+    "float32_matmul_precision": torch.get_float32_matmul_precision,
+    "deterministic_algorithms": _deterministic,
+}
+
+#: a fresh process's values: what a gateway's worker starts with
+DEFAULTS: dict[str, Any] = {
+    "cudnn.enabled": True, "cudnn.benchmark": False, "cudnn.deterministic": False, "cudnn.allow_tf32": True,
+    "matmul.allow_tf32": False, "matmul.allow_fp16_reduced_precision_reduction": True,
+    "matmul.allow_bf16_reduced_precision_reduction": True, "float32_matmul_precision": "highest",
+    "deterministic_algorithms": [False, False],
+}
+
+#: the torch._C setters every route above ends in
+_SETTERS = ("_set_cudnn_enabled", "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_allow_tf32",
+            "_set_cublas_allow_tf32", "_set_cublas_allow_fp16_reduced_precision_reduction",
+            "_set_cublas_allow_bf16_reduced_precision_reduction", "_set_float32_matmul_precision",
+            "_set_deterministic_algorithms")
+#: cudnn's properties hold their setter, not torch._C's attribute: re-pointed while active
+_CUDNN_PROPS = {"enabled": "_set_cudnn_enabled", "benchmark": "_set_cudnn_benchmark",
+                "deterministic": "_set_cudnn_deterministic", "allow_tf32": "_set_cudnn_allow_tf32"}
+
+
+def _current() -> dict[str, Any]:
+    values = {}
+    for key, read in _READ.items():
+        try:
+            value = read()
+        except RuntimeError:  # e.g. torch refuses to read a legacy TF32 flag once fp32_precision was used
+            continue
+        values[key] = list(value) if isinstance(value, tuple) else value
+    return values
+
+
+def changed() -> None:
+    """Queue what differs from what the gateways were told (the defaults, then each change)."""
+    rt = DISPATCHER.runtime
+    if rt is None:
+        return
+    delta = {k: v for k, v in _current().items() if rt.flags.get(k, DEFAULTS[k]) != v}
+    if not delta:
+        return
+    rt.flags.update(delta)
+    for s in list(rt.sessions.values()):
+        if not s.closed:
+            s.enqueue("rc::set_flags", [delta], None, None)
+
+
+def _noting(setter: Callable) -> Callable:
+    def set_flag(*args: Any, **kwargs: Any) -> Any:
+        out = setter(*args, **kwargs)
+        changed()
+        return out
+    return set_flag
+
+
+def _late_bound(name: str) -> Callable[[Any], Any]:
+    return lambda value: getattr(torch._C, name)(value)
+
+
+def install(p: Any) -> None:
+    """Wrap the setters (through ``p``, the interception's patch record); tell the gateways
+    about flags set before activation."""
+    for name in _SETTERS:
+        p.set(torch._C, name, _noting(getattr(torch._C, name)))
+    cudnn_type = type(torch.backends.cudnn)
+    for prop, name in _CUDNN_PROPS.items():
+        p.set(cudnn_type, prop, ContextProp(vars(cudnn_type)[prop].getter, _late_bound(name)))
+    changed()
