@@ -593,6 +593,13 @@ _SPECIAL = {
     aten.to.device: _to,
     aten.to.dtype: _to,
     aten.to.other: _to,
+def _composite(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """Ops whose kernel is a composite reading a CPU argument (``_pack_padded_sequence``'s
+    lengths; its ``batch_sizes`` result stays on the CPU, as on a GPU): run that kernel here,
+    its slices and ``cat`` on the remote input come back through dispatch."""
+    return m.func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+
+
     aten.copy_.default: _copy_,
     aten.record_stream.default: _record_stream,
     aten.is_pinned.default: _is_pinned,
@@ -600,3 +607,4 @@ _SPECIAL = {
 
 DISPATCHER = Dispatcher()
 RemoteTensor.dispatch = staticmethod(DISPATCHER.dispatch)
+    aten._pack_padded_sequence.default: _composite,

@@ -313,10 +313,17 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.Tensor, "new_tensor", _new_tensor),
     (torch.Tensor, "__getitem__", _getitem),
     (torch.Tensor, "__setitem__", _setitem),
+    (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
+    *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
+    (torch, "get_default_device", _get_default_device),
+]
+
+
+#: routes taken in every thread: a CPU-only torch cannot pin memory in any thread once the
+#: accelerator is said to exist (DataLoader(pin_memory=True) pins in a thread of its own)
+_ROUTES_EVERY_THREAD: list[tuple[Any, str, Callable]] = [
     (torch.Tensor, "pin_memory", _pin_memory),
     (torch.Tensor, "is_pinned", _is_pinned),
-    (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
-    (torch, "get_default_device", _get_default_device),
 ]
 
 
@@ -328,6 +335,14 @@ def _routed(original: Callable, handler: Callable) -> Callable:
         if _active_here():
             return handler(original, args, kwargs)
         return original(*args, **kwargs)
+    return routed
+
+
+def _everywhere(original: Callable, handler: Callable) -> Callable:
+    """``original`` through ``handler`` in every thread."""
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        return handler(original, args, kwargs)
     return routed
 
 
@@ -546,6 +561,8 @@ def install() -> None:
     device_context._device_constructors()  # `with torch.device(...)` caches the originals: before patching
     for owner, name, handler in _ROUTES:
         p.set(owner, name, _routed(getattr(owner, name), handler))
+    for owner, name, handler in _ROUTES_EVERY_THREAD:
+        p.set(owner, name, _everywhere(getattr(owner, name), handler))
     p.set(torch.Tensor, "data", _data_property())
     amp = torch.amp.autocast_mode.autocast
     p.set(amp, "__enter__", _autocast_enter(amp.__enter__))

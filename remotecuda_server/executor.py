@@ -22,8 +22,10 @@ from remotecuda.cache import ContentCache, content_key
 from remotecuda.compression import LinkModel
 from remotecuda.protocol import GeneratorRef, Handle, ProtocolError
 
+from . import rnn
 from .ops import OpResolver, UnknownOpError
 
+_RNN_OPS = frozenset(("rc::rnn", "rc::rnn_backward"))
 _LINK = LinkModel()  # the gateway does not measure its clients' links: downloads use the default
 
 
@@ -374,6 +376,9 @@ class Executor:
     def _execute(self, name: str, args: list, kwargs: dict, outs: Any, payloads: list,
                  out_payloads: list) -> Any:
         if name.startswith("rc::"):
+            if name in _RNN_OPS:  # whole recurrent layers: their outputs go to handles
+                self._store(outs, rnn.run(self.resolver, name[4:], [self._arg(a) for a in args]))
+                return None
             return self._internal(name[4:], args, payloads, out_payloads)
         func = self.resolver.resolve(name)._op  # what OpOverload.__call__ forwards to, one frame less
         args = [self._arg(a) for a in args]
