@@ -264,6 +264,8 @@ def common_codecs(offered: Any) -> tuple[str, ...]:
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, without a copy when it is already contiguous."""
     t = t.detach()
+    if t._is_zerotensor():  # autograd's efficient zeros (e.g. sgn's gradient) have no storage
+        t = torch.zeros(t.shape, dtype=t.dtype)
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():

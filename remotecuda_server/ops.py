@@ -1,16 +1,20 @@
 """Resolving op names from the wire to callables, safely.
 
-Only ``aten`` ops are reachable, by exact ``aten::name.overload`` lookup in
-``torch.ops.aten``; nothing is evaluated, imported or unpickled. Ops that could
+Only ``aten`` ops and torch's own ``torch_nn`` custom ops (what CUDA runs for
+``F.linear_cross_entropy``) are reachable, by exact ``ns::name.overload`` lookup in
+``torch.ops``; nothing is evaluated or unpickled, nothing imported but the torch module
+that registers a namespace's ops. Ops that could
 reach the gateway's file system are refused.
 """
 from __future__ import annotations
 
+import importlib
 import re
 
 import torch
 
-ALLOWED_NAMESPACES = frozenset({"aten"})
+#: allowed namespaces, and the torch module that registers their ops (torch imports it lazily)
+ALLOWED_NAMESPACES = {"aten": None, "torch_nn": "torch.nn.modules.linear_cross_entropy"}
 _NAME = re.compile(r"^([a-z_][a-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?$")
 #: ops that read or write files on the machine that runs them
 _DENIED = frozenset({"from_file", "save", "load"})
@@ -42,7 +46,9 @@ class OpResolver:
             raise UnknownOpError(f"op namespace {ns!r} is not allowed on this gateway (op {name})")
         if op_name in _DENIED or op_name.startswith("__") and not op_name.endswith("__"):
             raise UnknownOpError(f"op {name} is not allowed on this gateway")
-        packet = getattr(torch.ops.aten, op_name, None) if op_name.isidentifier() else None
+        if ALLOWED_NAMESPACES[ns] is not None:
+            importlib.import_module(ALLOWED_NAMESPACES[ns])
+        packet = getattr(getattr(torch.ops, ns), op_name, None) if op_name.isidentifier() else None
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             raise UnknownOpError(
                 f"the gateway's torch {torch.__version__} has no op {ns}::{op_name}")
