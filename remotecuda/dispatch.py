@@ -587,12 +587,6 @@ def _is_pinned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-_SPECIAL = {
-    aten._to_copy.default: _to_copy,
-    aten.to.dtype_layout: _to,
-    aten.to.device: _to,
-    aten.to.dtype: _to,
-    aten.to.other: _to,
 def _composite(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     """Ops whose kernel is a composite reading a CPU argument (``_pack_padded_sequence``'s
     lengths; its ``batch_sizes`` result stays on the CPU, as on a GPU): run that kernel here,
@@ -600,11 +594,17 @@ def _composite(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     return m.func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
 
 
+_SPECIAL = {
+    aten._to_copy.default: _to_copy,
+    aten.to.dtype_layout: _to,
+    aten.to.device: _to,
+    aten.to.dtype: _to,
+    aten.to.other: _to,
     aten.copy_.default: _copy_,
     aten.record_stream.default: _record_stream,
     aten.is_pinned.default: _is_pinned,
+    aten._pack_padded_sequence.default: _composite,
 }
 
 DISPATCHER = Dispatcher()
 RemoteTensor.dispatch = staticmethod(DISPATCHER.dispatch)
-    aten._pack_padded_sequence.default: _composite,

@@ -32,7 +32,7 @@ from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _device as device_context
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import accelerator_api, autocast, cuda_api, downloads, flags, generator, serialization
+from . import accelerator_api, autocast, cuda_api, downloads, flags, generator, rnn, serialization
 from .dispatch import DISPATCHER, meta_stand_in
 from .tensor import RemoteTensor
 

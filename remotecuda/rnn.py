@@ -1,0 +1,120 @@
+"""``nn.LSTM``/``GRU``/``RNN`` as one gateway op per call, forward and backward.
+
+``aten::lstm`` and its kin are CompositeImplicitAutograd: on the client they would decompose
+(on meta tensors) into several ops per time step and layer — ~4000 ops per training step of a
+small two-layer language model, each one a client-side dispatch. A GPU runs the whole layer
+stack as one cuDNN op, and a CPU as one oneDNN (or native) call. So the ``torch._VF``
+functions the modules call are routed here: the call goes to the gateway as one ``rc::rnn``
+op, which runs the device's own implementation. Gradients come from an autograd Function
+whose backward is one ``rc::rnn_backward`` op walking the graph the forward left on the
+gateway; the handles of that graph are saved for backward, so autograd frees them (and the
+gateway its graph) exactly when it would free a local RNN's saved tensors.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .tensor import RemoteTensor, contiguous_strides, layout, wrap
+
+#: the ``torch._VF`` functions routed here (their aten ops' names)
+NAMES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+
+
+class _Call:
+    """One RNN call, parsed from ``_VF``'s positional arguments (both overloads: padded input
+    with ``batch_first``, and packed ``data`` with CPU ``batch_sizes``)."""
+
+    def __init__(self, name: str, args: tuple):
+        self.packed = isinstance(args[1], torch.Tensor) and not args[1].is_floating_point()
+        if self.packed:
+            x, batch_sizes, hx, params, *flags = args
+            self.batch_sizes = [int(n) for n in batch_sizes]
+            self.batch_first = False
+        else:
+            x, hx, params, *flags = args
+            self.batch_first = bool(flags[-1])
+        self.op = f"aten::{name}.{'data' if self.packed else 'input'}"
+        self.lstm = name == "lstm"
+        self.hx = list(hx) if self.lstm else [hx]
+        self.tensors = [x, *self.hx, *params]
+        self.flags = flags
+        self.bidirectional = bool(flags[4])
+
+    def wire(self, tensors: list) -> list:
+        """The aten op's arguments, tensors as handles (``tensors`` in ``self.tensors``' order)."""
+        w = [t._w for t in tensors]
+        n = len(self.hx)
+        hx = w[1:1 + n] if self.lstm else w[1]
+        head = [w[0], self.batch_sizes, hx] if self.packed else [w[0], hx]
+        return [*head, w[1 + n:], *self.flags]
+
+    def layouts(self) -> list:
+        """The outputs' layouts as the device gives them: output (time-major, viewed batch-first
+        if asked), then the final hidden state(s), shaped as ``hx``."""
+        x = self.tensors[0]
+        width = (2 if self.bidirectional else 1) * self.hx[0].shape[-1]
+        shape = (*x.shape[:-1], width)
+        if self.batch_first:
+            t_major = contiguous_strides((shape[1], shape[0], width))
+            out = layout(shape, (t_major[1], t_major[0], 1), 0, x.dtype)
+        else:
+            out = layout(shape, contiguous_strides(shape), 0, x.dtype)
+        return [out, *(_dense(h) for h in self.hx)]
+
+
+def _dense(t: torch.Tensor) -> tuple:
+    """The layout of a contiguous tensor shaped as ``t``."""
+    return layout(t.shape, contiguous_strides(tuple(t.shape)), 0, t.dtype)
+
+
+def _send(s: Any, name: str, args: list, lays: list) -> list:
+    """Queue one op whose outputs have the layouts ``lays``; their wrappers."""
+    handles = [s.new_handle() for _ in lays]
+    s.enqueue(name, args, None, handles)
+    return [wrap(s, h, lay) for h, lay in zip(handles, lays)]
+
+
+class _RNN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *tensors: RemoteTensor) -> tuple:
+        needs = list(ctx.needs_input_grad[1:])
+        s = tensors[0]._s
+        lays = call.layouts()
+        leaf_lays = [_dense(t) for t, need in zip(tensors, needs) if need]
+        strides = [list(k[2]) for k, _ in lays]
+        outs = _send(s, "rc::rnn", [call.op, call.wire(list(tensors)), needs, strides],
+                     lays + lays + leaf_lays)
+        n = len(lays)
+        ctx.save_for_backward(*outs[n:])  # the gateway's graph: roots, then leaves
+        ctx.n, ctx.needs = n, needs
+        ctx.set_materialize_grads(False)
+        return tuple(outs[:n])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        saved = ctx.saved_tensors
+        roots, leaves = saved[:ctx.n], saved[ctx.n:]
+        s = roots[0]._s
+        lays = [_dense(t) for t in leaves]
+        got = iter(_send(s, "rc::rnn_backward", [[t._w for t in roots], [t._w for t in leaves],
+                                                 [None if g is None else g._w for g in grads]], lays))
+        return (None, *(next(got) if need else None for need in ctx.needs))
+
+
+def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``torch._VF.<name>(*args)`` as one gateway op, when all its tensors are on one gateway."""
+    if kwargs or len(args) != 9:
+        return func(*args, **kwargs)
+    call = _Call(func.__name__, args)
+    s = getattr(call.tensors[0], "_s", None)
+    if s is None or call.tensors[0].dim() != (2 if call.packed else 3) or \
+            not all(isinstance(t, RemoteTensor) and t._s is s for t in call.tensors):
+        return func(*args, **kwargs)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors):
+        return _RNN.apply(call, *call.tensors)
+    lays = call.layouts()
+    return tuple(_send(s, "rc::rnn", [call.op, call.wire(call.tensors), None, [list(k[2]) for k, _ in lays]],
+                       lays))
