@@ -314,6 +314,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.Tensor, "__getitem__", _getitem),
     (torch.Tensor, "__setitem__", _setitem),
     (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
+    *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
     (torch, "get_default_device", _get_default_device),
 ]
 
