@@ -141,3 +141,123 @@ def test_hf_padded_batch_matches_local(name, side):
     for (n, p), (_, rp) in zip(remote_model.named_parameters(), model.named_parameters()):
         if rp.grad is not None:
             torch.testing.assert_close(p.grad.cpu(), rp.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
+# ---------------------------------------------------------------- recurrent layers
+
+def _run_rnn(m, x, dev, hx=None, packed_lengths=None):
+    """m(x) on ``dev`` with a gradient through everything: (outputs, grads of x, hx and weights)."""
+    x = x.detach().to(dev).requires_grad_()
+    hx = None if hx is None else tuple(h.detach().to(dev).requires_grad_() for h in hx)
+    inp = x
+    if packed_lengths is not None:
+        inp = nn.utils.rnn.pack_padded_sequence(x, packed_lengths, batch_first=m.batch_first, enforce_sorted=False)
+    h_arg = None if hx is None else (hx if isinstance(m, nn.LSTM) else hx[0])
+    out, h = m(inp, h_arg)
+    if packed_lengths is not None:
+        out = nn.utils.rnn.pad_packed_sequence(out, batch_first=m.batch_first)[0]
+    hs = h if isinstance(h, tuple) else (h,)
+    loss = out.sin().sum() + sum((t * t).sum() for t in hs)
+    loss.backward()
+    grads = [x.grad, *(() if hx is None else (t.grad for t in hx)), *(p.grad for p in m.parameters())]
+    return [t.detach().cpu() for t in (out, *hs, *grads)]
+
+
+RNN_CASES = {
+    "lstm": (nn.LSTM, {}),
+    "lstm_bidirectional_batch_first": (nn.LSTM, dict(bidirectional=True, batch_first=True)),
+    "lstm_proj": (nn.LSTM, dict(proj_size=3)),
+    "lstm_proj_bidirectional": (nn.LSTM, dict(proj_size=3, bidirectional=True)),
+    "gru_bidirectional": (nn.GRU, dict(bidirectional=True)),
+    "gru_batch_first": (nn.GRU, dict(batch_first=True)),
+    "rnn_tanh": (nn.RNN, {}),
+    "rnn_relu_bidirectional": (nn.RNN, dict(nonlinearity="relu", bidirectional=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(RNN_CASES))
+@pytest.mark.parametrize("inputs", ["padded", "with_hx", "packed"])
+def test_rnn_matches_local(case, inputs):
+    cls, kw = RNN_CASES[case]
+    torch.manual_seed(0)
+    m = cls(4, 6, num_layers=2, **kw)
+    x = torch.randn(3, 5, 4) if m.batch_first else torch.randn(5, 3, 4)
+    hx = lengths = None
+    if inputs == "with_hx":
+        d = 2 if m.bidirectional else 1
+        hx = (torch.randn(2 * d, 3, m.proj_size or 6), torch.randn(2 * d, 3, 6))[:2 if cls is nn.LSTM else 1]
+    elif inputs == "packed":
+        lengths = torch.tensor([3, 5, 2])
+    ref = _run_rnn(m, x, "cpu", hx, lengths)
+    got = _run_rnn(copy.deepcopy(m).cuda(), x, "cuda", hx, lengths)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
+
+
+def test_rnn_is_one_op_each_way():
+    m = nn.LSTM(8, 16, num_layers=2).cuda()
+    x = torch.randn(35, 4, 8, device="cuda")
+    (out, _), n_fwd = _ops(lambda: m(x))
+    _, n_bwd = _ops(lambda: out.sum().backward())
+    assert n_fwd <= 3, f"one rc::rnn op (and the zero initial state), not one per time step ({n_fwd} ops)"
+    assert n_bwd <= 12, f"one rc::rnn_backward op and the gradients' accumulation ({n_bwd} ops)"
+
+
+def test_rnn_dropout_between_layers_matches_local_with_the_same_seed():
+    torch.manual_seed(0)
+    m = nn.LSTM(4, 6, num_layers=3, dropout=0.5)
+    rm = copy.deepcopy(m).cuda()
+    x = torch.randn(5, 3, 4)
+    torch.manual_seed(7)
+    ref, _ = m(x)
+    torch.manual_seed(7)  # also seeds the gateway's generator, which the same kernel draws from
+    out, _ = rm(x.cuda())
+    torch.testing.assert_close(out.detach().cpu(), ref.detach())
+    m.eval()
+    rm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(rm(x.cuda())[0].cpu(), m(x)[0])
+
+
+def test_lstm_language_model_trains_as_locally():
+    """Truncated backpropagation through time, as pytorch/examples' word_language_model does it."""
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.rnn, self.dec = nn.Embedding(50, 8), nn.LSTM(8, 16, 2), nn.Linear(16, 50)
+
+        def forward(self, x, h):
+            out, h = self.rnn(self.enc(x), h)
+            return self.dec(out).view(-1, 50), h
+
+    torch.manual_seed(0)
+    data = torch.randint(0, 50, (31, 4))
+    losses = {}
+    for dev in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = LM().to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        h = (torch.zeros(2, 4, 16, device=dev), torch.zeros(2, 4, 16, device=dev))
+        losses[dev] = []
+        for i in range(0, 30, 10):
+            x, y = data[i:i + 10].to(dev), data[i + 1:i + 11].to(dev)
+            h = tuple(t.detach() for t in h)
+            opt.zero_grad()
+            out, h = model(x, h)
+            loss = F.cross_entropy(out, y.reshape(-1))
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            opt.step()
+            losses[dev].append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses["cuda"]), torch.tensor(losses["cpu"]))
+
+
+def test_rnn_backward_twice_needs_retain_graph_as_locally():
+    m = nn.GRU(3, 4).cuda()
+    out, _ = m(torch.randn(6, 2, 3, device="cuda"))
+    out.sum().backward(retain_graph=True)
+    first = m.weight_hh_l0.grad.cpu().clone()
+    out.sum().backward()
+    torch.testing.assert_close(m.weight_hh_l0.grad.cpu(), 2 * first)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        out.sum().backward()
