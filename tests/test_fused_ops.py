@@ -261,3 +261,18 @@ def test_rnn_backward_twice_needs_retain_graph_as_locally():
     torch.testing.assert_close(m.weight_hh_l0.grad.cpu(), 2 * first)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         out.sum().backward()
+
+
+def test_rnn_under_cuda_autocast_runs_in_half_precision():
+    """As cuDNN's RNN does under torch.autocast('cuda'): inputs and weights cast, gradients to the fp32 weights."""
+    torch.manual_seed(0)
+    m = nn.LSTM(4, 6).cuda()
+    x = torch.randn(5, 3, 4, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, (h, c) = m(x)
+    assert out.dtype == h.dtype == c.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert m.weight_ih_l0.grad.dtype == torch.float32
+    ref = copy.deepcopy(m).cpu()
+    ref_out, _ = ref.to(torch.bfloat16)(x.cpu().to(torch.bfloat16))
+    torch.testing.assert_close(out.float().cpu(), ref_out.float(), rtol=2e-2, atol=2e-2)
