@@ -352,8 +352,32 @@ def initial_seed() -> int:
     return int(_session().request("rc::initial_seed", []))
 
 
+def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    """The gateway generator's state (activation checkpointing and ``fork_rng`` restore it to
+    replay dropout exactly)."""
+    return torch.frombuffer(bytearray(_session(device).request("rc::rng_get", [])), dtype=torch.uint8)
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    state = new_state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    _session(device).enqueue("rc::rng_set", [state], None, None)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states: Any) -> None:
+    for i, state in enumerate(new_states):
+        set_rng_state(state, i)
+
+
 def _lazy_init() -> None:
     return None
+
+
+#: activation checkpointing saves and restores the device generators only once CUDA is initialised
+_initialized = True
 
 
 # ---------------------------------------------------------------------- NVTX
@@ -387,6 +411,7 @@ REPLACEMENTS = {name: obj for name, obj in dict(globals()).items() if name in {
     "memory_reserved", "max_memory_allocated", "max_memory_reserved", "memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats", "empty_cache",
     "mem_get_info", "is_current_stream_capturing",
-    "ipc_collect", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "_lazy_init"}}
+    "ipc_collect", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
+    "set_rng_state", "get_rng_state_all", "set_rng_state_all", "_lazy_init", "_initialized"}}
 #: what replaces torch.cuda.nvtx.<name> while active (``nvtx.range`` uses these)
 NVTX_REPLACEMENTS = {name: globals()[name] for name in ("range_push", "range_pop", "range_start", "range_end", "mark")}

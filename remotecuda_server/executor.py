@@ -458,6 +458,16 @@ class Executor:
             return None
         if name == "initial_seed":
             return (torch.cuda.initial_seed() if self.device.type == "cuda" else torch.initial_seed())
+        if name == "rng_get":  # the default generator's state, as bytes
+            cuda = self.device.type == "cuda"
+            return (torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()).numpy().tobytes()
+        if name == "rng_set":  # [state bytes]
+            state = torch.frombuffer(bytearray(args[0]), dtype=torch.uint8)
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(state, self.device)
+            else:
+                torch.set_rng_state(state)
+            return None
         if name == "sync":
             for h in list(self.pending):
                 self._resolve(h)

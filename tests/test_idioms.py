@@ -113,6 +113,42 @@ def test_cuda_graph_capture_queries_and_nvtx():
         torch.cuda.nvtx.mark("here")
 
 
+def test_cuda_rng_state_round_trip_and_fork_rng():
+    torch.manual_seed(5)
+    state = torch.cuda.get_rng_state()
+    assert state.dtype == torch.uint8 and state.device.type == "cpu"
+    a = torch.rand(4, device="cuda").cpu()
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(4, device="cuda").cpu(), a)
+    torch.cuda.set_rng_state_all(torch.cuda.get_rng_state_all())
+    with torch.random.fork_rng():
+        torch.rand(4, device="cuda")
+    torch.cuda.set_rng_state(state)
+    torch.rand(4, device="cuda")
+    with torch.random.fork_rng(device_type="cuda"):
+        inside = torch.rand(4, device="cuda").cpu()
+    assert torch.equal(torch.rand(4, device="cuda").cpu(), inside)  # fork_rng put the state back
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_replays_dropout(reentrant):
+    """The recomputation must draw the forward's dropout mask again (else gradients are silently wrong)."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64).cuda()
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+
+    def block(t):
+        return nn.functional.dropout(lin(t), 0.5)
+    grads = []
+    for wrap in (lambda t: checkpoint(block, t, use_reentrant=reentrant), block):
+        torch.manual_seed(3)
+        wrap(x).pow(2).sum().backward()
+        grads.append(x.grad.cpu())
+        x.grad = None
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 # ---------------------------------------------------------------- default device
 
 def test_set_default_device_cuda():
