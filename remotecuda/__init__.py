@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError
+from .errors import (GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError,
+                     install_excepthook, uninstall_excepthook)
 
 from .prefetch import prefetch
 
@@ -47,11 +48,11 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
         raise ValueError(f"REMOTECUDA_FALLBACK must be 'cpu' or 'error', not {fallback!r}")
     if sync is None:
         sync = os.environ.get("REMOTECUDA_SYNC", "") not in ("", "0")
-    # torch's Python meta kernels import torch._dynamo on their first call (torch._disable_dynamo):
-    # ~1 s, paid here (a kernel's start) rather than by the user's first op on 'cuda'
-    import torch._dynamo  # noqa: F401
+    from . import lazydynamo
+    lazydynamo.install()  # the first op on 'cuda' must not wait ~1 s for torch._dynamo
     DISPATCHER.runtime = Pool(servers_from_env(servers), fallback=fallback, sync=sync)
     interception.install()
+    install_excepthook()
     return DISPATCHER.runtime
 
 
@@ -63,6 +64,7 @@ def deactivate() -> None:
     if rt is None:
         return
     interception.uninstall()
+    uninstall_excepthook()
     DISPATCHER.runtime = None
     rt.close()
 

@@ -102,6 +102,10 @@ def _op_meta(func: Any) -> OpMeta:
 
 #: ops whose output shape can depend on the value of a float argument
 _FLOAT_SHAPED = ("upsample", "_upsample", "arange", "range", "linspace", "logspace", "histogram")
+#: ops whose tensors must share a dtype, which their meta kernels do not check (a float64 batch
+#: into a float32 nn.Linear): refused here at once, as on a device, not at the next sync point
+_SAME_DTYPE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+               aten.mv.default, aten.addmv.default}
 
 
 class _NeedUpload(Exception):
@@ -304,6 +308,8 @@ class Dispatcher:
 
     def _compute(self, m: OpMeta, args: tuple, kwargs: dict) -> Any:
         """Output metadata from the meta kernel, as a cache entry."""
+        if m.func in _SAME_DTYPE and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
+            raise TypeError(f"{m.name}: tensors of different dtypes")  # for the gateway to word
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
         try:

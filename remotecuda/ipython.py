@@ -182,6 +182,7 @@ class Extension:
         ip.events.register("post_run_cell", self.post_run_cell)
         self._register_comm_target()
         self._hook_kernel_shutdown()
+        self._hide_runtime_frames()
         self.activate()
         self.show_notices()
 
@@ -218,6 +219,8 @@ class Extension:
         kernel = getattr(ip, "kernel", None)
         if kernel is not None and "do_shutdown" in vars(kernel):
             del kernel.do_shutdown
+        if "showtraceback" in vars(ip):
+            del ip.showtraceback
         remotecuda.deactivate()
 
     def _hook_kernel_shutdown(self) -> None:
@@ -235,6 +238,23 @@ class Extension:
             close_sessions(timeout=5.0)
             return original(restart)
         kernel.do_shutdown = do_shutdown
+
+    def _hide_runtime_frames(self) -> None:
+        """Tracebacks end at the user's line, as with local PyTorch: without remotecuda's frames
+        and the meta kernels' below them. (``__tracebackhide__`` cannot do it: IPython always
+        shows the last frame, and says how many it skipped.)"""
+        ip = self.ip
+        if "showtraceback" in vars(ip):
+            return
+        original = ip.showtraceback
+
+        def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
+            from .errors import hide_runtime_frames
+            etype, value, tb = sys.exc_info() if exc_tuple is None else exc_tuple
+            if isinstance(value, BaseException) and tb is not None and value.__traceback__ is tb:
+                exc_tuple = (etype, value, hide_runtime_frames(value).__traceback__)
+            return original(exc_tuple, *args, **kwargs)
+        ip.showtraceback = showtraceback
 
     # -------------------------------------------------------------- per cell
     def _snapshot(self) -> tuple | None:

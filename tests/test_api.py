@@ -214,8 +214,9 @@ def test_remote_errors_have_torch_types_and_the_session_survives():
     x = torch.randn(3, device="cuda")
     keep = x * 2
     bad = x[torch.tensor([7], device="cuda")]  # an async error: nothing raised yet
-    with pytest.raises(IndexError, match="aten::index.Tensor"):
+    with pytest.raises(IndexError, match="out of bounds") as info:
         torch.cuda.synchronize()
+    assert "aten::index.Tensor" in "".join(info.value.__notes__)  # the message is the device's own
     with pytest.raises(RuntimeError, match="never computed"):
         bad.cpu()  # the failed op's output is invalid, with a clear reason
     assert torch.equal(keep.cpu(), x.cpu() * 2)  # tensors from before are intact
@@ -296,9 +297,10 @@ def test_deactivate_restores_torch(gateway):
         assert 'torch._dynamo' not in sys.modules
         remotecuda.activate()
         remotecuda.deactivate()
-        # activation imported torch._dynamo (or the first op would wait ~1 s for it), whose import
-        # wraps torch.manual_seed: torch's own doing, which stays
-        assert 'torch._dynamo' in sys.modules
+        # activation does not import torch._dynamo (~1 s; its meta kernels do without, see
+        # remotecuda/lazydynamo.py); its import wraps torch.manual_seed: torch's own doing, which stays
+        assert 'torch._dynamo' not in sys.modules
+        import torch._dynamo
         before = (torch.cuda.is_available, torch.manual_seed, torch.load, torch.Generator,
                   torch.cuda.device_count, torch.__future__.get_swap_module_params_on_conversion())
         remotecuda.activate()

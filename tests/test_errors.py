@@ -1,0 +1,136 @@
+"""Errors look like local PyTorch's: the exception type and message the gateway's device gives,
+and tracebacks that end at the user's line with no remotecuda frame (scripts and IPython)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+BIN = os.path.join(os.path.dirname(sys.executable), "remotecuda")
+
+
+def _mm_shapes(dev):
+    return torch.randn(3, 4, device=dev) @ torch.randn(5, 6, device=dev)
+
+
+def _index_out_of_range(dev):  # asynchronous on a GPU: raised where a value is next needed
+    y = torch.arange(3.0, device=dev)[torch.tensor([5], device=dev)]
+    return y.sum().item()
+
+
+def _dtype_mismatch(dev):  # a float64 batch into a float32 layer
+    return torch.nn.Linear(3, 2).to(dev)(torch.randn(4, 3, device=dev, dtype=torch.float64))
+
+
+def _cat_shapes(dev):
+    return torch.cat([torch.randn(2, 3, device=dev), torch.randn(2, 4, device=dev)])
+
+
+def _raised(fn, dev):
+    with pytest.raises(Exception) as info:
+        fn(dev)
+    return info.value
+
+
+@pytest.mark.parametrize("mistake", [_mm_shapes, _index_out_of_range, _dtype_mismatch, _cat_shapes],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_error_type_and_message_are_the_devices(remote, mistake):
+    local = _raised(mistake, "cpu")  # the gateway's device here is the CPU
+    got = _raised(mistake, "cuda")
+    assert (type(got), str(got)) == (type(local), str(local))
+    assert torch.ones(2, device="cuda").sum().item() == 2.0  # the session goes on
+
+
+def test_meta_refusal_costs_one_round_trip(remote):
+    import remotecuda
+    a, b = torch.randn(3, 4, device="cuda"), torch.randn(5, 6, device="cuda")
+    torch.cuda.synchronize()
+    before = remotecuda.stats()["blocking_round_trips"]
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        a @ b
+    assert remotecuda.stats()["blocking_round_trips"] - before == 1
+
+
+def test_async_error_names_its_op_in_a_note(remote):
+    bad = torch.arange(3.0, device="cuda")[torch.tensor([5], device="cuda")]
+    with pytest.raises(IndexError) as info:
+        bad.sum().item()
+    note = "\n".join(info.value.__notes__)
+    assert "aten::index.Tensor" in note and "REMOTECUDA_SYNC=1" in note
+
+
+def test_cancelled_tensor_says_why_without_the_sync_hint(remote):
+    m = torch.randn(256, 256, device="cuda") / 16
+    h = m
+    for _ in range(400):  # seconds of queued work on the gateway
+        h = torch.tanh(h @ m)
+    timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        h.sum().item()
+        time.sleep(5)
+    with pytest.raises(RuntimeError, match="cancelled by an interrupt") as info:
+        h.sum().item()
+    note = "\n".join(info.value.__notes__)
+    assert "interrupt" in note and "REMOTECUDA_SYNC" not in note
+    assert torch.ones(2, device="cuda").sum().item() == 2.0
+
+
+SCRIPT = """\
+import torch
+{activate}
+a = torch.randn(3, 4, device="cuda")
+
+
+def step():
+    return a @ torch.randn(5, 6, device="cuda")
+
+
+step()
+"""
+
+
+@pytest.mark.parametrize("how", ["remotecuda run", "python + activate()"])
+def test_script_traceback_ends_at_the_users_line(gateway, tmp_path, how):
+    path = tmp_path / "bad_matmul.py"
+    path.write_text(SCRIPT.format(activate="import remotecuda; remotecuda.activate()"
+                                  if how != "remotecuda run" else ""))
+    cmd = [BIN, "run", "python", str(path)] if how == "remotecuda run" else [sys.executable, str(path)]
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0] == "Traceback (most recent call last):", r.stderr
+    assert lines[-1] == "RuntimeError: mat1 and mat2 shapes cannot be multiplied (3x4 and 5x6)", r.stderr
+    frames = [line.strip() for line in lines if line.startswith('  File "')]
+    assert frames == [f'File "{path}", line 10, in <module>', f'File "{path}", line 7, in step'], r.stderr
+    assert "remotecuda" + os.sep not in r.stderr and "torch" + os.sep not in r.stderr, r.stderr
+
+
+def test_ipython_traceback_has_no_runtime_frames(gateway):
+    jupyter_client = pytest.importorskip("jupyter_client")
+    from test_jupyter import Kernel
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
+    k = Kernel("python3", [], env)
+    try:
+        k.ok("%load_ext remotecuda\nimport torch\na, b = torch.randn(3, 4).cuda(), torch.randn(5, 6).cuda()\n"
+             "(a + 1).sum().item()")  # the first op's one-time costs (torch imports sympy for it)
+        t0 = time.monotonic()
+        r = k.run("c = a @ b")
+        elapsed = time.monotonic() - t0
+        assert r["reply"]["status"] == "error" and r["reply"]["ename"] == "RuntimeError", r["reply"]
+        assert r["reply"]["evalue"] == "mat1 and mat2 shapes cannot be multiplied (3x4 and 5x6)"
+        shown = "\n".join(r["errors"][0]["traceback"])
+        assert "remotecuda" + os.sep not in shown and "torch" + os.sep not in shown, shown
+        assert "hidden" not in shown and "c = a @ b" in shown, shown
+        assert elapsed < 0.5, f"the failing cell took {elapsed:.2f} s"  # 1.2 s before
+    finally:
+        k.stop()
