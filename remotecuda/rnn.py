@@ -31,7 +31,7 @@ class _Call:
         self.packed = isinstance(args[1], torch.Tensor) and not args[1].is_floating_point()
         if self.packed:
             x, batch_sizes, hx, params, *flags = args
-            self.batch_sizes = [int(n) for n in batch_sizes]
+            self.batch_sizes = batch_sizes.tolist()
             self.batch_first = False
         else:
             x, hx, params, *flags = args
@@ -77,17 +77,21 @@ def _send(s: Any, name: str, args: list, lays: list) -> list:
     return [wrap(s, h, lay) for h, lay in zip(handles, lays)]
 
 
+def _forward(call: _Call, tensors: list, needs: list | None) -> list:
+    """The ``rc::rnn`` op: the outputs; with ``needs`` (which tensors want a gradient) also the
+    gateway graph's roots (the same outputs, under handles of their own) and leaves."""
+    lays = call.layouts()
+    graph = lays + [_dense(t) for t, need in zip(tensors, needs) if need] if needs else []
+    return _send(tensors[0]._s, "rc::rnn", [call.op, call.wire(tensors), needs, [list(k[2]) for k, _ in lays]],
+                 lays + graph)
+
+
 class _RNN(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, *tensors: RemoteTensor) -> tuple:
         needs = list(ctx.needs_input_grad[1:])
-        s = tensors[0]._s
-        lays = call.layouts()
-        leaf_lays = [_dense(t) for t, need in zip(tensors, needs) if need]
-        strides = [list(k[2]) for k, _ in lays]
-        outs = _send(s, "rc::rnn", [call.op, call.wire(list(tensors)), needs, strides],
-                     lays + lays + leaf_lays)
-        n = len(lays)
+        outs = _forward(call, list(tensors), needs)
+        n = 1 + len(call.hx)
         ctx.save_for_backward(*outs[n:])  # the gateway's graph: roots, then leaves
         ctx.n, ctx.needs = n, needs
         ctx.set_materialize_grads(False)
@@ -120,6 +124,4 @@ def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors):
         return _RNN.apply(call, *call.tensors)
-    lays = call.layouts()
-    return tuple(_send(s, "rc::rnn", [call.op, call.wire(call.tensors), None, [list(k[2]) for k, _ in lays]],
-                       lays))
+    return tuple(_forward(call, call.tensors, None))
