@@ -5,7 +5,7 @@ and layer. The client sends each call as one ``rc::rnn`` op instead; here the de
 its own implementation (cuDNN on CUDA, oneDNN or the native loop on the CPU). When the
 client needs gradients, the op runs under autograd on cloned inputs (the executor's tensors
 are inference tensors, which autograd cannot save) and the graph stays here, reachable
-from handles the client holds until its backward: ``rc::rnn_backward`` walks it once.
+from handles the client saves for its backward, which ``rc::rnn_backward`` runs.
 """
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from typing import Any
 
 import torch
 
-from .ops import OpResolver
+from .ops import OpResolver, UnknownOpError
+
+#: the ops ``rc::rnn`` runs
+OPS = frozenset(f"aten::{n}.{o}" for n in ("lstm", "gru", "rnn_tanh", "rnn_relu") for o in ("input", "data"))
 
 
 def _laid_out(t: torch.Tensor, stride: list) -> torch.Tensor:
@@ -27,6 +30,8 @@ def forward(resolver: OpResolver, name: str, args: list, needs: list | None, str
     """Run ``name`` (an ``aten::`` RNN overload) on ``args``; returns the outputs for the user,
     then, if ``needs`` (which of input, hidden state and weights want a gradient) is given, the
     same outputs as graph roots and the leaves that want a gradient."""
+    if name not in OPS:
+        raise UnknownOpError(f"rc::rnn runs recurrent layers only, not {name!r}")
     func = resolver.resolve(name)
     args = list(args)
     if name.endswith(".data"):
