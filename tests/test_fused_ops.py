@@ -95,7 +95,7 @@ def test_sdpa_dropout_with_boolean_mask_keeps_masked_keys_out():
     mask = torch.tensor([True, True, False, False], device="cuda")
     out = F.scaled_dot_product_attention(q, k, v.cuda(), attn_mask=mask, dropout_p=0.5).cpu()
     assert out.abs().max() < 10
-    assert torch.isin(out, torch.tensor([0.0, 2.0])).float().mean() < 1  # dropout rescales kept weights
+    assert not torch.allclose(out, torch.ones_like(out)), "without dropout every output would be 1"
 
 
 # ---------------------------------------------------------------- Hugging Face models, padded batches
