@@ -124,6 +124,65 @@ def test_run_rejects_a_non_python_command(gateway):
     assert r.returncode == 2 and "usage: remotecuda run" in r.stderr
 
 
+PROBE = r'''
+import pickle, sys
+import torch
+
+
+class Net(torch.nn.Linear):  # defined in the program: pickling finds it in sys.modules['__main__']
+    pass
+
+
+g = globals()
+print("ARGV", sys.argv)
+print("PATH0", repr(sys.path[0]))
+print("GLOBALS", {k: g[k] for k in ("__name__", "__file__", "__cached__", "__package__") if k in g},
+      sorted(k for k in g if k.startswith("__")))
+print("SPEC", __spec__ and (__spec__.name, __spec__.origin), type(__loader__).__name__, type(__builtins__).__name__)
+print("MAIN", sys.modules["__main__"].__dict__ is g)
+print("PICKLE", type(pickle.loads(pickle.dumps(Net(2, 2)))).__qualname__)
+'''
+
+
+@pytest.fixture(scope="module")
+def probe_tree(tmp_path_factory):
+    """A script (also reached through a symlink and a '..'), a package with __main__ and a module."""
+    root = tmp_path_factory.mktemp("probe")
+    (root / "sub" / "pkg").mkdir(parents=True)
+    for f in ("sub/probe.py", "sub/pkg/__main__.py", "sub/pkg/mod.py"):
+        (root / f).write_text(PROBE)
+    (root / "sub" / "pkg" / "__init__.py").write_text("")
+    (root / "link.py").symlink_to(root / "sub" / "probe.py")
+    return root
+
+
+@pytest.mark.parametrize("cwd, argv", [
+    (".", ["sub/probe.py", "a", "--b"]), (".", ["./sub/../sub/probe.py"]), (".", ["link.py", "x"]),
+    ("sub", ["-m", "pkg.mod", "y"]), ("sub", ["-m", "pkg", "z"]), ("sub", ["-c", PROBE, "w"]),
+    ("sub", ["-m", "no_such_module"]),
+], ids=["script", "dotdot", "symlink", "-m module", "-m package", "-c", "-m missing"])
+def test_run_sets_up_the_program_as_python_does(gateway, probe_tree, cwd, argv):
+    """``remotecuda run python ...`` and ``python ...`` print the same, and exit the same."""
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
+    run = [subprocess.run(cmd + argv, capture_output=True, text=True, timeout=180, env=env,
+                          cwd=probe_tree / cwd) for cmd in ([sys.executable], [BIN, "run", "python"])]
+    assert run[0].returncode == run[1].returncode, (run[0].stderr, run[1].stderr)
+    assert run[1].stdout == run[0].stdout and run[1].stderr == run[0].stderr
+    assert run[0].returncode != 0 or "PICKLE Net" in run[0].stdout
+
+
+@pytest.mark.parametrize("ending", ["raise ValueError('boom')", "sys.exit('bye')", "sys.exit(4)",
+                                    "sys.exit()", "raise KeyboardInterrupt", "pass"])
+def test_run_ends_as_python_does(gateway, tmp_path, ending):
+    path = tmp_path / "end.py"
+    path.write_text(f"import sys\n\n\ndef main():\n    {ending}\n\n\nmain()\n")
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
+    run = [subprocess.run(cmd + [str(path)], capture_output=True, text=True, timeout=180, env=env,
+                          cwd=tmp_path) for cmd in ([sys.executable], [BIN, "run", "python"])]
+    assert (run[1].returncode, run[1].stdout, run[1].stderr) == (run[0].returncode, run[0].stdout,
+                                                                 run[0].stderr)
+
+
 ACTIVATE = r'''
 import warnings
 warnings.simplefilter("always")
