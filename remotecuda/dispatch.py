@@ -367,11 +367,11 @@ class Dispatcher:
                 if alias is not None and alias[2]:
                     s.release(v["h"])
                     return _arg_at(args, kwargs, alias[0], alias[1])
-                sid = None
                 if alias is not None:
                     src = _arg_at(args, kwargs, alias[0], alias[1])
-                    sid = getattr(src, "_sid", None)
-                return make(s, v["h"], v["shape"], v["stride"], v["offset"], v["dtype"], sid)
+                    return _view(src, make, s, v["h"], v["shape"], v["stride"], v["offset"], v["dtype"],
+                                 getattr(src, "_sid", None))
+                return make(s, v["h"], v["shape"], v["stride"], v["offset"], v["dtype"])
             if isinstance(v, list):
                 return [build(x, alias) for x in v]
             return v
@@ -457,6 +457,16 @@ def _spec(r: torch.Tensor, alias: Any) -> tuple:
     return ("new", lay)
 
 
+def _view(src: Any, fn: Any, *a: Any) -> RemoteTensor:
+    """``fn(*a)``, the wrapper of a view of ``src``. Under inference_mode a view of a normal tensor
+    is a normal tensor (C++ builds it with its base's keys, then gives it the base's version
+    counter, which an inference tensor cannot take): make that wrapper outside the mode."""
+    if torch.is_inference_mode_enabled() and isinstance(src, torch.Tensor) and not src.is_inference():
+        with torch.inference_mode(False):
+            return fn(*a)
+    return fn(*a)
+
+
 def _build(entry: tuple, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
     """Output wrappers for a cache entry; appends the gateway handles to ``outs`` in flat order."""
     kind = entry[0]  # "new1" is handled inline by Dispatcher.run
@@ -479,7 +489,7 @@ def _build(entry: tuple, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
             return wrap(s, h, spec[1])
         src = _arg_at(args, kwargs, spec[1], spec[2])
         sid = src._sid if isinstance(src, RemoteTensor) else None
-        return wrap(s, h, spec[3], sid)
+        return _view(src, wrap, s, h, spec[3], sid)
 
     built = [[one(x) for x in it] if type(it) is list else one(it) for it in items]
     if multi:

@@ -1,5 +1,5 @@
 """A tiny BERT from a config (no weights, no hub) fine-tuned for sequence classification on
-padded batches."""
+padded batches, with gradient checkpointing and a linear LR schedule; evaluated under inference_mode."""
 import json
 import os
 
@@ -14,6 +14,7 @@ config = BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_att
                     intermediate_size=64, max_position_embeddings=32, num_labels=3,
                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 model = BertForSequenceClassification(config)
+model.gradient_checkpointing_enable()
 model.to(device)
 opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
 sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.1, total_iters=5)
@@ -42,7 +43,7 @@ for epoch in range(5):
     lrs.append(sched.get_last_lr()[0])
 
 model.eval()
-with torch.no_grad():
+with torch.inference_mode():
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     preds = logits.argmax(-1)
 

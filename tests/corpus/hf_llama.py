@@ -1,5 +1,5 @@
 """A tiny Llama from a config (no weights, no hub): padded training steps, then batched,
-left-padded greedy generate()."""
+left-padded generate(): greedy and beam search."""
 import json
 import os
 
@@ -40,6 +40,8 @@ prompts = [[4, 8, 15, 16, 23], [42, 7], [11, 12, 13]]
 width = max(map(len, prompts))
 ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
 out = model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=5, do_sample=False)
+beams = model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=5, num_beams=3,
+                       num_return_sequences=2, do_sample=False, output_scores=True, return_dict_in_generate=True)
 
 print(json.dumps({
     "device": str(next(model.parameters()).device),
@@ -47,4 +49,6 @@ print(json.dumps({
     "param_sum": sum(p.detach().double().sum().item() for p in model.parameters()),
     "param_abs_sum": sum(p.detach().double().abs().sum().item() for p in model.parameters()),
     "greedy": out.tolist(),
+    "beams": beams.sequences.tolist(),
+    "beam_scores": beams.sequences_scores.tolist(),
 }))
