@@ -43,7 +43,8 @@ def forward(resolver: OpResolver, name: str, args: list, needs: list | None, str
     hx = args[hx_at] if lstm else [args[hx_at]]
     tensors = [args[0], *hx, *args[hx_at + 1]]
     with torch.inference_mode(False), torch.enable_grad():
-        leaves = [t.clone(memory_format=torch.contiguous_format).requires_grad_(need) for t, need in zip(tensors, needs)]
+        leaves = [t.clone(memory_format=torch.contiguous_format).requires_grad_(need)
+                  for t, need in zip(tensors, needs)]
         n_hx = len(hx)
         args[0] = leaves[0]
         args[hx_at] = leaves[1:1 + n_hx] if lstm else leaves[1]

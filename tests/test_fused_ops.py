@@ -104,8 +104,8 @@ def _hf_model(name):
     transformers = pytest.importorskip("transformers")
     small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
     if name == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=64, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=4, n_positions=16,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = transformers.GPT2Config(vocab_size=64, bos_token_id=0, eos_token_id=0, n_embd=32, n_layer=2, n_head=4,
+                                      n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         cls = transformers.GPT2LMHeadModel
     elif name == "llama":
         cfg = transformers.LlamaConfig(**small, num_key_value_heads=2, max_position_embeddings=16)
