@@ -603,6 +603,16 @@ def _is_pinned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _materialized(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``_conj``/``_neg_view`` would set a bit on the gateway's tensor that the wrapper cannot
+    carry, so the client's ``resolve_conj`` would skip what the gateway needs (hfft's backward
+    then fails in ``view_as_real``): compute the values instead, as resolving would."""
+    return d.run(d.op_meta(_MATERIALIZED[m.func]), args, kwargs)
+
+
+_MATERIALIZED = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default}
+
+
 def _composite(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     """Ops whose kernel is a composite reading a CPU argument (``_pack_padded_sequence``'s
     lengths; its ``batch_sizes`` result stays on the CPU, as on a GPU): run that kernel here,
@@ -620,6 +630,8 @@ _SPECIAL = {
     aten.record_stream.default: _record_stream,
     aten.is_pinned.default: _is_pinned,
     aten._pack_padded_sequence.default: _composite,
+    aten._conj.default: _materialized,
+    aten._neg_view.default: _materialized,
 }
 
 DISPATCHER = Dispatcher()
