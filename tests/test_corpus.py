@@ -6,7 +6,12 @@ Tolerances: float32 programs agree to rel 1e-4 / abs 1e-6 (a remote op may be a 
 where the local one decomposes, so the last bits may differ); the float16 autocast program to
 rel 1e-2 / abs 1e-3. Integers, strings and booleans (generated ids, dtypes, "same result after
 resume") must be equal. A key named ``device`` or ``*_device`` must read ``cpu`` locally and
-``cuda:0`` remotely, so a program that silently stayed on the client's CPU fails.
+``cuda:0`` remotely, so a program that silently stayed on the client's CPU fails, and the
+remote run may give no warning the local one does not.
+
+Random numbers: a device's generator is not the CPU's, so the programs draw their noise and
+initial weights from seeded CPU generators, and sampled ``generate()`` is compared by shape,
+validity and repeatability under one seed (on each side), not token by token.
 """
 from __future__ import annotations
 
