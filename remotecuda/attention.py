@@ -65,6 +65,8 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     kind = DISPATCHER.runtime.device(q._dev).props.get("kind", "cuda")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     key = (kind, q._k, k._k, v._k, None if mask is None else mask._k, p > 0, causal, scale, gqa, grad)
+    if kind == "cpu" and mask is not None and mask.requires_grad:
+        return func(*args, **kwargs)  # the CPU's check_attn_mask_shape: the gateway's mask has no grad to see
     choice = _choices.get(key)
     if choice is None:
         choice = _choices[key] = int(aten._fused_sdp_choice(q, k, v, mask, p, causal, scale=scale,

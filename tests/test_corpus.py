@@ -29,20 +29,17 @@ from conftest import ROOT
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 F32 = (1e-4, 1e-6)
 F16 = (1e-2, 1e-3)
-GRAD_MASK = ("issue 12.4: SDPA with a float attn_mask that requires grad (T5's position bias) is sent "
-             "to the fused CPU kernel, which cannot differentiate it; PyTorch picks the math path")
 
 
-def case(name: str, tol: tuple[float, float] = F32, xfail: str | None = None) -> object:
-    marks = [pytest.mark.xfail(reason=xfail, strict=False)] if xfail else []
-    return pytest.param(name, tol, id=name, marks=marks)
+def case(name: str, tol: tuple[float, float] = F32) -> object:
+    return pytest.param(name, tol, id=name)
 
 
 PROGRAMS = [
     case("hf_gpt2"),
     case("hf_llama"),
     case("hf_bert"),
-    case("hf_t5", xfail=GRAD_MASK),
+    case("hf_t5"),
     case("word_lm"),
     case("vae"),
     case("dcgan"),
