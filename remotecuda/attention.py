@@ -66,7 +66,7 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     key = (kind, q._k, k._k, v._k, None if mask is None else mask._k, p > 0, causal, scale, gqa, grad)
     if kind == "cpu" and mask is not None and mask.requires_grad:
-        return func(*args, **kwargs)  # the CPU's check_attn_mask_shape: the gateway's mask has no grad to see
+        return func(*args, **kwargs)  # CPU's check_attn_mask_shape; the gateway's mask has no grad
     choice = _choices.get(key)
     if choice is None:
         choice = _choices[key] = int(aten._fused_sdp_choice(q, k, v, mask, p, causal, scale=scale,

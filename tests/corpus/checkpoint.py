@@ -60,4 +60,5 @@ print(json.dumps({"device": str(next(model.parameters()).device), "loaded_device
                   "straight": straight, "resumed": resumed, "same_losses": straight == resumed,
                   "same_state": straight_state == resumed_state, "state": resumed_state,
                   "exp_avg_sq_sum": sum(s["exp_avg_sq"].sum().item() for s in opt.state.values()),
-                  "lr": sched.get_last_lr()[0], "cpu_copy_sum": sum(v.double().sum().item() for v in cpu_copy.values())}))
+                  "lr": sched.get_last_lr()[0],
+                  "cpu_copy_sum": sum(v.double().sum().item() for v in cpu_copy.values())}))

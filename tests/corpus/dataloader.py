@@ -21,7 +21,8 @@ class Squares(Dataset):
 
 
 def main():
-    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    acc = torch.accelerator.current_accelerator()
+    device = acc if torch.accelerator.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     loader = DataLoader(Squares(96), batch_size=16, shuffle=True, num_workers=2, pin_memory=True,
                         generator=torch.Generator().manual_seed(4), persistent_workers=False)

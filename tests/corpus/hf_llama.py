@@ -41,7 +41,8 @@ width = max(map(len, prompts))
 ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
 out = model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=5, do_sample=False)
 beams = model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=5, num_beams=3,
-                       num_return_sequences=2, do_sample=False, output_scores=True, return_dict_in_generate=True)
+                       num_return_sequences=2, do_sample=False, output_scores=True,
+                       return_dict_in_generate=True)
 
 print(json.dumps({
     "device": str(next(model.parameters()).device),

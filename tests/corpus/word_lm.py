@@ -32,7 +32,8 @@ class RNNModel(nn.Module):
     def init_hidden(self, bsz):
         weight = next(self.parameters())
         if self.rnn_type == "LSTM":
-            return (weight.new_zeros(self.nlayers, bsz, self.nhid), weight.new_zeros(self.nlayers, bsz, self.nhid))
+            return (weight.new_zeros(self.nlayers, bsz, self.nhid),
+                    weight.new_zeros(self.nlayers, bsz, self.nhid))
         return weight.new_zeros(self.nlayers, bsz, self.nhid)
 
 
@@ -85,7 +86,8 @@ def run(rnn_type):
             total += len(data) * criterion(output, targets).item()
     val_loss = total / (len(val_data) - 1)
     return {"device": str(next(model.parameters()).device), "losses": losses, "val_loss": val_loss,
-            "val_ppl": math.exp(val_loss), "hidden_sum": hidden[0].sum().item() if rnn_type == "LSTM" else hidden.sum().item(),
+            "val_ppl": math.exp(val_loss),
+            "hidden_sum": (hidden[0] if rnn_type == "LSTM" else hidden).sum().item(),
             "weight_sums": [p.sum().item() for p in model.rnn.parameters()]}
 
 
