@@ -13,7 +13,15 @@ from typing import Any
 from .errors import (GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError,
                      install_excepthook, uninstall_excepthook)
 
-from .prefetch import prefetch
+
+def __getattr__(name: str) -> Any:
+    """``remotecuda.prefetch``, imported on first use: it needs torch, and ``import remotecuda``
+    (the RemoteCUDA kernel's start) does not wait for torch."""
+    if name == "prefetch":
+        from .prefetch import prefetch
+        globals()["prefetch"] = prefetch
+        return prefetch
+    raise AttributeError(f"module 'remotecuda' has no attribute {name!r}")
 
 
 def fetch(tensors: Any) -> list:

@@ -7,8 +7,6 @@ import sys
 from types import TracebackType
 from typing import Any
 
-import torch
-
 
 class RemoteCUDAError(RuntimeError):
     """Base class for RemoteCUDA's own failures (not an op's)."""
@@ -31,9 +29,8 @@ _TYPES: dict[str, type[BaseException]] = {
     "TypeError": TypeError, "NotImplementedError": NotImplementedError,
     "UnknownOpError": NotImplementedError, "ZeroDivisionError": ZeroDivisionError,
     "OverflowError": OverflowError, "KeyError": KeyError, "AssertionError": AssertionError,
-    "OutOfMemoryError": torch.OutOfMemoryError, "ProtocolError": GatewayProtocolError,
-    "AcceleratorError": RuntimeError,
-}
+    "ProtocolError": GatewayProtocolError, "AcceleratorError": RuntimeError,
+}  # (and torch.OutOfMemoryError: this module does not import torch, so a kernel starts without it)
 #: what the gateway says of a tensor whose op an interrupt cancelled (remotecuda_server/executor.py)
 _CANCELLED = "cancelled by an interrupt"
 
@@ -45,7 +42,11 @@ def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
     that caused it: an op that failed asynchronously (raised at a later sync point), or a
     tensor whose op an interrupt cancelled (raised where the tensor is next used).
     """
-    cls = _TYPES.get(info.get("type", ""), RuntimeError)
+    if info.get("type") == "OutOfMemoryError":
+        import torch
+        cls: type[BaseException] = torch.OutOfMemoryError
+    else:
+        cls = _TYPES.get(info.get("type", ""), RuntimeError)
     msg = str(info.get("msg", ""))
     e = (RuntimeError if cls is KeyError else cls)(msg)  # KeyError would quote the message
     if _CANCELLED in msg:

@@ -138,6 +138,7 @@ class Extension:
         self.comms: dict[str, Any] = {}
         self._before: tuple | None = None
         self._in_cell = False
+        self._activation_pending = False
 
     # -------------------------------------------------------------- activation
     def activate(self) -> bool:
@@ -171,7 +172,10 @@ class Extension:
                 pass
         return True
 
-    def load(self) -> None:
+    def load(self, defer_activation: bool = False) -> None:
+        """``defer_activation``: activate at the first execution (or panel connection), not now:
+        a kernel then reaches idle without importing torch, which the first cell pays for (as it
+        would with local PyTorch), and says there what activation had to say."""
         ip = self.ip
         if self.config not in ip.configurables:
             ip.configurables.append(self.config)
@@ -183,17 +187,21 @@ class Extension:
         self._register_comm_target()
         self._hook_kernel_shutdown()
         self._hide_runtime_frames()
+        if defer_activation:
+            self._activation_pending, self._notices_shown = True, False
+            return
         self.activate()
         self.show_notices()
+
+    def _activate_if_pending(self) -> None:
+        if self._activation_pending:
+            self._activation_pending = False
+            self.activate()
 
     def show_notices(self) -> None:
         for n in self.notices:
             print(n, file=sys.stderr)
         self._notices_shown = True
-
-    def defer_notices(self) -> None:
-        """Loaded at kernel start-up, where nobody reads stderr: say it in the first cell."""
-        self._notices_shown = False
 
     def unload(self) -> None:
         import remotecuda
@@ -265,6 +273,7 @@ class Extension:
         return (rt, remotecuda.stats(), _per_session_ops(rt), time.monotonic())
 
     def pre_execute(self) -> None:
+        self._activate_if_pending()
         self._in_cell = False
         self._before = self._snapshot()
 
@@ -404,6 +413,7 @@ class Extension:
             pass
 
     def _on_comm_open(self, c: Any, msg: dict) -> None:
+        self._activate_if_pending()  # the panel asks what the kernel uses
         self.comms[c.comm_id] = c
 
         def on_msg(m: dict) -> None:
@@ -579,12 +589,12 @@ def RemoteCUDAMagics(shell: Any, ext: Extension) -> Any:  # noqa: N802 - built l
 _EXTENSIONS: dict[int, Extension] = {}
 
 
-def load_ipython_extension(ip: Any) -> None:
+def load_ipython_extension(ip: Any, defer_activation: bool = False) -> None:
     if id(ip) in _EXTENSIONS:
         return
     ext = Extension(ip)
     _EXTENSIONS[id(ip)] = ext
-    ext.load()
+    ext.load(defer_activation)
 
 
 def unload_ipython_extension(ip: Any) -> None:

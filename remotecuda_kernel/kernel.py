@@ -16,13 +16,13 @@ class RemoteCUDAKernel(IPythonKernel):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        # through the extension manager, so %load_ext/%unload_ext/%reload_ext see it as loaded;
-        # the extension also closes the gateway sessions on shutdown and restart
-        self.shell.extension_manager.load_extension("remotecuda")
-        from remotecuda.ipython import extension
-        ext = extension(self.shell)
-        if ext is not None:
-            ext.defer_notices()  # e.g. "no gateway reachable": shown in the first cell
+        # activated at the first execution, so the kernel is idle in ipykernel's time, not after
+        # torch's import; what activation says (e.g. "no gateway reachable") shows in that cell.
+        # Marked loaded, so %load_ext/%unload_ext/%reload_ext see it; the extension also closes
+        # the gateway sessions on shutdown and restart
+        from remotecuda.ipython import load_ipython_extension
+        load_ipython_extension(self.shell, defer_activation=True)
+        self.shell.extension_manager.loaded.add("remotecuda")
 
     @property
     def banner(self) -> str:  # type: ignore[override]

@@ -410,3 +410,23 @@ def test_workers_do_not_outlive_a_killed_gateway():
         for p in workers:
             if not gone(p):
                 p.kill()
+
+
+def test_start_up_imports_only_what_is_used(gateway):
+    """The RemoteCUDA kernel starts without torch (its first cell imports it); activation and the
+    first ops do without torch._dynamo (~1 s), which only torch.compile and optimizers need."""
+    code = (
+        "import sys, remotecuda_kernel.kernel, remotecuda.ipython\n"
+        "assert 'torch' not in sys.modules\n"
+        "import torch, remotecuda\n"
+        "remotecuda.activate()\n"
+        "x = torch.randn(8, 4, device='cuda')\n"
+        "y = torch.nn.functional.linear(x, torch.ones(3, 4, device='cuda')).relu().softmax(-1)\n"
+        "print('SUM', round(y.sum().item(), 4), 'torch._dynamo' in sys.modules)\n"
+        "opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2, device='cuda'))], lr=0.1)\n"
+        "opt.param_groups[0]['params'][0].sum().backward()\n"
+        "opt.step()  # torch's optimizers import torch._dynamo themselves: meta kernels then use it\n"
+        "print('STEP', opt.param_groups[0]['params'][0].tolist(), 'torch._dynamo' in sys.modules)\n")
+    r = run_python(code, env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SUM 8.0 False" in r.stdout and "STEP [0.8999999761581421, 0.8999999761581421] True" in r.stdout, r.stdout
