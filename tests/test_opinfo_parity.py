@@ -196,7 +196,8 @@ def _cases(op: Any, dtype: torch.dtype, *, empty: bool, n: int, requires_grad: b
         on_cpu: frozenset = frozenset()
         if i < len(metas):
             leaves = pytree.tree_leaves((metas[i].input, metas[i].args, metas[i].kwargs))
-            on_cpu = frozenset(j for j, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.device.type == "cpu")
+            on_cpu = frozenset(j for j, x in enumerate(leaves)
+                               if isinstance(x, torch.Tensor) and x.device.type == "cpu")
         cases.append(_Case(s, on_cpu))
     return cases
 
