@@ -71,8 +71,10 @@ def _ours(tb: TracebackType) -> bool:
 
 
 def _library(tb: TracebackType) -> bool:
+    """Installed code; also compiled (Cython) frames, whose file names are relative."""
     name = tb.tb_frame.f_code.co_filename
-    return name.startswith(_LIBRARIES) or name.startswith("<frozen ")
+    return name.startswith(_LIBRARIES) or name.startswith("<frozen ") or \
+        not (os.path.isabs(name) or name.startswith("<"))
 
 
 def user_traceback(tb: TracebackType | None) -> TracebackType | None:

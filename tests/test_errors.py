@@ -132,5 +132,16 @@ def test_ipython_traceback_has_no_runtime_frames(gateway):
         assert "remotecuda" + os.sep not in shown and "torch" + os.sep not in shown, shown
         assert "hidden" not in shown and "c = a @ b" in shown, shown
         assert elapsed < 0.5, f"the failing cell took {elapsed:.2f} s"  # 1.2 s before
+        # an interrupt while the cell waits for the gateway: the user's line, not ZeroMQ's
+        msg_id = k.send("print('started', flush=True)\nm = torch.randn(256, 256, device='cuda') / 16\n"
+                        "while True:\n    m = torch.tanh(m @ m)\n    m.sum().item()")
+        k.wait_stream(msg_id, "started", 60)
+        time.sleep(1.0)
+        k.km.interrupt_kernel()
+        r = k.collect(msg_id, timeout=30)
+        assert r["reply"]["ename"] == "KeyboardInterrupt", r["reply"]
+        shown = "\n".join(r["errors"][0]["traceback"])
+        assert "remotecuda" + os.sep not in shown and "Could not get source" not in shown, shown
+        assert "m.sum().item()" in shown or "m = torch.tanh(m @ m)" in shown, shown
     finally:
         k.stop()
