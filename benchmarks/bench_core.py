@@ -9,7 +9,9 @@ measures, against local CPU eager PyTorch in the same process:
 2. training steps of an MLP (Linear 32->64->64->1, Adam, batch 256) and of a small transformer
    (2 encoder layers, d_model 64, AdamW);
 3. upload / download throughput for 4 KB, 1 MB and 64 MB float32 tensors, against a raw
-   loopback TCP socket (sendall / recv_into of the same sizes) as the ceiling.
+   loopback TCP socket (sendall / recv_into of the same sizes) as the ceiling;
+4. start-up: ``remotecuda run python`` against ``python`` for a script that imports torch and
+   makes one tensor (on 'cuda' and on the CPU respectively).
 
 Prints a table and writes benchmarks/RESULTS.md.
 """
@@ -247,6 +249,22 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads()}
 
 
+STARTUP_SCRIPT = "import sys, torch\nprint(torch.ones(3, device=sys.argv[1]).sum().item())\n"
+
+
+def startup(address: str, repeats: int) -> tuple[float, float]:
+    """Median wall time of ``python`` and of ``remotecuda run python`` for STARTUP_SCRIPT."""
+    env = dict(os.environ, REMOTECUDA_SERVERS=address, REMOTECUDA_FALLBACK="error")
+    rc = os.path.join(os.path.dirname(sys.executable), "remotecuda")
+    times: dict[str, list] = {"cpu": [], "cuda": []}
+    for _ in range(repeats):
+        for dev, cmd in (("cpu", [sys.executable]), ("cuda", [rc, "run", "python"])):
+            t = time.perf_counter()
+            subprocess.run(cmd + ["-c", STARTUP_SCRIPT, dev], env=env, check=True, capture_output=True)
+            times[dev].append(time.perf_counter() - t)
+    return statistics.median(times["cpu"]), statistics.median(times["cuda"])
+
+
 def start_gateway(spare: int = 0, host: str = "127.0.0.1") -> tuple[subprocess.Popen, str]:
     """A CPU gateway on a loopback address, a free port. ``spare=0``: the session's worker starts on demand
     and no further spare is started, so no ``import torch`` competes with the measurements."""
@@ -300,6 +318,7 @@ def measure(quick: bool = False) -> dict:
         xfer = {n: transfers(n, reps if not quick else min(reps, 3)) for n, _, reps in SIZES}
         stats = remotecuda.stats()
         remotecuda.deactivate()
+        start_local, start_remote = startup(address, 5)
     finally:
         gw.terminate()
         try:
@@ -323,6 +342,7 @@ def measure(quick: bool = False) -> dict:
         "transfers": [{"nbytes": n, "label": label, "up_s": xfer[n][0], "down_s": xfer[n][1],
                        "tcp_up_s": tcp[n][0], "tcp_down_s": tcp[n][1]} for n, label, _ in SIZES],
         "stats": {k: stats[k] for k in ("ops", "messages", "blocking_round_trips", "bytes_up", "bytes_down")},
+        "startup_local_s": start_local, "startup_remote_s": start_remote,
     }
 
 
@@ -350,6 +370,10 @@ def tables(r: dict) -> tuple[str, str]:
                      f"{rem['ms'] / loc['ms']:.2f}x"))
         rows.append((f"{label} train step with loss.item() every step", f"{loc['item_ms']:.3f} ms",
                      f"{rem['item_ms']:.3f} ms", f"{rem['item_ms'] / loc['item_ms']:.2f}x"))
+    if "startup_local_s" in r:
+        rows.append(("Start-up: `python` vs `remotecuda run python`, a script that imports torch and "
+                     "makes one tensor (median of 5)", f"{r['startup_local_s']:.2f} s",
+                     f"{r['startup_remote_s']:.2f} s", f"+{r['startup_remote_s'] - r['startup_local_s']:.2f} s"))
     xrows = []
     for x in r["transfers"]:
         n, up, down, tup, tdown = x["nbytes"], x["up_s"], x["down_s"], x["tcp_up_s"], x["tcp_down_s"]
