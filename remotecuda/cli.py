@@ -80,8 +80,8 @@ def _run(a: argparse.Namespace) -> int:
         return 1
     try:  # the program's remote work is done before it ends, and an error in it is shown
         remotecuda.synchronize()
-    except Exception as e:
-        sys.excepthook(type(e), e, None)
+    except Exception as e:  # (the runtime's frames only: none shown)
+        sys.excepthook(type(e), e.with_traceback(None), None)
         return 1
     return 0
 
@@ -107,8 +107,17 @@ def _execute(rest: list[str]) -> None:
             runpy._run_module_as_main("__main__", alter_argv=False)
             return
         path = os.path.join(os.getcwd(), rest[0])  # absolute, not normalised: Python's __file__
-        with io.open_code(path) as f:
-            code = compile(f.read(), path, "exec", dont_inherit=True)
+        try:
+            with io.open_code(path) as f:
+                source = f.read()
+        except OSError as e:
+            print(f"{sys.executable}: can't open file {path!r}: [Errno {e.errno}] {e.strerror}", file=sys.stderr)
+            raise SystemExit(2) from None
+        try:
+            code = compile(source, path, "exec", dont_inherit=True)
+        except SyntaxError as e:  # shown as Python shows it: the line, no traceback
+            sys.excepthook(type(e), e.with_traceback(None), None)
+            raise SystemExit(1) from None
         module = _main_module(__file__=path, __cached__=None,
                               __loader__=importlib.machinery.SourceFileLoader("__main__", path))
         exec(code, module.__dict__)

@@ -122,10 +122,9 @@ def hide_runtime_frames(e: BaseException, _seen: set | None = None) -> BaseExcep
 
 def excepthook(etype: type, value: BaseException, tb: TracebackType | None) -> Any:
     """sys.excepthook while remotecuda is active: the hook it replaced, shown the user's frames."""
-    if value is not None and value.__traceback__ is tb:
+    if isinstance(value, BaseException):  # Python's hook prints value.__traceback__, not tb
+        value.__traceback__ = tb
         tb = hide_runtime_frames(value).__traceback__
-    else:
-        tb = user_traceback(tb)
     return _previous_hook(etype, value, tb)
 
 

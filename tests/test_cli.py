@@ -159,8 +159,8 @@ def probe_tree(tmp_path_factory):
 @pytest.mark.parametrize("cwd, argv", [
     (".", ["sub/probe.py", "a", "--b"]), (".", ["./sub/../sub/probe.py"]), (".", ["link.py", "x"]),
     ("sub", ["-m", "pkg.mod", "y"]), ("sub", ["-m", "pkg", "z"]), ("sub", ["-c", PROBE, "w"]),
-    ("sub", ["-m", "no_such_module"]),
-], ids=["script", "dotdot", "symlink", "-m module", "-m package", "-c", "-m missing"])
+    ("sub", ["-m", "no_such_module"]), (".", ["no_such_script.py"]),
+], ids=["script", "dotdot", "symlink", "-m module", "-m package", "-c", "-m missing", "missing script"])
 def test_run_sets_up_the_program_as_python_does(gateway, probe_tree, cwd, argv):
     """``remotecuda run python ...`` and ``python ...`` print the same, and exit the same."""
     env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
@@ -172,7 +172,7 @@ def test_run_sets_up_the_program_as_python_does(gateway, probe_tree, cwd, argv):
 
 
 @pytest.mark.parametrize("ending", ["raise ValueError('boom')", "sys.exit('bye')", "sys.exit(4)",
-                                    "sys.exit()", "raise KeyboardInterrupt", "pass"])
+                                    "sys.exit()", "raise KeyboardInterrupt", "pass", "def ("])
 def test_run_ends_as_python_does(gateway, tmp_path, ending):
     path = tmp_path / "end.py"
     path.write_text(f"import sys\n\n\ndef main():\n    {ending}\n\n\nmain()\n")
