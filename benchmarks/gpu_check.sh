@@ -2,7 +2,8 @@
 # GPU check for sessions lent a GPU machine (finishes within ~8 minutes):
 # a gateway with --device cuda, and a client with CUDA hidden from it on the same machine,
 # remote vs local figures (gpu_bench.py) and results (gpu_parity.py).
-# GPU_CHECK_PARTS=bench,parity (default both) runs only the parts named. Needs pyzmq and zstandard importable (carry wheels if absent;
+# GPU_CHECK_PARTS=parity,bench-local,bench-remote (default all) runs only the parts named; the
+# table needs "$OUT/local.json", from this run or an earlier one. Needs pyzmq and zstandard importable (carry wheels if absent;
 # see the device tool's README), run from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +17,7 @@ trap 'kill $GW 2>/dev/null || true' EXIT
 for _ in $(seq 1200); do grep -q '^READY ' "$OUT/gateway.log" && break; sleep 0.1; done
 cat "$OUT/gateway.log"
 ADDR=$(grep '^READY ' "$OUT/gateway.log" | sed 's|READY tcp://||')
-PARTS=${GPU_CHECK_PARTS:-bench,parity}
+PARTS=${GPU_CHECK_PARTS:-parity,bench-local,bench-remote}
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 if [[ ,$PARTS, == *,parity,* ]]; then
   stamp parity
@@ -25,9 +26,11 @@ if [[ ,$PARTS, == *,parity,* ]]; then
     > "$OUT/parity_remote.json" || true
   "$PY" benchmarks/gpu_parity.py --compare "$OUT/parity_local.json" "$OUT/parity_remote.json" || true
 fi
-[[ ,$PARTS, == *,bench,* ]] || exit 0
-stamp bench local
-timeout 240 "$PY" benchmarks/gpu_bench.py --mode local | tee "$OUT/local.json"
+if [[ ,$PARTS, == *,bench-local,* ]]; then
+  stamp bench local
+  timeout 240 "$PY" benchmarks/gpu_bench.py --mode local | tee "$OUT/local.json"
+fi
+[[ ,$PARTS, == *,bench-remote,* ]] || exit 0
 stamp bench remote
 CUDA_VISIBLE_DEVICES="" timeout 300 "$PY" benchmarks/gpu_bench.py --mode remote --server "$ADDR" | tee "$OUT/remote.json"
 stamp done
