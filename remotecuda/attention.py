@@ -68,9 +68,9 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     if kind == "cpu" and mask is not None and mask.requires_grad:
         return func(*args, **kwargs)  # CPU's check_attn_mask_shape; the gateway's mask has no grad
     choice = _choices.get(key)
-    if choice is None:
-        choice = _choices[key] = int(aten._fused_sdp_choice(q, k, v, mask, p, causal, scale=scale,
-                                                            enable_gqa=gqa))
+    if choice is None:  # asked with `grad`: the gateway's tensors never require it, and the choice depends on it
+        choice = _choices[key] = int(q._s.request("rc::sdp_choice", [
+            t._h if t is not None else None for t in (q, k, v, mask)] + [p, causal, scale, gqa, grad]))
     if choice == CUDNN and kind == "cuda":
         return aten._scaled_dot_product_cudnn_attention(q, k, v, _additive(mask, q.dtype, -65504.0), grad, p,
                                                         causal, False, scale=scale)[0]

@@ -507,6 +507,9 @@ class Executor:
             else:
                 HOST_BLOCKS.clear()
             return None
+        if name == "sdp_choice":  # [q, k, v, mask or None, dropout, causal, scale, gqa, grad]
+            return _sdp_choice(*[None if h is None else self._arg(Handle(h)).detach() for h in args[:4]],
+                               *args[4:])
         if name == "set_flags":  # backend flags such as allow_tf32
             for key, value in args[0].items():
                 _set_backend_flag(key, value)
@@ -628,6 +631,15 @@ class Executor:
         alloc = self.handles.recount()
         return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": self.handles.peak,
                 "free": vm.available, "total": vm.total}
+
+
+def _sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
+                causal: bool, scale: float | None, gqa: bool, grad: bool) -> int:
+    """The SDPA backend this device picks for inputs like the client's: the executor's tensors never
+    require grad, and the choice depends on it (some kernels have no backward for a case)."""
+    if grad:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    return int(torch.ops.aten._fused_sdp_choice(q, k, v, mask, dropout, causal, scale=scale, enable_gqa=gqa))
 
 
 class CountedHandles(dict):

@@ -276,3 +276,18 @@ def test_rnn_under_cuda_autocast_runs_in_half_precision():
     ref = copy.deepcopy(m).cpu()
     ref_out, _ = ref.to(torch.bfloat16)(x.cpu().to(torch.bfloat16))
     torch.testing.assert_close(out.float().cpu(), ref_out.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_backend_is_chosen_as_for_the_clients_inputs(grad, masked):
+    """The gateway picks the backend with q, k, v requiring grad as the client's do (its own
+    tensors never do; a GPU picks differently for training and inference)."""
+    q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
+    mask = torch.rand(2, 1, 16, 16) > 0.3 if masked else None
+    rq, rk, rv = (t.cuda() for t in (q, k, v))
+    rmask = mask.cuda() if masked else None
+    got = rq._s.request("rc::sdp_choice", [rq._h, rk._h, rv._h, rmask._h if masked else None,
+                                            0.0, False, None, False, grad])
+    want = torch.ops.aten._fused_sdp_choice(*(t.requires_grad_(grad) for t in (q, k, v)), mask, 0.0, False)
+    assert got == int(want)
