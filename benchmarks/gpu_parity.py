@@ -96,6 +96,15 @@ def gru() -> dict:
 
 
 @check
+def dropout() -> dict:
+    torch.manual_seed(0)
+    x = cpu_randn(64, 64).cuda().requires_grad_()
+    y = F.dropout(x, 0.3)
+    y.sum().backward()
+    return {"y": values(y, 256), "dx": values(x.grad, 256)}
+
+
+@check
 def empty_tensors() -> dict:
     e = torch.zeros(0, 3).cuda()
     x = cpu_randn(2, 3).cuda()
@@ -149,11 +158,14 @@ def gpt2_padded_and_generate() -> dict:
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :4] = 0  # left padding
     ids, mask = ids.cuda(), mask.cuda()
+    torch.manual_seed(0)
+    train_loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss  # with dropout
+    model.eval()
     loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
     loss.backward()
     with torch.no_grad():
         gen = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    return {"loss": [loss.item()], "grad": values(model.transformer.wte.weight.grad), "generated": gen.tolist()}
+    return {"train_loss": [train_loss.item()], "loss": [loss.item()], "grad": values(model.transformer.wte.weight.grad), "generated": gen.tolist()}
 
 
 def lstm_step_ms() -> float:

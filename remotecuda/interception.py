@@ -281,6 +281,22 @@ def _factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
+def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``dropout`` as a GPU runs it: C++ picks the fused ``native_dropout`` kernel by the input's
+    device, which on the client is meta, so it would take the CPU's ``bernoulli_`` path. A GPU
+    gateway gets the fused op (one kernel, and the random numbers a local GPU draws); a CPU
+    gateway keeps the CPU's path, as the local CPU reference does."""
+    x, p, train = _dropout_args(*args, **kwargs)
+    if train and 0 < p < 1 and isinstance(x, RemoteTensor) and x.numel() > 0 and \
+            DISPATCHER.runtime.device(x._dev).props.get("kind", "cuda") == "cuda":
+        return torch.ops.aten.native_dropout(x, p, train)[0]
+    return func(*args, **kwargs)
+
+
+def _dropout_args(input: Any, p: float, train: bool) -> tuple:
+    return input, p, train
+
+
 def _get_default_device(func: Callable, args: tuple, kwargs: dict) -> torch.device:
     """Under ``set_default_device('cuda')`` torch finds the index by making ``torch.tensor([])``
     there: an upload; the current device says it without one."""
@@ -315,6 +331,8 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.Tensor, "__setitem__", _setitem),
     (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
     *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
+    (torch._VF, "dropout", _dropout),  # what F.dropout calls
+    (torch, "dropout", _dropout),
     (torch, "get_default_device", _get_default_device),
 ]
 
