@@ -2,11 +2,13 @@
 
     python benchmarks/run_all.py [--quick] [--no-256]
 
-Runs benchmarks/bench_core.py (per-op cost, MLP step, core transfers) and
+Runs benchmarks/bench_core.py (per-op cost, MLP step, core transfers),
 benchmarks/bench_transfer.py (round trips through a delay proxy, latency hiding, throughput
-4 KB-256 MB, epoch-2 bytes, compression, pipelining), each in a fresh Python process with its
-own gateway on 127.0.0.1, then writes one report with the machine, the figures, the issue's
-targets and a short reading of each. About 4-6 minutes on a 2-CPU machine.
+4 KB-256 MB, epoch-2 bytes, compression, pipelining), benchmarks/bench_instructions.py and
+benchmarks/bench_programs.py (LSTM LM, checkpoint, GPT-2 step and generate), each in a fresh
+Python process with its own gateway on 127.0.0.1, then writes one report with the machine, the
+figures, the issue's targets and a short reading of each, and the GPU figures kept in
+benchmarks/gpu_results.md. About 8-12 minutes on a 2-CPU machine.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_core  # noqa: E402
+import bench_programs  # noqa: E402
 import bench_transfer  # noqa: E402
 
 
@@ -50,6 +53,11 @@ def _instructions_markdown(r: dict) -> str:
             f"{4.4 * r['ratio']:.0f} µs/op.\n")
 
 
+def _gpu_results() -> str:
+    with open(os.path.join(HERE, "gpu_results.md")) as f:
+        return f.read()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
@@ -64,6 +72,7 @@ def main() -> None:
     transfer = run("bench_transfer.py", quick + (["--no-256"] if a.no_256 else []), timeout=480)
     instr = {"skipped": "--no-instructions"} if a.no_instructions else \
         run("bench_instructions.py", quick, timeout=2400)
+    programs = run("bench_programs.py", quick, timeout=900)
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - t0
 
@@ -130,7 +139,17 @@ are three processes on two CPUs). The load averages below include this benchmark
 {bench_transfer.markdown(transfer)}
 # Part 3: client instructions per op (benchmarks/bench_instructions.py)
 
-{_instructions_markdown(instr)}"""
+{_instructions_markdown(instr)}
+# Part 4: whole programs (benchmarks/bench_programs.py)
+
+Best of several runs each, local CPU first, then the same code on 'cuda' through a `--device cpu` gateway
+(part took {programs['elapsed_s']:.0f} s). Per step or per call; the LSTM LM sends each `nn.LSTM` call as one
+gateway op; `torch.save` fetches all its tensors in one round trip.
+
+{bench_programs.markdown(programs)}
+# Part 5: on a real GPU (benchmarks/gpu_check.sh)
+
+{_gpu_results()}"""
     path = os.path.join(HERE, "RESULTS.md")
     with open(path, "w") as f:
         f.write(report)
