@@ -46,6 +46,10 @@ import torch
 from torch.testing._comparison import default_tolerances
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.testing._internal.common_utils import noncontiguous_like
+
+# importing torch's test utilities freezes the backend flags for the whole process
+# (common_utils calls torch.backends.disable_global_flags()); the other tests set them as users do
+torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
 from torch.utils import _pytree as pytree
 
 import opinfo_expected_failures as expected
