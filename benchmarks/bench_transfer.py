@@ -420,7 +420,7 @@ def measure_epochs(n_batches: int = 64) -> dict:
 
     # transfers only: the batches moved to the device, nothing else
     per_epoch = []
-    for epoch in range(2):
+    for _epoch in range(2):
         sync()
         remotecuda.stats(reset=True)
         t0 = time.perf_counter()
@@ -440,7 +440,7 @@ def measure_epochs(n_batches: int = 64) -> dict:
     model = torch.nn.Linear(64, 10).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     per_epoch = []
-    for epoch in range(2):
+    for _epoch in range(2):
         sync()
         remotecuda.stats(reset=True)
         t0 = time.perf_counter()
@@ -483,7 +483,7 @@ def measure_codec(nbytes: int, reps: int) -> dict:
         buf = protocol.tensor_bytes(t)
         choices = [link.choose(buf, protocol.CODECS) or "raw" for _ in range(20)]
         row = {"raw_bytes": buf.nbytes, "default_link_bytes_per_s": link.bytes_per_s,
-               "encode_raw_s": min(_time(lambda: protocol.encode_payload(buf)) for _ in range(reps)),
+               "encode_raw_s": min(_time(lambda: protocol.encode_payload(buf)) for _ in range(reps)),  # noqa: B023
                "auto": {c: choices.count(c) for c in sorted(set(choices))}, "codecs": {}}
         for codec in protocol.CODECS:
             impl = protocol.CODEC_IMPLS[codec]
@@ -491,8 +491,9 @@ def measure_codec(nbytes: int, reps: int) -> dict:
             row["codecs"][codec] = {
                 "wire_bytes": len(frame), "ratio": len(frame) / buf.nbytes,
                 "kept": len(frame) < buf.nbytes * protocol.MAX_RATIO,  # else encode_payload sends it raw
-                "encode_s": min(_time(lambda: impl.compress(buf)) for _ in range(reps)),
-                "decode_s": min(_time(lambda: impl.decompress(memoryview(frame), buf.nbytes)) for _ in range(reps))}
+                "encode_s": min(_time(lambda: impl.compress(buf)) for _ in range(reps)),  # noqa: B023 (called at once)
+                "decode_s": min(_time(lambda: impl.decompress(memoryview(frame), buf.nbytes))  # noqa: B023
+                                 for _ in range(reps))}
         out[name] = row
         log(f"(e) codec {name}: " + ", ".join(
             f"{c} {v['wire_bytes']:,} B ({v['ratio']:.3f}) enc {v['encode_s'] * 1e3:.1f} ms dec {v['decode_s'] * 1e3:.1f} ms"

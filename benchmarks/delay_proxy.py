@@ -50,7 +50,7 @@ _EOF = None
 class _Pipe:
     """One direction of one connection: reader -> (due, bytes) queue -> writer."""
 
-    def __init__(self, proxy: "DelayProxy", src: socket.socket, dst: socket.socket, name: str, direction: str):
+    def __init__(self, proxy: DelayProxy, src: socket.socket, dst: socket.socket, name: str, direction: str):
         self.proxy, self.src, self.dst, self.direction = proxy, src, dst, direction
         self.q: collections.deque = collections.deque()
         self.queued = 0  # bytes in q
@@ -146,7 +146,7 @@ class DelayProxy:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "DelayProxy":
+    def start(self) -> DelayProxy:
         self._thread = threading.Thread(target=self._accept_loop, name="delay-proxy", daemon=True)
         self._thread.start()
         return self
@@ -155,7 +155,7 @@ class DelayProxy:
         while not self._stop.is_set():
             try:
                 c, _ = self._lsock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -203,7 +203,7 @@ class DelayProxy:
         if self._thread is not None:
             self._thread.join(timeout=2)
 
-    def __enter__(self) -> "DelayProxy":
+    def __enter__(self) -> DelayProxy:
         return self.start()
 
     def __exit__(self, *exc) -> None:

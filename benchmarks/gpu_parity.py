@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import time
 import traceback
 from collections.abc import Callable
@@ -215,13 +216,14 @@ def rel_diff(a: object, b: object) -> float:
 
 def compare(local: dict, remote: dict) -> None:
     for name in CHECKS:
-        l, r = local.get(name, {}), remote.get(name, {})
-        if "error" in l or "error" in r or "skipped" in l or "skipped" in r:
-            print(f"{name:28s} local: {l.get('error') or l.get('skipped', 'ok')}   remote: {r.get('error') or r.get('skipped', 'ok')}")
+        loc, rem = local.get(name, {}), remote.get(name, {})
+        if "error" in loc or "error" in rem or "skipped" in loc or "skipped" in rem:
+            print(f"{name:28s} local: {loc.get('error') or loc.get('skipped', 'ok')}   "
+                  f"remote: {rem.get('error') or rem.get('skipped', 'ok')}")
             continue
-        worst = max((rel_diff(l[k], r.get(k)) for k in l), default=0.0)
+        worst = max((rel_diff(loc[k], rem.get(k)) for k in loc), default=0.0)
         print(f"{name:28s} max rel diff {worst:.2e}  {'OK' if worst <= 2e-2 else 'DIFFERS'}"
-              + ("" if worst <= 2e-2 else f"  local={json.dumps(l)[:200]} remote={json.dumps(r)[:200]}"))
+              + ("" if worst <= 2e-2 else f"  local={json.dumps(loc)[:200]} remote={json.dumps(rem)[:200]}"))
     print(f"{'lstm_step_ms':28s} local {local['lstm_step_ms']:.2f}  remote {remote['lstm_step_ms']:.2f}")
 
 
@@ -232,7 +234,7 @@ def main() -> None:
     p.add_argument("--compare", nargs=2, metavar=("LOCAL_JSON", "REMOTE_JSON"))
     a = p.parse_args()
     if a.compare:
-        local, remote = (json.loads(open(f).read().strip().splitlines()[-1]) for f in a.compare)
+        local, remote = (json.loads(pathlib.Path(f).read_text().strip().splitlines()[-1]) for f in a.compare)
         compare(local, remote)
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

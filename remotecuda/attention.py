@@ -11,7 +11,8 @@ have meta kernels and autograd formulas, so the backward runs the fused kernel t
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

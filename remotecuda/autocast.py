@@ -8,7 +8,8 @@ casts in the graph exactly as CUDA autocast does.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -154,7 +154,8 @@ def _exit_by_sigint() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="remotecuda", description="Use a GPU on another machine from unchanged PyTorch code.")
+    p = argparse.ArgumentParser(prog="remotecuda",
+                                description="Use a GPU on another machine from unchanged PyTorch code.")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="start a GPU gateway on this machine")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

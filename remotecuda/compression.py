@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 from . import protocol
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from importlib.abc import MetaPathFinder
 from importlib.machinery import PathFinder
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 

@@ -192,10 +192,7 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     kw.pop("device", None)
     kw.setdefault("dtype", self.dtype)
     data = args[1] if len(args) > 1 else kw.pop("data")
-    if isinstance(data, torch.Tensor):
-        cpu = data.detach().cpu().to(kw["dtype"]).clone()
-    else:
-        cpu = torch.tensor(data, **kw)
+    cpu = data.detach().cpu().to(kw["dtype"]).clone() if isinstance(data, torch.Tensor) else torch.tensor(data, **kw)
     index = _cuda_index(d) if d is not None else self._dev
     out = to_cuda(cpu, index)
     if requires_grad:

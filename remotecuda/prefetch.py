@@ -8,7 +8,8 @@ about max(transfer, compute) rather than their sum.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 

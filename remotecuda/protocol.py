@@ -24,8 +24,9 @@ import os
 import struct
 import threading
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np

@@ -12,7 +12,8 @@ gateway its graph) exactly when it would free a local RNN's saved tensors.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -313,9 +313,8 @@ class Session:
         try:
             if self.closed:
                 return False
-            if self._ops and now - self._first_pending >= BATCH_WINDOW:
-                self.flush()
-            elif self._release and len(self._release) > 1024:
+            if ((self._ops and now - self._first_pending >= BATCH_WINDOW)
+                    or (self._release and len(self._release) > 1024)):
                 self.flush()
             elif now - self._last_send > PING_EVERY:
                 self._send(protocol.PING, {"t": now})
@@ -571,6 +570,7 @@ def greet(greetings: list[tuple[zmq.Socket, dict]], timeout: float, endpoint: st
             if msg.type == protocol.WELCOME:
                 answers[sock] = msg.body
             elif msg.type == protocol.ERROR:
-                answers[sock] = GatewayUnavailableError(f"gateway {endpoint} refused the session: {msg.body.get('msg')}")
+                answers[sock] = GatewayUnavailableError(
+                    f"gateway {endpoint} refused the session: {msg.body.get('msg')}")
     return [answers[sock] if sock in answers else GatewayUnavailableError(
         f"no RemoteCUDA gateway answered at {endpoint} within {timeout:.1f} s") for sock, _ in greetings]

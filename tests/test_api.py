@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import remotecuda
+
 from conftest import GatewayProcess, run_python
 
 pytestmark = pytest.mark.usefixtures("remote")

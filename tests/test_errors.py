@@ -116,7 +116,7 @@ def test_script_traceback_ends_at_the_users_line(gateway, tmp_path, how):
 
 
 def test_ipython_traceback_has_no_runtime_frames(gateway):
-    jupyter_client = pytest.importorskip("jupyter_client")
+    pytest.importorskip("jupyter_client")
     from test_jupyter import Kernel
     env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
     k = Kernel("python3", [], env)

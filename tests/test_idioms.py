@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import run_python
-
 from remotecuda import accelerator_api, interception
 from remotecuda.tensor import RemoteTensor
+
+from conftest import run_python
 
 pytestmark = pytest.mark.usefixtures("remote")
 

@@ -39,7 +39,8 @@ import contextlib
 import dataclasses
 import itertools
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -52,8 +53,9 @@ from torch.testing._internal.common_utils import noncontiguous_like
 torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
 from torch.utils import _pytree as pytree
 
-import opinfo_expected_failures as expected
 import remotecuda
+
+import opinfo_expected_failures as expected
 
 #: OpInfo samples use deprecated arguments on purpose
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

@@ -19,9 +19,10 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import GatewayProcess, run_python, wait_for
 from remotecuda import protocol
 from remotecuda.protocol import Handle, ProtocolError
+
+from conftest import GatewayProcess, run_python, wait_for
 
 # ============================================================================ unit level
 
@@ -723,7 +724,7 @@ def test_fuzzed_ops_messages_never_cost_the_session(gw, good, bad_session):
         [protocol.encode_payload(protocol.tensor_bytes(x))])
     body, payload = bytes(frames[1]), bytes(frames[2])
     kinds = {}
-    for i in range(150):
+    for _ in range(150):
         edits = [(rng.randrange(len(body)), rng.randrange(256), rng.randrange(3)) for _ in range(rng.randint(1, 4))]
         mutated = _mutate(body, edits)
         bad.seq += 1
@@ -829,7 +830,8 @@ def test_an_upload_in_parts_is_pending_until_an_op_needs_it(gw, good):
         assert fetched(msg).item() == 3.0  # answered, with no PART sent yet
         c.send(protocol.PART, {"h": h, "off": 0, "total": 256}, [payload])
         y = c.handle()
-        msg = c.request([["aten::mul.Scalar", [Handle(h), 2.0], None, [y]]], (), ["rc::fetch", [y], None, {"base": None}])
+        msg = c.request([["aten::mul.Scalar", [Handle(h), 2.0], None, [y]]], (),
+                        ["rc::fetch", [y], None, {"base": None}])
         assert torch.equal(fetched(msg), data * 2)
         c.send(protocol.OPS, {"ops": [["rc::upload", [dropped, None, torch.float32, [64], None, 2], None, None]],
                               "rel": [dropped]})

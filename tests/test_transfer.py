@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import remotecuda
-from conftest import ROOT, GatewayProcess, run_python
 from remotecuda import protocol
 from remotecuda.cache import CacheMirror, ContentCache
 from remotecuda.compression import LinkModel
+
+from conftest import ROOT, GatewayProcess, run_python
 
 
 def test_content_cache_lru_and_lfu():
@@ -309,7 +310,8 @@ def test_large_downloads_come_in_parts_and_arrive_whole(remote, monkeypatch, mak
     from remotecuda import session as session_module
     seen = []
     add = session_module.Download.add
-    monkeypatch.setattr(session_module.Download, "add", lambda self, msg: (seen.append(msg.body["off"]), add(self, msg)))
+    monkeypatch.setattr(session_module.Download, "add",
+                        lambda self, msg: (seen.append(msg.body["off"]), add(self, msg)))
     x = make()
     y = x.cuda()
     assert torch.equal(y.cpu(), x)
@@ -451,8 +453,8 @@ def test_an_abandoned_upload_lets_go_of_its_parts_in_either_order():
         parts = PartedUploads(torch.device("cpu"))
 
         def arrive(h: int, i: int) -> None:
-            parts.add(h, i * protocol.PART_BYTES, total, part, b"")
-            parts.arrived()
+            parts.add(h, i * protocol.PART_BYTES, total, part, b"")  # noqa: B023 (called in its iteration)
+            parts.arrived()  # noqa: B023
 
         if not abandon_first:
             arrive(7, 0)
