@@ -1,0 +1,32 @@
+"""The gateway's internal messages: supervisor ↔ worker, over the private ``ipc://`` socket.
+
+Not on the wire (docs/PROTOCOL.md, "Gateway internals"): each is a multipart message whose
+first frame (after the worker's routing identity, on the supervisor's side) is one of these
+kinds. Adding a kind means a sender, a branch in the receiver's dispatch
+(``Gateway._on_back`` or ``Worker.serve``) and a line in PROTOCOL.md.
+"""
+from __future__ import annotations
+
+# worker → supervisor
+READY = b"READY"
+"""A worker has imported torch and takes a session; then its data port, ASCII digits (``0``: none)."""
+OUT = b"OUT"
+"""A message for the client, sent on the forwarded path; then the client's identity and its frames, unchanged."""
+STATS = b"STATS"
+"""The session's counters, when they change; then a msgpack map (``direct_*`` counts included)."""
+BYE = b"BYE"
+"""The client said BYE on the direct path; nothing follows: the supervisor closes the session."""
+CLOSED = b"CLOSED"
+"""The worker's executor has stopped; nothing follows: the worker process exits next."""
+
+# supervisor → worker
+ATTACH = b"ATTACH"
+"""A session for this worker; then the client's identity and msgpack ``{"cache", "token", "codecs"}``."""
+MSG = b"MSG"
+"""A client's OPS, CANCEL or PART, forwarded; then its frames, uncopied."""
+CLOSE = b"CLOSE"
+"""The session is over; nothing follows: the worker stops its executor and answers CLOSED."""
+
+# inside a worker: executor thread → I/O thread (over the worker's inproc outbox)
+DONE = b"DONE"
+"""The executor thread has finished; nothing follows: the I/O thread answers CLOSED."""
