@@ -15,9 +15,9 @@ from typing import Any
 
 import xxhash
 
+from .limits import CACHE_BYTES as DEFAULT_BYTES  # defined there: the command line reads it without torch
 from .protocol import payload_digest
 
-DEFAULT_BYTES = 512 << 20
 #: payloads smaller than this are sent as they are: the digest would cost more than it saves
 MIN_BYTES = 1 << 10
 POLICIES = ("lru", "lfu")

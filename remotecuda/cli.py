@@ -13,6 +13,11 @@ import sys
 import types
 import zipfile
 
+from .limits import CACHE_BYTES
+
+#: until the pool announces gateways by multicast, clients are told where they are
+NO_DISCOVERY = "not implemented yet (clients name gateways: --server / REMOTECUDA_SERVERS)"
+
 
 def _start(a: argparse.Namespace, argv: list[str]) -> int:
     from remotecuda_server.gateway import worker_env
@@ -31,9 +36,7 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
         for d in devices:
             print(f"  device {d.index}: {d.name}, {d.total_memory / 2**30:.1f} GiB"
                   + (" (simulated)" if d.simulated else ""), flush=True)
-        print(f"  listening on tcp://{gw.host}:{gw.port}; discovery "
-              f"{'off' if a.no_discovery else 'not available yet (use --server / REMOTECUDA_SERVERS)'}",
-              flush=True)
+        print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {NO_DISCOVERY}", flush=True)
         print("  status: ready (Ctrl-C to stop)", flush=True)
     print(f"READY tcp://{gw.host}:{gw.port}", flush=True)
 
@@ -162,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=55555, help="TCP port (default 55555; 0 picks a free one)")
     s.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="serve CUDA GPUs, or the CPU (auto: CUDA if present)")
-    s.add_argument("--no-discovery", action="store_true", help="do not announce this gateway by multicast")
+    s.add_argument("--no-discovery", action="store_true",
+                   help=f"changes nothing: discovery is {NO_DISCOVERY}")
     s.add_argument("--spare", type=int, default=1, help="session workers kept started per device")
     s.add_argument("--session-timeout", type=float, default=60.0,
                    help="seconds without a message before a session is dropped")
-    s.add_argument("--cache-bytes", type=int, default=512 << 20,
+    s.add_argument("--cache-bytes", type=int, default=CACHE_BYTES,
                    help="the most a session's upload cache may hold (default 512 MiB)")
     s.add_argument("--no-direct", action="store_true",
                    help="carry all session traffic through the one port (no per-session data ports)")

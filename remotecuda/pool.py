@@ -20,6 +20,7 @@ import zmq
 
 from . import cache
 from .errors import GatewayUnavailableError, RemoteCUDAError
+from .lifetime import die_with_parent
 from .session import BATCH_WINDOW, PING_EVERY, Session, _connect, hello
 
 DEFAULT_SERVER = "127.0.0.1:55555"
@@ -99,7 +100,7 @@ class Pool:
         # its own session: Jupyter's "Interrupt kernel" signals the kernel's whole process group,
         # and a SIGINT stops a gateway (ipykernel still terminates it at kernel shutdown)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)  # a killed client's helper
         line = proc.stdout.readline()  # "READY tcp://127.0.0.1:PORT" once it listens
         if not line.startswith("READY "):
             proc.kill()
@@ -173,17 +174,6 @@ class Pool:
         self.ctx.term()
 
 
-
-
-def _die_with_parent() -> None:
-    """The fallback gateway is this process's helper: it must not outlive a killed client."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-        try:
-            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def servers_from_env(servers: str | list[str] | None) -> list[str]:

@@ -5,6 +5,8 @@ already done, so ``torch.cuda`` means the RemoteCUDA gateways from the first cel
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from remotecuda._version import __version__
+
+__all__ = ["__version__", "KERNEL_NAME", "DISPLAY_NAME"]
 KERNEL_NAME = "remotecuda"
 DISPLAY_NAME = "Python (RemoteCUDA)"

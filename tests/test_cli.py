@@ -14,6 +14,8 @@ import psutil
 import pytest
 import torch
 
+import remotecuda
+
 from conftest import ROOT, GatewayProcess, run_python, wait_for
 
 BIN = os.path.join(os.path.dirname(sys.executable), "remotecuda")
@@ -281,7 +283,8 @@ def test_start_banner():
         total = psutil.virtual_memory().total / 2**30
         for lines in (cpu_lines, auto_lines):
             text = "\n".join(lines)
-            assert lines[0].startswith("RemoteCUDA gateway 0.1.0: "), text
+            assert lines[0].startswith(f"RemoteCUDA gateway {remotecuda.__version__}: "), text
+            assert "discovery: not implemented yet (clients name gateways: --server" in text
             assert re.search(rf"device 0: CPU \(\w+, {os.cpu_count()} cores\), {total:.1f} GiB$", text, re.M), text
             m = re.search(r"listening on tcp://127\.0\.0\.1:(\d+)", text)
             assert m and lines[-1] == f"READY tcp://127.0.0.1:{m.group(1)}", text
@@ -294,6 +297,23 @@ def test_start_banner():
     finally:
         codes = [_stop(cpu), _stop(auto)]
     assert codes == [0, 0]
+
+
+def test_unimplemented_options_say_so():
+    """Until the pool announces gateways, --no-discovery is accepted (scripts pass it) and says it
+    changes nothing."""
+    r = _run([BIN, "start", "--help"], timeout=60)
+    assert r.returncode == 0
+    assert "changes nothing: discovery is not implemented yet" in " ".join(r.stdout.split()), r.stdout
+
+
+def test_one_version():
+    """pyproject.toml, the client, the gateway and the kernel report one version."""
+    from importlib.metadata import version
+
+    import remotecuda_kernel
+    from remotecuda_server.gateway import VERSION
+    assert remotecuda.__version__ == VERSION == remotecuda_kernel.__version__ == version("remotecuda")
 
 
 def test_start_device_cuda_refuses_without_a_gpu():
