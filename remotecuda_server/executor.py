@@ -11,8 +11,9 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -25,7 +26,6 @@ from remotecuda.protocol import GeneratorRef, Handle, ProtocolError
 from . import rnn
 from .ops import OpResolver, UnknownOpError
 
-_RNN_OPS = frozenset(("rc::rnn", "rc::rnn_backward"))
 _LINK = LinkModel()  # the gateway does not measure its clients' links: downloads use the default
 
 
@@ -225,6 +225,27 @@ class PartedUploads:
         return Upload(t, ready, digests, parts)
 
 
+class InternalOp(NamedTuple):
+    """An ``rc::`` op: the Executor method that serves it, and its argument list's shape."""
+
+    method: Callable[[Executor, list], Any]
+    args: str  # as docs/PROTOCOL.md's table of internal ops gives it
+    stores: bool  # its result goes to the op's output handles, as an aten op's does
+
+
+#: ``rc::<name>`` → InternalOp, filled by ``@internal_op`` on Executor's methods; internal ops
+#: are served from here only, never resolved through the aten allowlist (ops.py)
+INTERNAL_OPS: dict[str, InternalOp] = {}
+
+
+def internal_op(name: str, args: str, stores: bool = False) -> Callable:
+    """Serve ``rc::<name>`` with the decorated Executor method, called with the op's args."""
+    def register(method: Callable) -> Callable:
+        INTERNAL_OPS[f"rc::{name}"] = InternalOp(method, args, stores)
+        return method
+    return register
+
+
 class Executor:
     """Runs ops in issue order against a handle table."""
 
@@ -235,6 +256,8 @@ class Executor:
         self.pending: dict[int, tuple] = {}  # handle → (last PART, dtype, shape, key): bytes on the way
         self.dropped: set[int] = set()  # pending handles released before they landed
         self._cancelled: Callable[[], bool] = lambda: False  # the running message's: whether an interrupt dropped it
+        self._prepared: dict = {}  # the running message's uploads, prepared by the I/O thread
+        self._out_payloads: list = []  # the running message's reply payloads, which fetches add to
         #: on the CPU the table itself counts the bytes its tensors hold (CUDA's allocator does on a GPU)
         self.handles: dict[int, torch.Tensor] = {} if device.type == "cuda" else CountedHandles()
         self.invalid: dict[int, str] = {}
@@ -295,13 +318,13 @@ class Executor:
                     self.invalid[h] = why
 
     # ------------------------------------------------------------------ execution
-    def run(self, body: dict, payloads: list, cancelled=lambda: False,
+    def run(self, body: dict, cancelled: Callable[[], bool] = lambda: False,
             prepared: dict | None = None) -> tuple[Any, dict | None, list]:
         """Execute one OPS message; return (result of the request op, error, reply payloads).
         Downloads too large for one frame are left in ``out_parts`` as (index, total bytes, payloads).
 
-        ``payloads`` are checked, decompressed buffers; ``prepared`` maps an uploaded handle to
-        its ``Upload`` (or to why it could not be prepared), made by the worker's I/O thread.
+        ``prepared`` maps an uploaded handle to its ``Upload`` (or to why it could not be
+        prepared), made by the worker's I/O thread from the message's payloads.
         """
         self._prepared = prepared or {}
         self._cancelled = cancelled
@@ -315,6 +338,7 @@ class Executor:
         if self.pending:
             self._resolve_arrived()
         result, out_payloads = None, []
+        self._out_payloads = out_payloads
         for i, op in enumerate(ops):
             while frees[k][0] <= i:
                 self._free(frees[k][1])
@@ -331,7 +355,7 @@ class Executor:
                 self._skipped(name, args)
                 continue
             try:
-                r = self._execute(name, args or [], kwargs or {}, outs, payloads, out_payloads)
+                r = self._execute(name, args or [], kwargs or {}, outs)
                 if isinstance(outs, dict):  # a request op: its value goes back
                     result = r
             except ProtocolError:
@@ -373,13 +397,16 @@ class Executor:
         if h in self.pending:
             self.dropped.add(h)
 
-    def _execute(self, name: str, args: list, kwargs: dict, outs: Any, payloads: list,
-                 out_payloads: list) -> Any:
+    def _execute(self, name: str, args: list, kwargs: dict, outs: Any) -> Any:
         if name.startswith("rc::"):
-            if name in _RNN_OPS:  # whole recurrent layers: their outputs go to handles
-                self._store(outs, rnn.run(self.resolver, name[4:], [self._arg(a) for a in args]))
+            op = INTERNAL_OPS.get(name)
+            if op is None:
+                raise UnknownOpError(f"unknown internal op {name}")
+            result = op.method(self, args)
+            if op.stores:
+                self._store(outs, result)
                 return None
-            return self._internal(name[4:], args, payloads, out_payloads)
+            return result
         func = self.resolver.resolve(name)._op  # what OpOverload.__call__ forwards to, one frame less
         args = [self._arg(a) for a in args]
         result = func(*args, **{k: self._arg(v) for k, v in kwargs.items()}) if kwargs else func(*args)
@@ -407,116 +434,161 @@ class Executor:
         return walk(result)
 
     # ------------------------------------------------------------------ internal ops
-    def _internal(self, name: str, args: list, payloads: list, out_payloads: list) -> Any:
-        if name == "upload":  # [handle, payload index or None, dtype, shape, key or None(, last PART number)]
-            h = args[0]
-            self.stats["uploads"] += 1
-            if args[1] is None:  # sent in PART messages: the stream goes on while they come
-                self._expect(args)
-                return None
-            up = self._prepared.get(h)
-            if isinstance(up, BaseException):  # found by the I/O thread
-                raise up
-            if up is None:
-                raise ProtocolError(f"upload of tensor {h}: its bytes are missing")
-            self._land(h, up, args[4])
-            return None
-        if name == "upload_abandon":  # [handle, last PART number]: an interrupt stopped its PARTs
-            self.parts.abandon(*args)
-            return None
-        if name == "upload_cached":  # [handle, key, dtype, shape]: the bytes came earlier
-            h, key, dtype, shape = args
-            parts = self.cache.get(key) if self.cache is not None else None
-            if parts is None:
-                raise RuntimeError("remotecuda: the gateway's upload cache lost a payload the client "
-                                   "expected it to hold")
-            self.handles[h] = assemble(parts, dtype, shape, self.device)
-            self.invalid.pop(h, None)
-            self.stats["uploads"] += 1
-            self.stats["cache_hits"] += 1
-            self.stats["cache_bytes_saved"] += sum(p.nbytes for p in parts)
-            return None
-        if name == "fetch":  # [handle] → payload
-            return self._fetch(args[0], 0, out_payloads)
-        if name == "fetch_many":  # [handle, ...] → a fetch's result per handle, in one reply
-            if not all(type(h) is int for h in args):
-                raise ProtocolError("malformed rc::fetch_many: expected handle ids")
-            return [self._fetch(h, i, out_payloads) for i, h in enumerate(args)]
-        if name == "seed":
-            (seed,) = args
-            if self.device.type == "cuda":
-                torch.cuda.manual_seed(seed)
-            else:
-                torch.manual_seed(seed)
-            return None
-        if name in ("gen_new", "gen_seed"):  # [generator id, seed]
-            gid, seed = args
-            g = self.generators.get(gid) if name == "gen_seed" else None
-            if g is None:
-                g = self.generators[gid] = torch.Generator(device=self.device)
-            g.manual_seed(seed)
-            return None
-        if name == "initial_seed":
-            return (torch.cuda.initial_seed() if self.device.type == "cuda" else torch.initial_seed())
-        if name == "rng_get":  # the default generator's state, as bytes
-            cuda = self.device.type == "cuda"
-            return (torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()).numpy().tobytes()
-        if name == "rng_set":  # [state bytes]
-            state = torch.frombuffer(bytearray(args[0]), dtype=torch.uint8)
-            if self.device.type == "cuda":
-                torch.cuda.set_rng_state(state, self.device)
-            else:
-                torch.set_rng_state(state)
-            return None
-        if name == "sync":
-            for h in list(self.pending):
-                self._resolve(h)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return None
-        if name == "event_record":
-            (eid,) = args
-            if self.device.type == "cuda":
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                self.events[eid] = ev
-            else:
-                self.events[eid] = time.perf_counter()
-            return None
-        if name == "event_elapsed":
-            a, b = (self.events[e] for e in args)
-            if self.device.type == "cuda":
-                b.synchronize()
-                return a.elapsed_time(b)
-            return (b - a) * 1000.0
-        if name == "event_free":
-            for e in args:
-                self.events.pop(e, None)
-            return None
-        if name == "memory":
-            return self.memory_stats()
-        if name == "reset_peak":
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            else:
-                self.handles.reset_peak()
-            return None
-        if name == "empty_cache":
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            else:
-                HOST_BLOCKS.clear()
-            return None
-        if name == "sdp_choice":  # [q, k, v, mask or None, dropout, causal, scale, gqa, grad]
-            return _sdp_choice(*[None if h is None else self._arg(Handle(h)).detach() for h in args[:4]],
-                               *args[4:])
-        if name == "set_flags":  # backend flags such as allow_tf32
-            for key, value in args[0].items():
-                _set_backend_flag(key, value)
-            return None
-        raise UnknownOpError(f"unknown internal op rc::{name}")
+    @internal_op("upload", "[handle, payload index or nil, dtype, shape, key or nil(, last PART)]")
+    def _upload(self, args: list) -> None:
+        h = args[0]
+        self.stats["uploads"] += 1
+        if args[1] is None:  # sent in PART messages: the stream goes on while they come
+            self._expect(args)
+            return
+        up = self._prepared.get(h)
+        if isinstance(up, BaseException):  # found by the I/O thread
+            raise up
+        if up is None:
+            raise ProtocolError(f"upload of tensor {h}: its bytes are missing")
+        self._land(h, up, args[4])
 
-    def _fetch(self, h: int, index: int, out_payloads: list) -> dict:
+    @internal_op("upload_abandon", "[handle, last PART]")
+    def _upload_abandon(self, args: list) -> None:
+        """An interrupt stopped the upload's PARTs."""
+        self.parts.abandon(*args)
+
+    @internal_op("upload_cached", "[handle, key, dtype, shape]")
+    def _upload_cached(self, args: list) -> None:
+        """The bytes came earlier: they are in the upload cache."""
+        h, key, dtype, shape = args
+        parts = self.cache.get(key) if self.cache is not None else None
+        if parts is None:
+            raise RuntimeError("remotecuda: the gateway's upload cache lost a payload the client "
+                               "expected it to hold")
+        self.handles[h] = assemble(parts, dtype, shape, self.device)
+        self.invalid.pop(h, None)
+        self.stats["uploads"] += 1
+        self.stats["cache_hits"] += 1
+        self.stats["cache_bytes_saved"] += sum(p.nbytes for p in parts)
+
+    @internal_op("fetch", "[handle]")
+    def _fetch_one(self, args: list) -> dict:
+        return self._fetch(args[0], 0)
+
+    @internal_op("fetch_many", "[handle, ...]")
+    def _fetch_many(self, args: list) -> list:
+        """A fetch's result per handle, in one reply."""
+        if not all(type(h) is int for h in args):
+            raise ProtocolError("malformed rc::fetch_many: expected handle ids")
+        return [self._fetch(h, i) for i, h in enumerate(args)]
+
+    @internal_op("sync", "[]")
+    def _sync(self, args: list) -> None:
+        for h in list(self.pending):
+            self._resolve(h)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @internal_op("seed", "[seed]")
+    def _seed(self, args: list) -> None:
+        (seed,) = args
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+
+    @internal_op("initial_seed", "[]")
+    def _initial_seed(self, args: list) -> int:
+        return (torch.cuda.initial_seed() if self.device.type == "cuda" else torch.initial_seed())
+
+    @internal_op("gen_new", "[generator id, seed]")
+    def _gen_new(self, args: list) -> None:
+        gid, seed = args
+        g = self.generators[gid] = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+
+    @internal_op("gen_seed", "[generator id, seed]")
+    def _gen_seed(self, args: list) -> None:
+        """Reseed a generator (made afresh if the gateway does not hold it)."""
+        gid, seed = args
+        g = self.generators.get(gid)
+        if g is None:
+            g = self.generators[gid] = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+
+    @internal_op("event_record", "[event id]")
+    def _event_record(self, args: list) -> None:
+        (eid,) = args
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.events[eid] = ev
+        else:
+            self.events[eid] = time.perf_counter()
+
+    @internal_op("event_elapsed", "[start id, end id]")
+    def _event_elapsed(self, args: list) -> float:
+        a, b = (self.events[e] for e in args)
+        if self.device.type == "cuda":
+            b.synchronize()
+            return a.elapsed_time(b)
+        return (b - a) * 1000.0
+
+    @internal_op("event_free", "[event id, ...]")
+    def _event_free(self, args: list) -> None:
+        for e in args:
+            self.events.pop(e, None)
+
+    @internal_op("memory", "[]")
+    def _memory(self, args: list) -> dict:
+        return self.memory_stats()
+
+    @internal_op("reset_peak", "[]")
+    def _reset_peak(self, args: list) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.handles.reset_peak()
+
+    @internal_op("empty_cache", "[]")
+    def _empty_cache(self, args: list) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            HOST_BLOCKS.clear()
+
+    @internal_op("rng_get", "[]")
+    def _rng_get(self, args: list) -> bytes:
+        """The default generator's state, as bytes."""
+        cuda = self.device.type == "cuda"
+        return (torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()).numpy().tobytes()
+
+    @internal_op("rng_set", "[state bytes]")
+    def _rng_set(self, args: list) -> None:
+        state = torch.frombuffer(bytearray(args[0]), dtype=torch.uint8)
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @internal_op("sdp_choice", "[q, k, v, mask or nil, dropout_p, is_causal, scale, enable_gqa, grad]")
+    def _sdp_choice(self, args: list) -> int:
+        return _sdp_choice(*[None if h is None else self._arg(Handle(h)).detach() for h in args[:4]],
+                           *args[4:])
+
+    @internal_op("set_flags", "[{flag: value}]")
+    def _set_flags(self, args: list) -> None:
+        """Backend flags such as allow_tf32."""
+        for key, value in args[0].items():
+            _set_backend_flag(key, value)
+
+    @internal_op("rnn", "[aten op, its arguments, needs or nil, output strides]", stores=True)
+    def _rnn(self, args: list) -> Any:
+        """Whole recurrent layers: their outputs go to the op's handles."""
+        return rnn.forward(self.resolver, *[self._arg(a) for a in args])
+
+    @internal_op("rnn_backward", "[[root handles], [leaf handles], [gradient handle or nil per root]]",
+                 stores=True)
+    def _rnn_backward(self, args: list) -> Any:
+        return rnn.backward(*[self._arg(a) for a in args])
+
+    def _fetch(self, h: int, index: int) -> dict:
         """Tensor h's bytes for the client: a reply payload, or over DOWNLOAD_PARTS_ABOVE parts
         that the worker sends as PART messages (tagged with ``index``, the tensor's place in its
         request) ahead of the reply."""
@@ -530,8 +602,8 @@ class Executor:
                      for i in range(0, buf.nbytes, protocol.PART_BYTES)]
             self.out_parts.append((index, buf.nbytes, parts))
             return {"parts": len(parts), "nbytes": buf.nbytes, "shape": list(cpu.shape), "dtype": cpu.dtype}
-        out_payloads.append(protocol.encode_payload(buf, codec))
-        return {"pl": len(out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
+        self._out_payloads.append(protocol.encode_payload(buf, codec))
+        return {"pl": len(self._out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
 
     def _skipped(self, name: str, args: list) -> None:
         """A skipped upload still keeps the content cache in step with the client's mirror, and

@@ -3,11 +3,11 @@
 The supervisor never runs an op. It checks each message's header, answers HELLO and
 PING itself, and forwards a session's frames (without copying them) to the worker
 process that owns the session — or, when the client reaches the worker's own data port
-(the direct path, see worker.py), only places the session and keeps its accounts. Workers are started ahead of time, one spare per
-device, so a new session does not wait for ``import torch``. A session ends on BYE,
-after ``session_timeout`` seconds without a message (the client pings every few
-seconds while alive), or when its worker dies; its worker then exits, which frees
-all of its memory.
+(the direct path, see worker.py), only places the session and keeps its accounts. Workers
+are started ahead of time, one spare per device, so a new session does not wait for
+``import torch``. A session ends on BYE, after ``session_timeout`` seconds without a
+message (the client pings every few seconds while alive), or when its worker dies; its
+worker then exits, which frees all of its memory.
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ from typing import Any
 import zmq
 
 from remotecuda import protocol
+from remotecuda._version import __version__ as VERSION
 from remotecuda.cache import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
 from remotecuda.cache import POLICIES
 from remotecuda.protocol import ProtocolError
 
+from . import internal
 from .devices import DeviceInfo
-
-VERSION = "0.1.0"
 
 #: worker figures that are levels, not counts: a session row shows them, totals do not add them up
 _GAUGES = ("memory", "cache_entries", "partial_upload_bytes")
@@ -146,7 +146,7 @@ class Gateway:
             self.sessions[client] = SessionState(client, w.ident, dev, token=token)
             conf = self._cache_conf(self.cache_requests.pop(client, None))
             codecs = list(self.client_codecs.pop(client, ()))
-            self.back.send_multipart([w.ident, b"ATTACH", client,
+            self.back.send_multipart([w.ident, internal.ATTACH, client,
                                       protocol.pack_body({"cache": conf, "token": token, "codecs": codecs})])
             welcome = dict(self._inventory(session=True), cache=conf, token=token)
             if w.data_port:
@@ -252,7 +252,7 @@ class Gateway:
 
     def _forward(self, state: SessionState, frames: list) -> None:
         try:
-            self.back.send_multipart([state.worker, b"MSG", *frames], copy=False)
+            self.back.send_multipart([state.worker, internal.MSG, *frames], copy=False)
         except zmq.ZMQError:  # the worker has just gone (ROUTER_MANDATORY says so)
             self._lose_session(state.client, "the gateway's session worker is gone")
 
@@ -311,7 +311,7 @@ class Gateway:
         if state is not None:
             self._keep_totals(state)
             try:
-                self.back.send_multipart([state.worker, b"CLOSE"])
+                self.back.send_multipart([state.worker, internal.CLOSE])
             except zmq.ZMQError:
                 pass
 
@@ -320,14 +320,14 @@ class Gateway:
         w = self.workers.get(ident)
         if w is None:
             return
-        if kind == b"READY":
+        if kind == internal.READY:
             w.ready = True
             w.data_port = int(frames[2].bytes) if len(frames) > 2 else 0
             self._assign()
-        elif kind == b"BYE":  # the client said goodbye on the direct path
+        elif kind == internal.BYE:  # the client said goodbye on the direct path
             if w.client is not None:
                 self._close_session(w.client)
-        elif kind == b"OUT":
+        elif kind == internal.OUT:
             client = frames[2].bytes
             state = self.sessions.get(client)
             if state is not None:
@@ -335,14 +335,14 @@ class Gateway:
                 state.bytes_out += n
                 self.totals["bytes_out"] += n
                 self._send_client(client, frames[3:])
-        elif kind == b"STATS":
+        elif kind == internal.STATS:
             state = self.sessions.get(w.client) if w.client is not None else None
             if state is not None:
                 stats = protocol.unpack_body(frames[2].bytes)
                 if stats.get("direct_messages_in") != state.worker_stats.get("direct_messages_in"):
                     state.last_seen = time.monotonic()  # the client is alive on the direct path
                 state.worker_stats = stats
-        elif kind == b"CLOSED":
+        elif kind == internal.CLOSED:
             try:
                 w.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -9,8 +9,6 @@ from handles the client saves for its backward, which ``rc::rnn_backward`` runs.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .ops import OpResolver, UnknownOpError
@@ -62,10 +60,3 @@ def backward(roots: list, leaves: list, grads: list) -> list:
         got = torch.autograd.grad([r for r, _ in pairs], leaves, [g for _, g in pairs],
                                   retain_graph=True, allow_unused=True)
     return [torch.zeros_like(leaf) if g is None else g.contiguous() for g, leaf in zip(got, leaves)]
-
-
-def run(resolver: OpResolver, name: str, args: list) -> Any:
-    """The executor's entry point for ``rc::rnn`` and ``rc::rnn_backward`` (handles resolved)."""
-    if name == "rnn":
-        return forward(resolver, *args)
-    return backward(*args)

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,11 +31,40 @@ import zmq
 
 from remotecuda import protocol
 from remotecuda.cache import ContentCache
+from remotecuda.lifetime import die_with_parent
 from remotecuda.protocol import ProtocolError
 
+from . import internal
 from .executor import Assembly, Executor, Upload
 
 STATS_INTERVAL = 0.25  # seconds between a busy session's reports to the supervisor
+
+
+# ---------------------------------------------------------------------- the executor's inbox
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A session message for the executor to run, its payloads checked by the I/O thread."""
+
+    msg: protocol.Message
+    prepared: dict  # uploaded handle → its Upload, already on the device, or why it could not be
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A message the I/O thread refused: the executor answers ERROR in its turn."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """A CANCEL: the executor clears a pending op error and answers the interrupted request."""
+
+    rid: Any
+
+
+#: what the I/O thread queues for the executor thread, in order; None: the session is over
+InboxItem = Run | Rejected | Cancelled | None
 
 
 class Worker:
@@ -74,7 +104,7 @@ class Worker:
 
     # ------------------------------------------------------------------ I/O thread
     def serve(self) -> None:
-        self.sock.send_multipart([b"READY", str(self.data_port).encode()])
+        self.sock.send_multipart([internal.READY, str(self.data_port).encode()])
         exec_thread = threading.Thread(target=self._execute_loop, daemon=True)
         exec_thread.start()
         poller = zmq.Poller()
@@ -92,8 +122,8 @@ class Worker:
                         frames = self.outbox.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    if frames[0].bytes == b"DONE":
-                        self.sock.send_multipart([b"CLOSED"])
+                    if frames[0].bytes == internal.DONE:
+                        self.sock.send_multipart([internal.CLOSED])
                         return
                     self._to_client(frames)
             if self.data in events:
@@ -105,7 +135,7 @@ class Worker:
             if self.sock in events:
                 frames = self.sock.recv_multipart(copy=False)
                 kind = frames[0].bytes
-                if kind == b"ATTACH":
+                if kind == internal.ATTACH:
                     self.client = frames[1].bytes
                     conf = protocol.unpack_body(frames[2].bytes) if len(frames) > 2 else {}
                     cache = conf.get("cache") or {}
@@ -116,16 +146,16 @@ class Worker:
                     for early in self.early:
                         self._on_direct(early)
                     self.early = []
-                elif kind == b"MSG":
+                elif kind == internal.MSG:
                     self._on_client_message(frames[1:])
-                elif kind == b"CLOSE":
+                elif kind == internal.CLOSE:
                     self.closing = True
                     self.executor.parts.close()
                     self.inbox.put(None)
 
     def _to_client(self, frames: list) -> None:
         if self.direct_client is None:
-            self.sock.send_multipart([b"OUT", self.client, *frames], copy=False)
+            self.sock.send_multipart([internal.OUT, self.client, *frames], copy=False)
             return
         self.direct_counts["direct_bytes_out"] += sum(len(f) for f in frames)
         try:
@@ -170,7 +200,7 @@ class Worker:
         elif msg_type == protocol.PING:
             self._reply_direct(ident, protocol.PONG, {})
         elif msg_type == protocol.BYE:
-            self.sock.send_multipart([b"BYE"])
+            self.sock.send_multipart([internal.BYE])
         else:
             self._reply_direct(ident, protocol.ERROR, {
                 "msg": f"unexpected message type {protocol.TYPE_NAMES[msg_type]} in a session",
@@ -195,7 +225,7 @@ class Worker:
                      parts_in=self.executor.parts.received, partial_upload_bytes=self.executor.parts.building_bytes())
         if stats != self._last_stats and self.client is not None:
             self._last_stats = stats
-            self.sock.send_multipart([b"STATS", protocol.pack_body(stats)])
+            self.sock.send_multipart([internal.STATS, protocol.pack_body(stats)])
 
     def _on_client_message(self, frames: list) -> None:
         if frames and protocol.decode_header(frames[0])[0] == protocol.PART:  # (forwarded)
@@ -204,23 +234,23 @@ class Worker:
         try:
             msg = protocol.decode(frames)
         except ProtocolError as e:
-            self.inbox.put(("error", str(e)))
+            self.inbox.put(Rejected(str(e)))
             return
         if msg.type == protocol.CANCEL:
             upto = msg.body.get("upto")
             if isinstance(upto, int):
                 self.cancel_upto = max(self.cancel_upto, upto)
-            self.inbox.put(("cancelled", msg.body.get("rid")))
+            self.inbox.put(Cancelled(msg.body.get("rid")))
             return
         try:
-            self._prepare(msg)
+            prepared = self._prepare(msg)
         except ProtocolError as e:
-            self.inbox.put(("error", str(e)))
+            self.inbox.put(Rejected(str(e)))
             return
         except Exception as e:  # a malformed message must never take down the I/O thread
-            self.inbox.put(("error", f"malformed OPS message ({type(e).__name__}: {e})"))
+            self.inbox.put(Rejected(f"malformed OPS message ({type(e).__name__}: {e})"))
             return
-        self.inbox.put(("msg", msg))
+        self.inbox.put(Run(msg, prepared))
 
     def _on_part(self, frames: list) -> None:
         """One part of a large upload: checked and copied into place here, as it arrives, while
@@ -238,22 +268,23 @@ class Worker:
                 self.executor.parts.add(h, body["off"], body.get("total"), buf, desc[2])
         except Exception as e:  # (a part too big for memory included) never the I/O thread's end
             if h is None:
-                self.inbox.put(("error", str(e)))
+                self.inbox.put(Rejected(str(e)))
             else:
                 self.executor.parts.fail(h, e)
         finally:
             self.executor.parts.arrived()
 
-    def _prepare(self, msg: protocol.Message) -> None:
-        """Check and decompress payloads, and copy uploads to the device, while earlier ops run.
+    def _prepare(self, msg: protocol.Message) -> dict:
+        """Check and decompress payloads, and copy uploads to the device, while earlier ops run;
+        return the prepared uploads (handle → ``Upload``, or the error the executor raises in order).
 
         Each payload's digest is checked once, here; the executor finds the verified
         digests (and so the content key) in the ``Upload`` it gets."""
         digests = [d[2] if isinstance(d, list) and len(d) == 3 else None for d, _ in msg.payloads]
         msg.payloads = [protocol.decode_payload(d, f) for d, f in msg.payloads]
-        msg.prepared = {}
+        prepared: dict = {}
         if msg.type != protocol.OPS:
-            return
+            return prepared
         ops = msg.body.get("ops")
         for op in ops if isinstance(ops, list) else ():  # the executor reports a malformed list
             if not (isinstance(op, list) and len(op) == 4 and op[0] == "rc::upload"
@@ -261,15 +292,16 @@ class Worker:
                 continue  # (an upload in parts is taken by the executor from executor.parts)
             try:
                 with self._on_copy_stream():
-                    self._finish_upload(op[1], msg, digests)
+                    prepared[op[1][0]] = self._finish_upload(op[1], msg, digests)
             except (ProtocolError, ValueError, TypeError, IndexError, KeyError, RuntimeError) as e:
-                msg.prepared[op[1][0]] = e  # the executor raises it in order
+                prepared[op[1][0]] = e  # the executor raises it in order
+        return prepared
 
     def _on_copy_stream(self) -> Any:
         return torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
 
-    def _finish_upload(self, args: list, msg: protocol.Message, digests: list) -> None:
-        h, idx, dtype, shape, _key = args
+    def _finish_upload(self, args: list, msg: protocol.Message, digests: list) -> Upload:
+        _h, idx, dtype, shape, _key = args
         part, digest = msg.payloads[idx], digests[idx]
         flat = Assembly(part.nbytes, self.device)
         flat.add(0, part)
@@ -278,7 +310,7 @@ class Worker:
         if self.copy_stream is not None:
             t.record_stream(torch.cuda.current_stream(self.device))
             ready = self.copy_stream.record_event()
-        msg.prepared[h] = Upload(t, ready, [digest], [part])
+        return Upload(t, ready, [digest], [part])
 
     # ------------------------------------------------------------------ executor thread
     def _execute_loop(self) -> None:
@@ -291,25 +323,25 @@ class Worker:
             with torch.inference_mode():
                 self._serve_inbox(out)
         finally:
-            out.send_multipart([b"DONE"])
+            out.send_multipart([internal.DONE])
             out.close(linger=1000)
 
     def _serve_inbox(self, out: zmq.Socket) -> None:
         while True:
-            item = self.inbox.get()
+            item: InboxItem = self.inbox.get()
             if item is None:
                 break
-            kind, value = item
-            if kind == "error":
-                out.send_multipart(protocol.encode(protocol.ERROR, {"msg": value, "kind": "protocol"}))
-            elif kind == "cancelled":
-                self.executor.failed = None  # the interrupt was the user's answer to it
-                out.send_multipart(protocol.encode(protocol.REPLY, {"rid": value, "res": None,
-                                                                     "err": None, "cancelled": True}))
+            if type(item) is Run:
+                self._run_message(item, out)
+            elif type(item) is Rejected:
+                out.send_multipart(protocol.encode(protocol.ERROR, {"msg": item.why, "kind": "protocol"}))
             else:
-                self._run_message(value, out)
+                self.executor.failed = None  # the interrupt was the user's answer to it
+                out.send_multipart(protocol.encode(protocol.REPLY, {"rid": item.rid, "res": None,
+                                                                     "err": None, "cancelled": True}))
 
-    def _run_message(self, msg: protocol.Message, out: zmq.Socket) -> None:
+    def _run_message(self, item: Run, out: zmq.Socket) -> None:
+        msg = item.msg
         if msg.type != protocol.OPS:
             out.send_multipart(protocol.encode(protocol.ERROR, {
                 "msg": f"unexpected message type {protocol.TYPE_NAMES[msg.type]} in a session",
@@ -318,8 +350,7 @@ class Worker:
         seq = msg.seq
         cancelled = lambda: seq <= self.cancel_upto  # noqa: E731 - read by the executor between ops
         try:
-            result, err, payloads = self.executor.run(msg.body, msg.payloads, cancelled,
-                                                      getattr(msg, "prepared", None))
+            result, err, payloads = self.executor.run(msg.body, cancelled, item.prepared)
         except ProtocolError as e:
             self.executor.failed = None
             out.send_multipart(protocol.encode(protocol.ERROR, {"msg": str(e), "kind": "protocol"}))
@@ -354,13 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-frame", type=int, default=protocol.MAX_PAYLOAD_BYTES)
     p.add_argument("--parent", type=int, help="the gateway's pid: a worker must not outlive it")
     a = p.parse_args(argv)
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-        try:
-            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    die_with_parent()
     if a.parent is not None and os.getppid() != a.parent:  # it ended while we imported torch
         os._exit(0)
     # the I/O thread must get the GIL soon while the executor thread runs Python op after op:

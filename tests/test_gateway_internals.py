@@ -1,0 +1,90 @@
+"""The gateway's internal protocol: its named parts, and docs/PROTOCOL.md kept in step with them.
+
+No gateway process: these check the registries and run the executor directly on the CPU."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from remotecuda import protocol
+from remotecuda.protocol import ProtocolError
+from remotecuda_server import internal
+from remotecuda_server.executor import INTERNAL_OPS, Executor, Upload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(ROOT, "docs", "PROTOCOL.md"), encoding="utf-8") as f:
+    DOC = f.read()
+
+
+def _section(start: str) -> str:
+    """The doc's text from ``start`` to the next heading."""
+    at = DOC.index(start)
+    end = DOC.find("\n#", at)
+    return DOC[at:] if end < 0 else DOC[at:end]
+
+
+def _documented_internal_ops() -> set[str]:
+    table = _section("Internal ops (`rc::`")
+    names: set[str] = set()
+    for row in re.findall(r"^\|([^|\n]*)\|", table, re.M):
+        names.update(re.findall(r"`(rc::\w+)`", row))
+    return names
+
+
+def test_internal_op_table_matches_registry():
+    documented = _documented_internal_ops()
+    assert documented, "docs/PROTOCOL.md has no table of rc:: ops"
+    assert sorted(set(INTERNAL_OPS) - documented) == [], "served, not in docs/PROTOCOL.md's table"
+    assert sorted(documented - set(INTERNAL_OPS)) == [], "in docs/PROTOCOL.md's table, not served"
+
+
+def test_each_internal_op_states_its_arguments():
+    for name, op in INTERNAL_OPS.items():
+        assert re.fullmatch(r"\[.*\]( or \[.*\])?", op.args), (name, op.args)
+        assert callable(op.method), name
+
+
+def test_protocol_version_in_doc_matches_code():
+    stated = re.search(r"Protocol version: \*\*(\d+)\*\*", DOC)
+    assert stated and int(stated.group(1)) == protocol.VERSION
+    header_row = re.search(r"^\| 4 \| 1 \| u8 \| version \| `(\d+)`", DOC, re.M)
+    assert header_row and int(header_row.group(1)) == protocol.VERSION
+    welcome = re.search(r'"protocol": (\d+),', DOC)
+    assert welcome and int(welcome.group(1)) == protocol.VERSION
+
+
+def test_internal_message_kinds_are_distinct_and_documented():
+    kinds = {k: v for k, v in vars(internal).items() if k.isupper() and isinstance(v, bytes)}
+    assert len(set(kinds.values())) == len(kinds)
+    assert all(v == k.encode() for k, v in kinds.items())  # what a packet capture shows is the name
+    doc = _section("## Gateway internals")
+    assert [k for k in kinds if f"`{k}" not in doc] == []
+
+
+def _upload(t: torch.Tensor) -> Upload:
+    buf = protocol.tensor_bytes(t)
+    return Upload(t, None, [protocol.encode_payload(buf)[0][2]], [buf])
+
+
+def test_executor_serves_internal_ops_from_prepared_uploads():
+    ex = Executor(torch.device("cpu"))
+    x = torch.arange(6, dtype=torch.float32)
+    ops = [["rc::upload", [1, 0, torch.float32, [6], None], None, None],
+           ["aten::mul.Tensor", [protocol.Handle(1), protocol.Handle(1)], None, [2]],
+           ["rc::fetch_many", [1, 2], None, {"base": None}]]
+    result, err, payloads = ex.run({"ops": ops, "n0": 0, "req": 1}, prepared={1: _upload(x)})
+    assert err is None and [r["pl"] for r in result] == [0, 1]
+    got = [torch.frombuffer(bytearray(protocol.decode_payload(*p)), dtype=torch.float32) for p in payloads]
+    assert torch.equal(got[0], x) and torch.equal(got[1], x * x)
+    assert ex.stats["uploads"] == 1 and ex.stats["downloads"] == 2
+
+
+def test_executor_reports_unknown_internal_op_and_missing_upload():
+    ex = Executor(torch.device("cpu"))
+    _, err, _ = ex.run({"ops": [["rc::no_such_op", [], None, [1]]], "n0": 0, "req": 1})
+    assert err["type"] == "UnknownOpError" and err["msg"] == "unknown internal op rc::no_such_op"
+    with pytest.raises(ProtocolError, match="upload of tensor 1: its bytes are missing"):
+        ex.run({"ops": [["rc::upload", [1, 0, torch.float32, [1], None], None, None]], "n0": 1})
