@@ -101,7 +101,7 @@ class Pool:
         # and a SIGINT stops a gateway (ipykernel still terminates it at kernel shutdown)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                                 start_new_session=True, preexec_fn=die_with_parent)  # a killed client's helper
-        line = proc.stdout.readline()  # "READY tcp://127.0.0.1:PORT" once it listens
+        line = proc.stdout.readline() if proc.stdout else ""  # "READY tcp://127.0.0.1:PORT" once it listens
         if not line.startswith("READY "):
             proc.kill()
             raise GatewayUnavailableError("could not start a local CPU gateway for the fallback")

@@ -276,7 +276,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         return memoryview(b"")
     if t.stride(0) != 1:  # one element under a stride-0 (expanded) size-1 dim counts as contiguous
         t = t.clone(memory_format=torch.contiguous_format)
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs declare ndarray a buffer only for Python >= 3.12
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def payload_digest(buf: memoryview) -> bytes:

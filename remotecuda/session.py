@@ -82,7 +82,7 @@ class Session:
         self._rid = 0
         self._op_index = 0
         self._last_send = time.monotonic()
-        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # counts, and wait_seconds
         self.closed = False
 
     @property
@@ -481,7 +481,9 @@ class Download:
     stream has been read past."""
 
     def __init__(self) -> None:
-        self.assembly, self.parts, self.error = None, 0, None
+        self.assembly: protocol.Assembly | None = None
+        self.parts = 0
+        self.error: ProtocolError | None = None
 
     def add(self, msg: protocol.Message) -> None:
         self.parts += 1
