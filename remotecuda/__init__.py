@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ._version import __version__ as __version__  # the one definition (pyproject.toml reads it)
 from .errors import (GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError,
                      install_excepthook, uninstall_excepthook)
 
@@ -33,7 +34,6 @@ def fetch(tensors: Any) -> list:
 __all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "prefetch", "fetch",
            "gateway_status",
            "RemoteCUDAError", "GatewayUnavailableError", "GatewayLostError", "GatewayProtocolError"]
-__version__ = "0.1.0"
 
 
 def activate(servers: str | list[str] | None = None, *, fallback: str | None = None,
@@ -108,7 +108,8 @@ def unload_ipython_extension(ip: Any) -> None:
 
 
 def stats(reset: bool = False) -> dict:
-    """Cumulative counters of this process's sessions (ops, messages, bytes, round trips...)."""
+    """Cumulative counters of this process's sessions (ops, messages, bytes, round trips...) and of
+    the dispatch cache (``metadata_cache_*``: hits, misses, bypasses by reason; see dispatch_cache.py)."""
     from .dispatch import DISPATCHER
     from .session import STAT_KEYS
     rt = DISPATCHER.runtime
@@ -123,9 +124,9 @@ def stats(reset: bool = False) -> dict:
                 if reset:
                     s.stats = dict.fromkeys(STAT_KEYS, 0)
                     s.stats["ops"] = -pending
-    total["metadata_cache_hits"], total["metadata_cache_misses"] = DISPATCHER.hits, DISPATCHER.misses
+    total.update(DISPATCHER.cache.info().as_stats())  # hits, misses, bypasses by reason...
     if reset:
-        DISPATCHER.hits = DISPATCHER.misses = 0
+        DISPATCHER.cache.reset_counters()
     return total
 
 

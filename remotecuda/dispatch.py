@@ -12,12 +12,11 @@ Ops whose output the client cannot predict (data-dependent shapes such as
 kernel) take the *describe* path: the gateway runs the op once, keeps the outputs
 under handles from a block the client reserved, and replies with their metadata.
 
-The pattern follows FakeTensor's dispatch cache (torch/_subclasses/fake_tensor.py):
-key = op + per-argument (type, value) or tensor metadata; entries say per output
-"this argument" (in-place), "a view of this argument", or "a new tensor".
+The cache, its keys, entries and counters are in dispatch_cache.py.
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +24,9 @@ from typing import Any
 import torch
 from torch._C import _DisableTorchDispatch
 
+from . import dispatch_cache as dc
 from . import downloads
+from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import RemoteCUDAError
 from .generator import wire_ref
 from .protocol import DTYPE_EXT
@@ -46,7 +47,6 @@ _CPU_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
 #: ops that change a tensor's own shape/stride/storage in place
 _METADATA_MUTATION = {aten.resize_.default, aten.resize_as_.default, aten.set_.source_Tensor,
                       aten.set_.source_Tensor_storage_offset}
-DESCRIBE = "describe"  # cache entry: the gateway must tell the output metadata
 
 
 class DeviceMismatch(RuntimeError):
@@ -65,11 +65,11 @@ class OpMeta:
     name: str  # wire name, aten::name.overload
     ret_alias: tuple  # per return: None or (position, arg name, is_write)
     multi: bool  # several returns (a tuple)
-    describe: bool  # the gateway must report outputs
+    bypass: str | None  # why the gateway must describe every call's outputs (dispatch_cache's reasons)
     fully_inplace: bool  # every output is a written argument
     metadata_mutation: bool
     cpu_ok: bool
-    float_values: bool  # float arguments can change output shapes (arange, upsample...)
+    float_values: bool  # float arguments' values are part of the cache key (see _float_values)
     special: Any = None  # a handler replacing the common path (transfers, copies)
 
 
@@ -88,20 +88,37 @@ def _op_meta(func: Any) -> OpMeta:
                     found = (None if a.kwarg_only else j, a.name, bool(ai.is_write))
                     break
         ret_alias.append(found)
-    tags = func.tags
-    tensor_returns = all(str(r.type) in _TENSOR_RETURNS for r in schema.returns)
-    describe = (not tensor_returns or _Tag.data_dependent_output in tags
-                or (_Tag.dynamic_output_shape in tags and func is not aten.index.Tensor))
     fully_inplace = (all(ra is not None and ra[2] for ra in ret_alias) if ret_alias else schema.is_mutable)
-    base = ns_name.split("::")[-1]
-    float_values = not fully_inplace and (base.startswith(_FLOAT_SHAPED) or not any(
-        str(a.type) in ("Tensor", "Tensor?", "List[Tensor]", "List[Optional[Tensor]]") for a in sargs))
-    return OpMeta(func, name, tuple(ret_alias), len(schema.returns) > 1, describe, fully_inplace,
-                  _Tag.inplace_view in tags or func in _METADATA_MUTATION, func in _CPU_OK, float_values)
+    return OpMeta(func, name, tuple(ret_alias), len(schema.returns) > 1, _bypass(func), fully_inplace,
+                  _Tag.inplace_view in func.tags or func in _METADATA_MUTATION, func in _CPU_OK,
+                  not fully_inplace and _float_values(sargs))
 
 
-#: ops whose output shape can depend on the value of a float argument
-_FLOAT_SHAPED = ("upsample", "_upsample", "arange", "range", "linspace", "logspace", "histogram")
+def _bypass(func: Any) -> str | None:
+    """Why ``func``'s outputs can never come from the cache, or None."""
+    if not all(str(r.type) in _TENSOR_RETURNS for r in func._schema.returns):
+        return dc.NON_TENSOR_OUTPUT
+    if _Tag.data_dependent_output in func.tags:
+        return dc.DATA_DEPENDENT_OUTPUT
+    if _Tag.dynamic_output_shape in func.tags and func is not aten.index.Tensor:
+        return dc.DYNAMIC_OUTPUT_SHAPE  # (index's meta kernel tells: a boolean mask is refused there)
+    return None
+
+
+def _float_values(sargs: Any) -> bool:
+    """Whether float arguments' values must be in the cache key: where they can set an output's
+    shape. Elsewhere only their type is, so that an optimizer step with a new learning rate each
+    step still hits. From the schema: a ``float[]`` argument (upsampling's ``scale_factors``, the
+    only float arguments among aten's tensor ops that size an output), or no tensor argument at all
+    (factories: ``arange(0, 1.5, .1)``). Cross-check mode (REMOTECUDA_CHECK_CACHE=1, on in the
+    tests) recomputes every hit with the actual values, so an op that breaks this rule fails there."""
+    types = [str(a.type) for a in sargs]
+    return any(t in _FLOAT_LISTS for t in types) or not any(t in _TENSOR_ARGS for t in types)
+
+
+#: schema types (as ``str(argument.type)``) of float lists and of tensor arguments, for _float_values
+_FLOAT_LISTS = {"List[float]", "Optional[List[float]]"}
+_TENSOR_ARGS = {"Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]"}
 #: ops whose tensors must share a dtype, which their meta kernels do not check (a float64 batch
 #: into a float32 nn.Linear): refused here at once, as on a device, not at the next sync point
 _SAME_DTYPE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
@@ -220,10 +237,8 @@ class Dispatcher:
     def __init__(self) -> None:
         self.runtime: Any = None
         self.ops: dict[int, OpMeta] = {}
-        self.cache: dict[tuple, Any] = {}
-        self.cache_limit = 65536
+        self.cache = DispatchCache(check=os.environ.get("REMOTECUDA_CHECK_CACHE", "") not in ("", "0"))
         self.local = ThreadState()
-        self.hits = self.misses = 0
 
     # ------------------------------------------------------------------ entry points
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -279,26 +294,34 @@ class Dispatcher:
         self.local.vdev = s.vdev
         if factory:
             key.append(torch.get_default_dtype())
+        if m.bypass is not None:
+            return self._bypassed(m.bypass, m, s, wargs, wkw, args, kwargs)
         key = tuple(key)
-        entry = DESCRIBE if m.describe else self.cache.get(key)
-        if entry is None:
-            self.misses += 1
-            try:
-                entry = self._compute(m, args, kwargs)
-            except Exception as e:
-                return self._refused(m, key, s, wargs, wkw, args, kwargs, e)
-            if len(self.cache) >= self.cache_limit:
-                self.cache.pop(next(iter(self.cache)))
-            self.cache[key] = entry
-        else:
-            self.hits += 1
-        if entry is DESCRIBE:
-            return self._describe(m, s, wargs, wkw, args, kwargs)
-        if entry[0] == "new1":  # the common case, inline: one new tensor
+        cache = self.cache
+        entry = cache.get(key)
+        if type(entry) is NewTensor:  # the common case, a hit for one new tensor: inline
+            cache.hits += 1
+            if cache.check:
+                self._cross_check(m, key, entry, args, kwargs)
             h = s.new_handle()
             outs = [h]
-            result = wrap(s, h, entry[1])
+            result = wrap(s, h, entry.layout)
         else:
+            if entry is None:
+                try:
+                    entry = self._compute(m, args, kwargs)
+                except Exception as e:
+                    return self._refused(m, key, s, wargs, wkw, args, kwargs, e)
+                cache.store(key, entry)
+                if type(entry) is not Bypass:
+                    cache.misses += 1
+            else:
+                if cache.check:
+                    self._cross_check(m, key, entry, args, kwargs)
+                if type(entry) is not Bypass:
+                    cache.hits += 1
+            if type(entry) is Bypass:
+                return self._bypassed(entry.reason, m, s, wargs, wkw, args, kwargs)
             outs = []
             result = _build(entry, s, args, kwargs, outs)
         s.enqueue(m.name, wargs, wkw, outs)
@@ -306,7 +329,7 @@ class Dispatcher:
             _mutate_wrapper(m.func, args, kwargs)
         return result
 
-    def _compute(self, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    def _compute(self, m: OpMeta, args: tuple, kwargs: dict) -> Entry:
         """Output metadata from the meta kernel, as a cache entry."""
         if m.func in _SAME_DTYPE and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
             raise TypeError(f"{m.name}: tensors of different dtypes")  # for the gateway to word
@@ -316,16 +339,16 @@ class Dispatcher:
             with _DisableTorchDispatch():
                 out = m.func(*margs, **mkw)
         except NotImplementedError:
-            return DESCRIBE
+            return _NO_META_KERNEL
         except RuntimeError as e:
             if m.fully_inplace and "meta" in str(e).lower():
-                return ("inplace",)  # e.g. fused optimizer kernels: no meta, outputs are inputs
+                return _IN_PLACE  # e.g. fused optimizer kernels: no meta, outputs are inputs
             if _is_data_dependent(e):
-                return DESCRIBE
+                return _META_NEEDS_DATA
             raise
         except Exception as e:
             if _is_data_dependent(e):
-                return DESCRIBE
+                return _META_NEEDS_DATA
             raise
         rets = out if m.multi else (out,)
         items = []
@@ -335,12 +358,23 @@ class Dispatcher:
             elif isinstance(r, (list, tuple)):
                 items.append([_spec(x, alias) if isinstance(x, torch.Tensor) else None for x in r])
             elif isinstance(r, (int, torch.SymInt)):
-                items.append(("const", int(r)))
+                items.append(ConstOut(int(r)))
             else:
                 items.append(None)
-        if not m.multi and len(items) == 1 and items[0] is not None and items[0][0] == "new":
-            return ("new1", items[0][1])
-        return ("out", m.multi, tuple(items))
+        if not m.multi and len(items) == 1 and type(items[0]) is NewOut:
+            return NewTensor(items[0].layout)
+        return Outputs(m.multi, tuple(items))
+
+    def _cross_check(self, m: OpMeta, key: tuple, entry: Entry, args: tuple, kwargs: dict) -> None:
+        """Cross-check mode: the metadata computed afresh for this call must be the cached entry."""
+        try:
+            fresh = self._compute(m, args, kwargs)
+        except Exception:
+            fresh = _META_REFUSED
+        if fresh != entry:
+            raise dc.CacheCrossCheckError(
+                f"remotecuda dispatch cache: the cached entry for {m.name} differs from the metadata "
+                f"computed afresh\n  key:    {key}\n  cached: {entry}\n  fresh:  {fresh}")
 
     def _refused(self, m: OpMeta, key: tuple, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict,
                  meta_error: Exception) -> Any:
@@ -350,13 +384,18 @@ class Dispatcher:
         the op after all, its outputs are the op's, and the gateway describes this signature from
         now on."""
         try:
-            out = self._describe(m, s, wargs, wkw, args, kwargs)
+            out = self._bypassed(dc.META_REFUSED, m, s, wargs, wkw, args, kwargs)
         except RemoteCUDAError:
             raise meta_error from None  # no gateway to ask
         except Exception as e:
             raise e from None  # (not "during handling of" the meta kernel's error)
-        self.cache[key] = DESCRIBE
+        self.cache.store(key, _META_REFUSED)
         return out
+
+    def _bypassed(self, reason: str, m: OpMeta, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict) -> Any:
+        """Count a bypass of the cache, then have the gateway run the op and describe its outputs."""
+        self.cache.bypass(reason)
+        return self._describe(m, s, wargs, wkw, args, kwargs)
 
     def _describe(self, m: OpMeta, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict) -> Any:
         base = s.reserve(1024)
@@ -448,13 +487,20 @@ def _is_data_dependent(e: Exception) -> bool:
                     "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
 
 
-def _spec(r: torch.Tensor, alias: Any) -> tuple:
+#: the entries that carry nothing but their kind, made once
+_IN_PLACE = dc.InPlace()
+_NO_META_KERNEL = Bypass(dc.NO_META_KERNEL)
+_META_NEEDS_DATA = Bypass(dc.META_NEEDS_DATA)
+_META_REFUSED = Bypass(dc.META_REFUSED)
+
+
+def _spec(r: torch.Tensor, alias: Any) -> ArgOut | ViewOut | NewOut:
     if alias is not None and alias[2]:
-        return ("arg", alias[0], alias[1])
+        return ArgOut(alias[0], alias[1])
     lay = layout(r.shape, r.stride(), r.storage_offset(), r.dtype)
     if alias is not None:
-        return ("view", alias[0], alias[1], lay)
-    return ("new", lay)
+        return ViewOut(alias[0], alias[1], lay)
+    return NewOut(lay)
 
 
 def _view(src: Any, fn: Any, *a: Any) -> RemoteTensor:
@@ -467,32 +513,35 @@ def _view(src: Any, fn: Any, *a: Any) -> RemoteTensor:
     return fn(*a)
 
 
-def _build(entry: tuple, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
-    """Output wrappers for a cache entry; appends the gateway handles to ``outs`` in flat order."""
-    kind = entry[0]  # "new1" is handled inline by Dispatcher.run
-    if kind == "inplace":
+def _build(entry: Entry, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
+    """Output wrappers for a cache entry; appends the gateway handles to ``outs`` in flat order.
+    (Dispatcher.run builds a cache hit's ``NewTensor`` inline.)"""
+    if type(entry) is NewTensor:
+        h = s.new_handle()
+        outs.append(h)
+        return wrap(s, h, entry.layout)
+    if type(entry) is not Outputs:  # InPlace
         return args[0] if args else None
-    _, multi, items = entry
 
     def one(spec: Any) -> Any:
         if spec is None:
             return None
-        kind = spec[0]
-        if kind == "const":  # a shape-like integer result: not a tensor, nothing on the gateway
-            return spec[1]
-        if kind == "arg":
+        t = type(spec)
+        if t is ConstOut:
+            return spec.value
+        if t is ArgOut:
             outs.append(None)
-            return _arg_at(args, kwargs, spec[1], spec[2])
+            return _arg_at(args, kwargs, spec.pos, spec.name)
         h = s.new_handle()
         outs.append(h)
-        if kind == "new":
-            return wrap(s, h, spec[1])
-        src = _arg_at(args, kwargs, spec[1], spec[2])
+        if t is NewOut:
+            return wrap(s, h, spec.layout)
+        src = _arg_at(args, kwargs, spec.pos, spec.name)
         sid = src._sid if isinstance(src, RemoteTensor) else None
-        return _view(src, wrap, s, h, spec[3], sid)
+        return _view(src, wrap, s, h, spec.layout, sid)
 
-    built = [[one(x) for x in it] if type(it) is list else one(it) for it in items]
-    if multi:
+    built = [[one(x) for x in it] if type(it) is list else one(it) for it in entry.items]
+    if entry.multi:
         return tuple(built)
     return built[0] if built else None
 

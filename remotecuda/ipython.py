@@ -16,7 +16,7 @@ for every cell:
 
 Configuration (``c.RemoteCUDA.<trait>`` in ipython/ipython_kernel config), each
 overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS),
-``strategy`` (REMOTECUDA_STRATEGY), ``cache_bytes`` (REMOTECUDA_CACHE_BYTES),
+``strategy`` (REMOTECUDA_STRATEGY; not used yet), ``cache_bytes`` (REMOTECUDA_CACHE_BYTES),
 ``fallback`` (REMOTECUDA_FALLBACK, ``cpu``|``error``), ``sync`` (REMOTECUDA_SYNC).
 """
 from __future__ import annotations
@@ -30,8 +30,13 @@ from typing import Any
 from traitlets import Bool, CaselessStrEnum, Int, Unicode
 from traitlets.config import Configurable
 
+from .limits import CACHE_BYTES
+
 COMM_TARGET = "remotecuda"
 STRATEGIES = ("adaptive", "load-balancing", "memory-aware", "latency-optimized")
+#: what ``%remotecuda strategy`` and status say until the GPU pool places sessions
+NO_STRATEGIES = ("not available yet: scheduling strategies arrive with the GPU pool; "
+                 "cuda:N are the configured gateways' GPUs, in order")
 #: per-cell counters published for each cell (differences of remotecuda.stats())
 CELL_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "wait_seconds")
@@ -43,8 +48,9 @@ class RemoteCUDA(Configurable):
     servers = Unicode("", help="Gateways, 'host:port[,host:port...]'. Empty: REMOTECUDA_SERVERS, "
                                "else 127.0.0.1:55555.").tag(config=True)
     strategy = CaselessStrEnum(STRATEGIES, default_value="adaptive",
-                               help="Placement strategy of the GPU pool.").tag(config=True)
-    cache_bytes = Int(512 << 20, help="Bound of the content-addressed upload cache, in bytes."
+                               help="Not used yet: placement strategies arrive with the GPU pool; "
+                                    "setting one changes nothing.").tag(config=True)
+    cache_bytes = Int(CACHE_BYTES, help="Bound of the content-addressed upload cache, in bytes."
                       ).tag(config=True)
     fallback = CaselessStrEnum(("cpu", "error"), default_value="cpu",
                                help="'cpu': run on a local CPU gateway when none answers; "
@@ -165,11 +171,6 @@ class Extension:
             return False
         if hasattr(rt, "cache_bytes"):  # sessions open lazily, so this still applies
             rt.cache_bytes = int(self.config.cache_bytes)
-        if hasattr(rt, "strategy"):
-            try:
-                rt.strategy = self.config.strategy
-            except Exception:
-                pass
         return True
 
     def load(self, defer_activation: bool = False) -> None:
@@ -389,7 +390,9 @@ class Extension:
         from .dispatch import DISPATCHER
         st["session"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in tot.items()}
         st["cache_hit_rate"] = _rate(tot.get("cache_hits", 0), tot.get("cache_misses", 0))
-        st["metadata_cache_hit_rate"] = _rate(DISPATCHER.hits, DISPATCHER.misses)
+        mc = DISPATCHER.cache.info()
+        st["metadata_cache"] = mc.as_stats()
+        st["metadata_cache_hit_rate"] = _rate(mc.hits, mc.misses)
         st["sessions_open"] = len(getattr(rt, "sessions", {})) if rt is not None else 0
         return st
 
@@ -462,7 +465,7 @@ def _magics_class() -> type:
 
     @magics_class
     class _RemoteCUDAMagics(Magics):
-        """``%remotecuda status|servers|use HOST:PORT|strategy NAME|last|fallback on|off``"""
+        """``%remotecuda status|servers|use HOST:PORT|strategy|last|fallback on|off``"""
 
         def __init__(self, shell: Any, ext: Extension):
             super().__init__(shell)
@@ -471,7 +474,7 @@ def _magics_class() -> type:
         @line_magic
         def remotecuda(self, line: str) -> None:
             """RemoteCUDA: %remotecuda status | servers | use HOST:PORT[,HOST:PORT] |
-            strategy adaptive|load-balancing|memory-aware|latency-optimized | last |
+            strategy (not available yet) | last |
             fallback on|off"""
             parts = line.split()
             cmd, args = (parts[0].lower(), parts[1:]) if parts else ("status", [])
@@ -495,12 +498,17 @@ def _magics_class() -> type:
                 mem = f", {d['total_memory'] / 2**30:.1f} GiB" if d.get("total_memory") else ""
                 print(f"  {d['device']}: {d['name']}{mem} (gateway GPU {d['gpu']}"
                       f"{', session open' if d['session_open'] else ''})")
-            print(f"  strategy: {st['strategy']}; fallback: {st['fallback']}; sync: {st['sync']}")
+            print(f"  fallback: {st['fallback']}; sync: {st['sync']}; strategy: {NO_STRATEGIES}")
             hr, mr = st["cache_hit_rate"], st["metadata_cache_hit_rate"]
             print(f"  upload cache: {'n/a' if hr is None else f'{hr:.0%}'} hit rate "
                   f"({_fmt_bytes(st['session']['cache_bytes_saved'])} not re-sent, bound "
-                  f"{_fmt_bytes(st['cache_bytes'])}); metadata cache: "
-                  f"{'n/a' if mr is None else f'{mr:.0%}'} hit rate")
+                  f"{_fmt_bytes(st['cache_bytes'])})")
+            mc = st["metadata_cache"]
+            reasons = ", ".join(f"{r} {n}" for r, n in sorted(mc["metadata_cache_bypass_reasons"].items()))
+            print(f"  metadata cache: {'n/a' if mr is None else f'{mr:.0%}'} hit rate "
+                  f"({mc['metadata_cache_hits']} hits, {mc['metadata_cache_misses']} misses, "
+                  f"{mc['metadata_cache_entries']} entries); {mc['metadata_cache_bypasses']} ops "
+                  f"described by the gateway{': ' + reasons if reasons else ''}")
             s = st["session"]
             print(f"  this session: {s['ops']} ops in {s['messages']} messages, "
                   f"{_fmt_bytes(s['bytes_up'])} up, {_fmt_bytes(s['bytes_down'])} down, "
@@ -538,17 +546,7 @@ def _magics_class() -> type:
                 raise RuntimeError(f"remotecuda: not active ({self.ext.activation_error})")
 
         def _cmd_strategy(self, args: list) -> None:
-            if not args:
-                print(f"strategy: {self.ext.config.strategy} (one of {', '.join(STRATEGIES)})")
-                return
-            name = args[0].lower()
-            if name not in STRATEGIES:
-                raise ValueError(f"unknown strategy {args[0]!r}; one of {', '.join(STRATEGIES)}")
-            self.ext.config.strategy = name
-            rt = remotecuda_runtime()
-            if rt is not None and hasattr(rt, "strategy"):
-                rt.strategy = name
-            print(f"strategy: {name} (stored; the pool scheduler that places sessions by it comes later)")
+            print(f"strategy: {NO_STRATEGIES}; nothing changed")
 
         def _cmd_last(self, args: list) -> None:
             rec = self.ext.last
@@ -574,10 +572,6 @@ def _magics_class() -> type:
                   "%remotecuda use HOST:PORT)")
 
     return _RemoteCUDAMagics
-
-
-def remotecuda_runtime() -> Any:
-    return _rt()
 
 
 def RemoteCUDAMagics(shell: Any, ext: Extension) -> Any:  # noqa: N802 - built lazily (IPython import)

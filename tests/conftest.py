@@ -9,6 +9,9 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the dispatch cache's cross-check mode (remotecuda/dispatch_cache.py) for the whole run, and for the
+#: programs tests start: every cache hit recomputes its metadata and must equal the cached entry
+os.environ.setdefault("REMOTECUDA_CHECK_CACHE", "1")
 
 
 class GatewayProcess:
