@@ -11,8 +11,14 @@ import os
 from typing import Any
 
 from ._version import __version__ as __version__  # the one definition (pyproject.toml reads it)
-from .errors import (GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError,
-                     install_excepthook, uninstall_excepthook)
+from .errors import (
+    GatewayLostError,
+    GatewayProtocolError,
+    GatewayUnavailableError,
+    RemoteCUDAError,
+    install_excepthook,
+    uninstall_excepthook,
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -579,7 +579,8 @@ def _to_copy(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     if dev.type == "cpu":
         cpu = d.download(src)  # (contiguous)
         _, shape, stride, _ = src._k
-        if kwargs.get("memory_format") in (None, torch.preserve_format) and _permuted_dense(shape, stride):  # e.g. x.t().cpu() keeps x.t()'s strides
+        # e.g. x.t().cpu() keeps x.t()'s strides
+        if kwargs.get("memory_format") in (None, torch.preserve_format) and _permuted_dense(shape, stride):
             cpu = torch.empty_strided(shape, stride, dtype=cpu.dtype).copy_(cpu)
         rest = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format") and v is not None}
         return cpu.to(**rest) if rest else cpu
