@@ -19,8 +19,19 @@ from . import cuda_api
 _CUDA = torch.device("cuda")
 
 
-def _index(device: Any) -> int:
-    return cuda_api._index(device)
+# the same answers as torch.cuda's (their device arguments may also be given by keyword)
+device_count = cuda_api.device_count
+current_device_index = cuda_api.current_device
+current_stream = cuda_api.current_stream
+synchronize = cuda_api.synchronize
+memory_allocated = cuda_api.memory_allocated
+max_memory_allocated = cuda_api.max_memory_allocated
+memory_reserved = cuda_api.memory_reserved
+max_memory_reserved = cuda_api.max_memory_reserved
+reset_peak_memory_stats = cuda_api.reset_peak_memory_stats
+reset_accumulated_memory_stats = cuda_api.reset_accumulated_memory_stats
+empty_cache = cuda_api.empty_cache
+get_memory_info = cuda_api.mem_get_info
 
 
 def is_available() -> bool:
@@ -29,14 +40,6 @@ def is_available() -> bool:
 
 def current_accelerator(check_available: bool = False) -> torch.device:
     return _CUDA
-
-
-def device_count() -> int:
-    return cuda_api.device_count()
-
-
-def current_device_index() -> int:
-    return cuda_api.current_device()
 
 
 def current_device_idx() -> int:
@@ -70,66 +73,26 @@ class device_index:
             set_device_index(self.prev_idx)
 
 
-def current_stream(device: Any = None, /) -> cuda_api.Stream:
-    return cuda_api.current_stream(device)
-
-
 def set_stream(stream: cuda_api.Stream) -> None:
     """Makes ``stream`` current, and its device too (as torch does)."""
     cuda_api.set_stream(stream)
     set_device_index(stream.device.index)
 
 
-def synchronize(device: Any = None, /) -> None:
-    cuda_api.synchronize(device)
-
-
 def get_device_capability(device: Any = None, /) -> dict[str, Any]:
     """The dtypes a CUDA device allocates and converts between: all but the quantized ones."""
-    _index(device)
+    cuda_api._index(device)  # (a bad device raises)
     dtypes = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
     return {"supported_dtypes": {d for d in dtypes if not str(d).startswith(("torch.qint", "torch.quint"))}}
 
 
 # ---------------------------------------------------------------------- memory
-def memory_allocated(device_index: Any = None, /) -> int:
-    return cuda_api.memory_allocated(device_index)
-
-
-def max_memory_allocated(device_index: Any = None, /) -> int:
-    return cuda_api.max_memory_allocated(device_index)
-
-
-def memory_reserved(device_index: Any = None, /) -> int:
-    return cuda_api.memory_reserved(device_index)
-
-
-def max_memory_reserved(device_index: Any = None, /) -> int:
-    return cuda_api.max_memory_reserved(device_index)
-
-
 def memory_stats(device_index: Any = None, /) -> OrderedDict[str, Any]:
     return OrderedDict(sorted(cuda_api.memory_stats(device_index).items()))
 
 
-def reset_peak_memory_stats(device_index: Any = None, /) -> None:
-    cuda_api.reset_peak_memory_stats(device_index)
-
-
-def reset_accumulated_memory_stats(device_index: Any = None, /) -> None:
-    cuda_api.reset_accumulated_memory_stats(device_index)
-
-
-def empty_cache() -> None:
-    cuda_api.empty_cache()
-
-
 def empty_host_cache() -> None:
     return None  # no page-locked host memory is ever allocated here (see interception._pin_memory)
-
-
-def get_memory_info(device_index: Any = None, /) -> tuple[int, int]:
-    return cuda_api.mem_get_info(device_index)
 
 
 _MEMORY = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",

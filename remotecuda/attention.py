@@ -63,7 +63,7 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     if not all(isinstance(t, RemoteTensor) for t in (q, k, v)) or \
             (mask is not None and not isinstance(mask, RemoteTensor)):
         return func(*args, **kwargs)
-    kind = DISPATCHER.runtime.device(q._dev).props.get("kind", "cuda")
+    kind = DISPATCHER.runtime.device(q._dev).kind
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     key = (kind, q._k, k._k, v._k, None if mask is None else mask._k, p > 0, causal, scale, gqa, grad)
     if kind == "cpu" and mask is not None and mask.requires_grad:

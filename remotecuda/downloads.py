@@ -10,9 +10,10 @@ are those the reads would have got.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from importlib.abc import MetaPathFinder
 from importlib.machinery import PathFinder
@@ -90,33 +91,25 @@ def module_tensors(m: torch.nn.Module) -> list[torch.Tensor]:
     return [*params, *(p.grad for p in params if p.grad is not None), *m.buffers()]
 
 
-def _module_cpu(original: Any) -> Any:
-    def cpu(self: torch.nn.Module) -> torch.nn.Module:
-        with prefetching(module_tensors(self)):
-            return original(self)
-    cpu.__doc__, cpu.__wrapped__ = original.__doc__, original
-    return cpu
+def prefetched(original: Callable, tensors_of: Callable) -> Callable:
+    """``original`` with the tensors ``tensors_of(*args, **kwargs)`` names fetched up front, for its
+    reads to take (the scopes of ``torch.save``, ``Module.cpu()``, safetensors' saves)."""
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with prefetching(tensors_of(*args, **kwargs)):
+            return original(*args, **kwargs)
+    return call
 
 
-def _module_to(original: Any) -> Any:
-    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is None or device.type != "cpu":
-            return original(self, *args, **kwargs)
-        with prefetching(module_tensors(self)):
-            return original(self, *args, **kwargs)
-    to.__doc__, to.__wrapped__ = original.__doc__, original
-    return to
+def _module_to_cpu(self: torch.nn.Module, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    device = torch._C._nn._parse_to(*args, **kwargs)[0]
+    return module_tensors(self) if device is not None and device.type == "cpu" else []
 
 
-def _safetensors_flatten(original: Any) -> Any:
+def _safetensors_tensors(tensors: Any, *args: Any, **kwargs: Any) -> Iterable[Any]:
     """safetensors' ``save``/``save_file`` (and so Hugging Face's ``save_pretrained``) read
     their tensors through ``_flatten_as_ptr``, one ``.to('cpu')`` each."""
-    def flatten(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        with prefetching(tensors.values() if isinstance(tensors, dict) else ()):
-            return original(tensors, *args, **kwargs)
-    flatten.__wrapped__ = original
-    return flatten
+    return tensors.values() if isinstance(tensors, dict) else ()
 
 
 class _OnImport(MetaPathFinder):
@@ -150,13 +143,13 @@ class _OnImport(MetaPathFinder):
 
 def _patch_safetensors(patches: Any, module: Any) -> None:
     if hasattr(module, "_flatten_as_ptr") and not hasattr(module._flatten_as_ptr, "__wrapped__"):
-        patches.set(module, "_flatten_as_ptr", _safetensors_flatten(module._flatten_as_ptr))
+        patches.set(module, "_flatten_as_ptr", prefetched(module._flatten_as_ptr, _safetensors_tensors))
 
 
 def install(patches: Any) -> None:
     """Batch the reads of Module.cpu()/.to('cpu') and of safetensors while remotecuda is active."""
-    patches.set(torch.nn.Module, "cpu", _module_cpu(torch.nn.Module.cpu))
-    patches.set(torch.nn.Module, "to", _module_to(torch.nn.Module.to))
+    patches.set(torch.nn.Module, "cpu", prefetched(torch.nn.Module.cpu, module_tensors))
+    patches.set(torch.nn.Module, "to", prefetched(torch.nn.Module.to, _module_to_cpu))
     if "safetensors.torch" in sys.modules:
         _patch_safetensors(patches, sys.modules["safetensors.torch"])
     else:

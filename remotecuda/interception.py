@@ -285,7 +285,7 @@ def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
     gateway keeps the CPU's path, as the local CPU reference does."""
     x, p, train = _dropout_args(*args, **kwargs)
     if train and 0 < p < 1 and isinstance(x, RemoteTensor) and x.numel() > 0 and \
-            DISPATCHER.runtime.device(x._dev).props.get("kind", "cuda") == "cuda":
+            DISPATCHER.runtime.device(x._dev).kind == "cuda":
         return torch.ops.aten.native_dropout(x, p, train)[0]
     return func(*args, **kwargs)
 

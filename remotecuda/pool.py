@@ -34,6 +34,11 @@ class VirtualDevice:
     props: dict  # the gateway's description of the GPU
     gateway: dict  # the gateway's WELCOME (versions)
 
+    @property
+    def kind(self) -> str:
+        """"cuda" or "cpu": which device's kernels the gateway runs (the client picks fused ops by it)."""
+        return self.props.get("kind", "cuda")
+
 
 def endpoint(server: str) -> str:
     """'host:port' (or a tcp:// URL) → a ZeroMQ endpoint."""

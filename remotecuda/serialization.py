@@ -122,15 +122,6 @@ def remote_tensors(obj: Any) -> list[RemoteTensor]:
     return finder.found
 
 
-def _make_save(original: Any) -> Any:
-    def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
-        with downloads.prefetching(remote_tensors(obj)):
-            return original(obj, *args, **kwargs)
-    save.__doc__ = original.__doc__
-    save.__wrapped__ = original
-    return save
-
-
 def _make_load(original: Any) -> Any:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
         target = _map_location_device(map_location)
@@ -155,6 +146,6 @@ def install(patches: Any) -> None:
         torch.serialization.register_package(0, _tag, _deserialize)
         _registered = True
     patches.set(torch, "load", _make_load(torch.load))
-    patches.set(torch, "save", _make_save(torch.save))
+    patches.set(torch, "save", downloads.prefetched(torch.save, lambda obj, *a, **kw: remote_tensors(obj)))
     patches.set(torch.serialization, "save", torch.save)
     patches.set(torch.serialization, "load", torch.load)
