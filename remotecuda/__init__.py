@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from ._version import __version__ as __version__  # the one definition (pyproject.toml reads it)
@@ -81,6 +82,23 @@ def deactivate() -> None:
     uninstall_excepthook()
     DISPATCHER.runtime = None
     rt.close()
+
+
+def _release_in_forked_child() -> None:
+    """A forked child (a DataLoader worker) gets plain torch, as a forked child of a CUDA process
+    cannot use CUDA: the parent's sessions are not the child's (their sockets are the parent's, and
+    a lock that another thread held at the fork stays held: DataLoader's workers seed torch first
+    thing, which would queue an op on such a session and hang)."""
+    dispatch = sys.modules.get(f"{__name__}.dispatch")
+    if dispatch is None or dispatch.DISPATCHER.runtime is None:
+        return
+    from . import interception
+    interception.uninstall()
+    uninstall_excepthook()
+    dispatch.DISPATCHER.runtime = None  # (not closed: its sockets belong to the parent)
+
+
+os.register_at_fork(after_in_child=_release_in_forked_child)
 
 
 def is_active() -> bool:

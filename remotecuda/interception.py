@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _device as device_context
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from . import accelerator_api, autocast, cuda_api, downloads, flags, generator, rnn, serialization
 from .dispatch import DISPATCHER, meta_stand_in
@@ -590,7 +590,8 @@ def install() -> None:
 def uninstall() -> None:
     if not _state.get("installed"):
         return
-    _state["mode"].__exit__(None, None, None)
+    if _get_current_dispatch_mode() is _state["mode"]:  # (not in another thread, or a forked child of one)
+        _state["mode"].__exit__(None, None, None)
     for lst in _state["foreach"]:
         lst.remove(RemoteTensor)
     _state["patches"].restore()

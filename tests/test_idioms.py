@@ -5,18 +5,22 @@ CPU autograd graph is alive. The reference for every value is local PyTorch on t
 from __future__ import annotations
 
 import copy
+import os
+import signal
 import sys
 import textwrap
+import threading
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 
+import remotecuda
 from remotecuda import accelerator_api, interception
 from remotecuda.tensor import RemoteTensor
 
-from conftest import run_python
+from conftest import run_python, wait_for
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -327,3 +331,37 @@ def test_remotecuda_run_script_picks_the_gateway_and_deactivate_restores(gateway
     assert "DEVICE cuda cuda:0 OPS True" in r.stdout
     assert ("RESTORED False None 0 cpu False True True torch.accelerator.memory builtin_function_or_method "
             "torch.nn.modules.module False") in r.stdout
+
+
+def test_a_forked_child_gets_plain_torch_even_while_a_session_lock_is_held():
+    """DataLoader workers are forked and seed torch first thing; a session lock another thread
+    held at the fork stays held in the child, which hung there (1 run in ~25 under load)."""
+    s = torch.ones(1, device="cuda")._s
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:  # as the flusher may hold it at the moment of the fork
+        with s.lock:
+            held.set()
+            done.wait(30)
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: plain CPU torch, as a forked child of a CUDA process cannot use CUDA
+        torch.manual_seed(0)
+        ok = not remotecuda.is_active() and not torch.cuda.is_available() and torch.ones(2).sum().item() == 2.0
+        os._exit(0 if ok else 1)
+    status: list = []
+
+    def reaped() -> bool:
+        got, st = os.waitpid(pid, os.WNOHANG)
+        status.append(st)
+        return got == pid
+    try:
+        hung = not wait_for(reaped, 20)
+        if hung:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert not hung, "the forked child hung on the parent's session lock"
+        assert os.waitstatus_to_exitcode(status[-1]) == 0, "the child did not get plain CPU torch"
+    finally:
+        done.set()
