@@ -475,8 +475,8 @@ def payload_kinds(nbytes: int) -> dict:
 
 def measure_codec(nbytes: int, reps: int) -> dict:
     """Each codec alone, on this machine's CPU: no network."""
-    from remotecuda import protocol
-    from remotecuda.compression import LinkModel
+    from remotecuda_wire import protocol
+    from remotecuda_wire.compression import LinkModel
     out = {}
     link = LinkModel()
     for name, t in payload_kinds(nbytes).items():

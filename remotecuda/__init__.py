@@ -11,7 +11,8 @@ import os
 import sys
 from typing import Any
 
-from ._version import __version__ as __version__  # the one definition (pyproject.toml reads it)
+from remotecuda_wire._version import __version__ as __version__  # the one definition (pyproject.toml reads it)
+
 from .errors import (
     GatewayLostError,
     GatewayProtocolError,
@@ -158,7 +159,8 @@ def gateway_status(server: str | None = None, timeout: float = 5.0) -> dict:
     """A gateway's inventory and per-session / total counters (default: the first in use)."""
     import zmq
 
-    from . import protocol
+    from remotecuda_wire import protocol
+
     from .pool import endpoint, servers_from_env
     from .session import _connect
     ep = endpoint(server or servers_from_env(None)[0]) if server or runtime() is None \

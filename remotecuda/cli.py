@@ -13,7 +13,7 @@ import sys
 import types
 import zipfile
 
-from .limits import CACHE_BYTES
+from remotecuda_wire.limits import CACHE_BYTES
 
 #: until the pool announces gateways by multicast, clients are told where they are
 NO_DISCOVERY = "not implemented yet (clients name gateways: --server / REMOTECUDA_SERVERS)"

@@ -24,12 +24,13 @@ from typing import Any
 import torch
 from torch._C import _DisableTorchDispatch
 
+from remotecuda_wire.protocol import DTYPE_EXT
+
 from . import dispatch_cache as dc
 from . import downloads
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import RemoteCUDAError
 from .generator import wire_ref
-from .protocol import DTYPE_EXT
 from .tensor import RemoteTensor, layout, make, refresh_key, wrap
 
 aten = torch.ops.aten

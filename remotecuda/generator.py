@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .protocol import GeneratorRef
+from remotecuda_wire.protocol import GeneratorRef
 
 _MAGIC = 0x5EED << 48
 _MASK = 0xFFFF << 48

@@ -30,7 +30,7 @@ from typing import Any
 from traitlets import Bool, CaselessStrEnum, Int, Unicode
 from traitlets.config import Configurable
 
-from .limits import CACHE_BYTES
+from remotecuda_wire.limits import CACHE_BYTES
 
 COMM_TARGET = "remotecuda"
 STRATEGIES = ("adaptive", "load-balancing", "memory-aware", "latency-optimized")

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from . import cache
+from remotecuda_wire import cache
+from remotecuda_wire.lifetime import die_with_parent
+
 from .errors import GatewayUnavailableError, RemoteCUDAError
-from .lifetime import die_with_parent
 from .session import BATCH_WINDOW, PING_EVERY, Session, _connect, hello
 
 DEFAULT_SERVER = "127.0.0.1:55555"

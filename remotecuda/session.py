@@ -21,10 +21,11 @@ import numpy as np
 import torch
 import zmq
 
-from . import cache, protocol
-from .compression import LinkModel
+from remotecuda_wire import cache, protocol
+from remotecuda_wire.compression import LinkModel
+from remotecuda_wire.protocol import ProtocolError
+
 from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, remote_exception
-from .protocol import ProtocolError
 
 #: flush when this many ops are queued
 BATCH_OPS = 256

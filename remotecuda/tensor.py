@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .protocol import handle_ext
+from remotecuda_wire.protocol import handle_ext
 
 _DEVICES: dict[int, torch.device] = {}
 _META = torch.device("meta")

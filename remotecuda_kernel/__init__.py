@@ -5,7 +5,7 @@ already done, so ``torch.cuda`` means the RemoteCUDA gateways from the first cel
 """
 from __future__ import annotations
 
-from remotecuda._version import __version__
+from remotecuda_wire._version import __version__
 
 __all__ = ["__version__", "KERNEL_NAME", "DISPLAY_NAME"]
 KERNEL_NAME = "remotecuda"

@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from remotecuda import protocol
-from remotecuda.cache import ContentCache, content_key
-from remotecuda.compression import LinkModel
-from remotecuda.protocol import GeneratorRef, Handle, ProtocolError
+from remotecuda_wire import protocol
+from remotecuda_wire.cache import ContentCache, content_key
+from remotecuda_wire.compression import LinkModel
+from remotecuda_wire.protocol import GeneratorRef, Handle, ProtocolError
 
 from . import rnn
 from .ops import OpResolver, UnknownOpError

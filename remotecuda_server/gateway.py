@@ -23,11 +23,11 @@ from typing import Any
 
 import zmq
 
-from remotecuda import protocol
-from remotecuda._version import __version__ as VERSION
-from remotecuda.cache import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
-from remotecuda.cache import POLICIES
-from remotecuda.protocol import ProtocolError
+from remotecuda_wire import protocol
+from remotecuda_wire._version import __version__ as VERSION
+from remotecuda_wire.cache import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
+from remotecuda_wire.cache import POLICIES
+from remotecuda_wire.protocol import ProtocolError
 
 from . import internal
 from .devices import DeviceInfo

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import zmq
 
-from remotecuda import protocol
-from remotecuda.cache import ContentCache
-from remotecuda.lifetime import die_with_parent
-from remotecuda.protocol import ProtocolError
+from remotecuda_wire import protocol
+from remotecuda_wire.cache import ContentCache
+from remotecuda_wire.lifetime import die_with_parent
+from remotecuda_wire.protocol import ProtocolError
 
 from . import internal
 from .executor import Assembly, Executor, Upload

@@ -7,6 +7,6 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0          # the CPU build; unpinned pulls CUDA (GBs)
 .venv/bin/python -m pip install -q -e '.[test]'
-.venv/bin/ruff check remotecuda remotecuda_server remotecuda_kernel tests benchmarks  # lint first: rules in pyproject.toml
+.venv/bin/ruff check remotecuda remotecuda_wire remotecuda_server remotecuda_kernel tests benchmarks  # lint first: rules in pyproject.toml
 .venv/bin/mypy  # types of the modules listed in pyproject.toml's [tool.mypy]
 exec .venv/bin/python -m pytest -ra "$@"

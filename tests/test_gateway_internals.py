@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 
-from remotecuda import protocol
-from remotecuda.protocol import ProtocolError
 from remotecuda_server import internal
 from remotecuda_server.executor import INTERNAL_OPS, Executor, Upload
+from remotecuda_wire import protocol
+from remotecuda_wire.protocol import ProtocolError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "docs", "PROTOCOL.md"), encoding="utf-8") as f:
@@ -88,3 +88,13 @@ def test_executor_reports_unknown_internal_op_and_missing_upload():
     assert err["type"] == "UnknownOpError" and err["msg"] == "unknown internal op rc::no_such_op"
     with pytest.raises(ProtocolError, match="upload of tensor 1: its bytes are missing"):
         ex.run({"ops": [["rc::upload", [1, 0, torch.float32, [1], None], None, None]], "n0": 1})
+
+
+def test_gateway_depends_on_the_wire_not_the_client():
+    """The gateway's modules import ``remotecuda_wire`` and torch, never the client package."""
+    import subprocess
+    import sys
+    code = ("import sys, remotecuda_server.gateway, remotecuda_server.worker, remotecuda_server.executor; "
+            "print(sorted(m for m in sys.modules if m == 'remotecuda' or m.startswith('remotecuda.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout

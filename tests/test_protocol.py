@@ -19,8 +19,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from remotecuda import protocol
-from remotecuda.protocol import Handle, ProtocolError
+from remotecuda_wire import protocol
+from remotecuda_wire.protocol import Handle, ProtocolError
 
 from conftest import GatewayProcess, run_python, wait_for
 

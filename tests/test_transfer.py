@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import remotecuda
-from remotecuda import protocol
-from remotecuda.cache import CacheMirror, ContentCache
-from remotecuda.compression import LinkModel
+from remotecuda_wire import protocol
+from remotecuda_wire.cache import CacheMirror, ContentCache
+from remotecuda_wire.compression import LinkModel
 
 from conftest import ROOT, GatewayProcess, run_python
 
@@ -79,7 +79,7 @@ def test_codec_settings():
 
 def test_zstd_alone_without_lz4_installed():
     r = run_python("import sys; sys.modules['lz4'] = None\n"
-                   "from remotecuda import protocol, compression\n"
+                   "from remotecuda_wire import protocol, compression\n"
                    "import torch\n"
                    "buf = protocol.tensor_bytes(torch.zeros(1 << 20))\n"
                    "print(protocol.CODECS, compression.LinkModel(1e6).choose(buf, ['lz4', 'zstd']))")
@@ -274,7 +274,7 @@ def test_sessions_take_the_direct_path(gateway, remote):
                                           (torch.int64, 1 << 20),  # exactly 2 parts
                                           (torch.float64, (3 << 19) + 1)])
 def test_large_uploads_travel_in_parts_and_arrive_whole(remote, dtype, numel):
-    from remotecuda.protocol import PART_BYTES
+    from remotecuda_wire.protocol import PART_BYTES
     g = torch.Generator().manual_seed(numel)
     x = (torch.randn(numel, generator=g) * 1000).to(dtype)
     parts = -(-x.nbytes // PART_BYTES)
@@ -474,7 +474,7 @@ def test_an_abandoned_upload_lets_go_of_its_parts_in_either_order():
 
 INTERRUPTED = r'''
 import sys, time, torch, remotecuda
-from remotecuda import protocol
+from remotecuda_wire import protocol
 rt = remotecuda.activate(sys.argv[1], fallback="error")
 x = torch.randn(3 * protocol.PART_BYTES // 4)
 real, calls = protocol.payload_digest, []
@@ -573,7 +573,7 @@ def test_host_blocks_come_back_only_when_no_tensor_uses_them():
 
 CODEC_CLIENT = r'''
 import sys, torch, remotecuda
-from remotecuda import protocol
+from remotecuda_wire import protocol
 sent, received = [], []
 encode, decode = protocol.encode_payload, protocol.decode_payload
 
