@@ -1,0 +1,98 @@
+"""The discovery beacon: what a gateway announces on UDP multicast about once a second, and
+the sockets that send and receive it.
+
+A beacon is one UDP datagram holding a small msgpack map (see ``encode``). It is versioned by
+``BEACON_VERSION``; a receiver drops anything it cannot read (another program on the group, a
+newer gateway) without a word. Multicast stays on the interface named by the caller: tests
+and benchmarks pass 127.0.0.1, so nothing leaves through the default route.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+BEACON_VERSION = 1
+#: the group and port gateways announce on (``REMOTECUDA_DISCOVERY=GROUP:PORT`` changes them)
+DEFAULT_GROUP = "239.255.100.100"
+DEFAULT_PORT = 55556
+#: seconds between two beacons of one gateway
+INTERVAL = 1.0
+#: a gateway not heard from for this long has left (three beacons missed, at most)
+EXPIRY = 2.5
+#: a beacon is one datagram; larger ones are refused on both sides
+MAX_BYTES = 16 * 1024
+_MAGIC = "remotecuda-gateway"
+
+
+def group_from_env() -> tuple[str, int]:
+    """``REMOTECUDA_DISCOVERY`` ("GROUP:PORT", either part may be left out) or the defaults."""
+    text = os.environ.get("REMOTECUDA_DISCOVERY", "").strip()
+    if not text:
+        return DEFAULT_GROUP, DEFAULT_PORT
+    group, sep, port = text.rpartition(":")
+    if not sep:
+        group, port = text, ""
+    if port and not port.isdigit():
+        raise ValueError(f"REMOTECUDA_DISCOVERY is GROUP:PORT, got {text!r}")
+    return group or DEFAULT_GROUP, int(port) if port else DEFAULT_PORT
+
+
+def iface_from_env() -> str | None:
+    """``REMOTECUDA_DISCOVERY_IFACE``: the IPv4 address of the interface to use, or None (the system's choice)."""
+    return os.environ.get("REMOTECUDA_DISCOVERY_IFACE", "").strip() or None
+
+
+def encode(gateway_id: str, address: str, seq: int, info: dict[str, Any], leaving: bool = False) -> bytes:
+    """A beacon: ``gateway_id`` (random per gateway start), ``address`` the endpoint clients
+    connect to ("tcp://host:port"), ``seq`` counting beacons, ``info`` the gateway's
+    description (versions, ``gpus`` with their load). ``leaving`` says the gateway is stopping."""
+    body = {"magic": _MAGIC, "v": BEACON_VERSION, "id": gateway_id, "addr": address, "seq": seq,
+            "leaving": leaving, **info}
+    data = msgpack.packb(body, use_bin_type=True)
+    if len(data) > MAX_BYTES:
+        raise ValueError(f"a beacon of {len(data)} bytes exceeds {MAX_BYTES}")
+    return data
+
+
+def decode(data: bytes) -> dict[str, Any] | None:
+    """The beacon in ``data``, or None when it is not one this version reads."""
+    if len(data) > MAX_BYTES:
+        return None
+    try:
+        body = msgpack.unpackb(data, raw=False, max_str_len=MAX_BYTES, max_bin_len=0,
+                               max_array_len=1024, max_map_len=1024, strict_map_key=True)
+    except Exception:  # noqa: BLE001 - anything unreadable is not a beacon
+        return None
+    if not isinstance(body, dict) or body.get("magic") != _MAGIC or body.get("v") != BEACON_VERSION:
+        return None
+    if not isinstance(body.get("id"), str) or not isinstance(body.get("addr"), str) \
+            or not isinstance(body.get("seq"), int) or not isinstance(body.get("gpus", []), list):
+        return None
+    return body
+
+
+def sender(iface: str | None, ttl: int = 1) -> socket.socket:
+    """A UDP socket that sends to the group out of ``iface`` (an IPv4 address), TTL ``ttl``."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, ttl)
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)  # clients on this machine hear it
+    if iface:
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(iface))
+    return s
+
+
+def receiver(group: str, port: int, iface: str | None) -> socket.socket:
+    """A UDP socket joined to ``group`` on ``iface`` (any interface when None), bound to ``port``;
+    several listeners on one machine share the port."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((group, port))  # the group, not 0.0.0.0: other traffic to the port is not ours
+    mreq = struct.pack("4s4s", socket.inet_aton(group), socket.inet_aton(iface or "0.0.0.0"))
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+    return s
