@@ -51,6 +51,41 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _servers(a: argparse.Namespace) -> int:
+    """``remotecuda servers``: what discovery finds in ``--wait`` seconds, as a table or JSON; 1 when nothing."""
+    import json
+    import time
+
+    from .discovery import Discovery, MulticastSource, ServerListSource, servers_from_env, source_from_env, table
+    named = servers_from_env(a.server)
+    source = source_from_env(named)
+    with Discovery(source) as d:
+        if isinstance(source, ServerListSource):  # every named one answered: no need to wait longer
+            found = d.wait(len(source.endpoints), a.wait)
+        else:
+            time.sleep(a.wait)
+            found = d.snapshot()
+    where = source.describe()
+    if a.json:
+        print(json.dumps([g.as_dict() for g in found], indent=2, default=repr))
+    elif found:
+        print(f"{len(found)} RemoteCUDA gateway{'s' if len(found) != 1 else ''} found via {where}:\n")
+        print(table(found))
+    if found:
+        return 0
+    if isinstance(source, MulticastSource):
+        hints = ("  - start a gateway: `remotecuda start` on a GPU machine (it announces itself unless\n"
+                 "    --no-discovery)\n"
+                 f"  - the firewall must let multicast UDP to port {source.port} in, and beacons reach one subnet\n"
+                 "    only: elsewhere, name the gateways (--server HOST:PORT or REMOTECUDA_SERVERS)\n"
+                 "  - on a machine with several networks, pick the interface: REMOTECUDA_DISCOVERY_IFACE=IP")
+    else:
+        hints = ("  - is the gateway running there? `remotecuda start --host 0.0.0.0` on the GPU machine\n"
+                 "  - the firewall must let TCP to its port through")
+    print(f"remotecuda: no gateway found via {where} within {a.wait:g} s.\n{hints}", file=sys.stderr)
+    return 1
+
+
 USAGE = "usage: remotecuda run [--server HOST:PORT] python (SCRIPT.py | -m MODULE | -c CODE) [ARGS...]"
 
 
@@ -179,8 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT] (default REMOTECUDA_SERVERS)")
     r.add_argument("command", nargs=argparse.REMAINDER,
                    help="python SCRIPT.py [ARGS...] | python -m MODULE [ARGS...] | python -c CODE [ARGS...]")
+    v = sub.add_parser("servers", help="list the gateways found (multicast beacons, or --server)")
+    v.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT] to ask instead of listening "
+                   "(default REMOTECUDA_SERVERS; unset: listen for beacons)")
+    v.add_argument("--wait", type=float, default=1.5, help="seconds to listen (default 1.5: one beacon round)")
+    v.add_argument("--json", action="store_true", help="print the list as JSON")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
+    if a.cmd == "servers":
+        return _servers(a)
     return _start(a, argv) if a.cmd == "start" else _run(a)
 
 

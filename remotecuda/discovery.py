@@ -1,0 +1,344 @@
+"""Discovery: which gateways are there, kept as a table the pool reads.
+
+Gateways announce themselves by multicast beacons (remotecuda_wire/beacon.py); a client
+listens passively, so finding 200 gateways costs it 200 small datagrams a second and no
+round trip. A gateway joins the table at its first beacon and leaves it at a ``leaving``
+beacon, or when none was heard for ``beacon.EXPIRY``: joins and leaves are seen within 3 s.
+Where the user names the gateways (``REMOTECUDA_SERVERS`` / ``--server``), no multicast is
+used: those gateways are asked instead, once per beacon interval. Each way of hearing of
+gateways is a ``Source``, polled by the one thread of a ``Discovery``.
+"""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from remotecuda_wire import beacon
+
+#: how often the table looks for gateways gone quiet: the most a drop is late past EXPIRY
+SWEEP = 0.25
+#: how long a named server has to answer one query
+ASK_TIMEOUT = 1.0
+#: the beacon's envelope, kept out of ``GatewayInfo.info``
+_ENVELOPE = ("magic", "v", "id", "addr", "seq", "leaving")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayInfo:
+    """One gateway as last heard of."""
+
+    id: str  # the beacon's id (random per gateway start); a named server's endpoint
+    address: str  # the endpoint clients connect to, "tcp://host:port"
+    info: dict = field(repr=False)  # its description: "gateway" version, "sessions", "gpus" with their load, ...
+    last_seen: float = 0.0  # time.monotonic() of the last beacon or answer
+    seq: int = 0  # the beacon's count (for a named server, the queries answered)
+
+    @property
+    def gpus(self) -> list[dict]:
+        return self.info.get("gpus", [])
+
+    @property
+    def host(self) -> str:
+        """The gateway's host name, or the host of its address when it gave none."""
+        return self.info.get("host") or self.address.rpartition("//")[2].rpartition(":")[0]
+
+    @property
+    def version(self) -> str:
+        return str(self.info.get("gateway", "?"))
+
+    @property
+    def sessions(self) -> int | None:
+        n = self.info.get("sessions")
+        return n if isinstance(n, int) else len(n) if isinstance(n, list) else None
+
+    def as_dict(self, now: float | None = None) -> dict:
+        """Plain data for ``remotecuda servers --json``: the description, with id, address, seq and age."""
+        age = (time.monotonic() if now is None else now) - self.last_seen
+        return dict(self.info, id=self.id, address=self.address, seq=self.seq, age_s=round(age, 2))
+
+
+class Heard(NamedTuple):
+    gateway: GatewayInfo
+    leaving: bool = False
+
+
+class Source(Protocol):
+    """A way of hearing of gateways. ``poll`` waits at most ``timeout`` seconds and returns
+    what was heard meanwhile (possibly nothing); it is called from one thread only."""
+
+    def poll(self, timeout: float) -> list[Heard]: ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class MulticastSource:
+    """Beacons on a multicast group, heard on ``iface`` (an IPv4 address; None: the system's choice)."""
+
+    def __init__(self, group: str, port: int, iface: str | None):
+        self.group, self.port, self.iface = group, port, iface
+        self.sock = beacon.receiver(group, port, iface)
+        try:  # room for a burst: 200 gateways whose beacons happen to come together
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        except OSError:
+            pass
+        self._poller = select.poll()
+        self._poller.register(self.sock, select.POLLIN)
+
+    @classmethod
+    def from_env(cls) -> MulticastSource:
+        """``REMOTECUDA_DISCOVERY`` (GROUP:PORT) and ``REMOTECUDA_DISCOVERY_IFACE``."""
+        group, port = beacon.group_from_env()
+        return cls(group, port, beacon.iface_from_env())
+
+    def describe(self) -> str:
+        return (f"multicast {self.group}:{self.port} (UDP) on "
+                + (f"interface {self.iface}" if self.iface else "the system's default interface"))
+
+    def poll(self, timeout: float) -> list[Heard]:
+        if not self._poller.poll(timeout * 1000):
+            return []
+        heard = []
+        now = time.monotonic()
+        while True:  # everything queued now, in one wake-up
+            try:
+                data, (src, _) = self.sock.recvfrom(beacon.MAX_BYTES + 1, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return heard
+            body = beacon.decode(data)
+            if body is None:
+                continue  # not a beacon this version reads: another program, a newer gateway
+            addr = body["addr"]
+            if "//0.0.0.0:" in addr:  # bound to every interface: reachable where the beacon came from
+                addr = addr.replace("//0.0.0.0:", f"//{src}:", 1)
+            info = {k: v for k, v in body.items() if k not in _ENVELOPE}
+            heard.append(Heard(GatewayInfo(body["id"], addr, info, now, body["seq"]), bool(body.get("leaving"))))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ServerListSource:
+    """Gateways named by the user, asked for their inventory (a device-less HELLO) once per
+    beacon interval; one that does not answer is not heard, and expires as a silent one does."""
+
+    def __init__(self, servers: list[str]):
+        import zmq
+
+        from .pool import endpoint
+        self.endpoints = list(dict.fromkeys(endpoint(s) for s in servers))
+        self.ctx = zmq.Context()
+        self.rounds = 0
+        self._next = 0.0  # time.monotonic() of the next round
+
+    def describe(self) -> str:
+        return "the named servers " + ", ".join(self.endpoints)
+
+    def poll(self, timeout: float) -> list[Heard]:
+        wait = self._next - time.monotonic()
+        if wait > 0:
+            time.sleep(min(wait, timeout))
+            return []
+        self._next = time.monotonic() + beacon.INTERVAL
+        self.rounds += 1
+        answers = _ask(self.ctx, self.endpoints, ASK_TIMEOUT)
+        now = time.monotonic()
+        return [Heard(GatewayInfo(ep, ep, _as_beacon_info(a), now, self.rounds))
+                for ep, a in zip(self.endpoints, answers) if isinstance(a, dict)]
+
+    def close(self) -> None:
+        self.ctx.term()
+
+
+def _ask(ctx: Any, endpoints: list[str], timeout: float) -> list[dict | Exception]:
+    """The one place discovery talks to a gateway: a device-less HELLO to each, all at once;
+    each WELCOME (the gateway's inventory) or the error saying why none came."""
+    from .session import _connect, greet
+    socks = [_connect(ctx, ep) for ep in endpoints]
+    try:
+        return greet([(s, {"device": None}) for s in socks], timeout, ", ".join(endpoints))
+    finally:
+        for s in socks:
+            s.close(linger=0)
+
+
+def _as_beacon_info(welcome: dict) -> dict:
+    """A WELCOME read as a beacon's description: its GPUs under "gpus"."""
+    info = dict(welcome)
+    info.setdefault("gpus", info.pop("devices", []))
+    return info
+
+
+def servers_from_env(servers: str | list[str] | None = None) -> list[str]:
+    """``servers`` (``--server``) or ``REMOTECUDA_SERVERS`` as a list; empty: use multicast."""
+    if servers is None:
+        servers = os.environ.get("REMOTECUDA_SERVERS", "")
+    if isinstance(servers, str):
+        servers = servers.split(",")
+    return [s.strip() for s in servers if s.strip()]
+
+
+def source_from_env(servers: str | list[str] | None = None) -> Source:
+    """The named servers when there are any (an explicit list skips multicast), else the beacons."""
+    named = servers_from_env(servers)
+    return ServerListSource(named) if named else MulticastSource.from_env()
+
+
+Listener = Callable[[str, GatewayInfo], None]
+
+
+class Discovery:
+    """The table of gateways heard of, kept by one daemon thread.
+
+    ``snapshot()`` reads it, ``wait()`` waits for enough gateways, ``subscribe(fn)`` calls
+    ``fn(kind, gateway)`` on the thread for each "joined", "updated" (a newer beacon) and
+    "left" (a leaving beacon, silence past ``expiry``, or a new gateway at its address)."""
+
+    def __init__(self, source: Source | None = None, expiry: float = beacon.EXPIRY):
+        self.source = source if source is not None else source_from_env()
+        self.expiry = expiry
+        self._table: dict[str, GatewayInfo] = {}
+        self._by_address: dict[str, str] = {}  # address → id: a restarted gateway replaces its old self
+        self._changed = threading.Condition()
+        self._listeners: list[Listener] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="remotecuda-discovery", daemon=True)
+        self._thread.start()
+
+    def snapshot(self) -> list[GatewayInfo]:
+        """The gateways heard of now, by address."""
+        with self._changed:
+            return sorted(self._table.values(), key=lambda g: g.address)
+
+    def wait(self, min_gateways: int, timeout: float) -> list[GatewayInfo]:
+        """The snapshot once it holds ``min_gateways``, or as it is after ``timeout`` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self._table) >= min_gateways or self._stop.is_set(), timeout)
+        return self.snapshot()
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(kind, gateway)`` on each change; returns the function that stops it."""
+        with self._changed:
+            self._listeners.append(listener)
+        return lambda: self._unsubscribe(listener)
+
+    def _unsubscribe(self, listener: Listener) -> None:
+        with self._changed:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._changed:
+            self._changed.notify_all()
+        if not self._thread.is_alive():  # else the thread still polls it: the process's exit closes it
+            self.source.close()
+
+    def __enter__(self) -> Discovery:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        swept = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                heard = self.source.poll(SWEEP)
+            except OSError as e:  # the socket went away under us (closed at exit)
+                warnings.warn(f"remotecuda: discovery stopped: {e}", RuntimeWarning, stacklevel=1)
+                return
+            now = time.monotonic()
+            events: list[tuple[str, GatewayInfo]] = []
+            with self._changed:
+                for h in heard:
+                    self._apply(h, events)
+                if now - swept >= SWEEP:
+                    swept = now
+                    for gid in [gid for gid, g in self._table.items() if now - g.last_seen > self.expiry]:
+                        events.append(("left", self._remove(gid)))
+                if events:
+                    self._changed.notify_all()
+                listeners = list(self._listeners) if events else []
+            for kind, gw in events:
+                for fn in listeners:
+                    try:
+                        fn(kind, gw)
+                    except Exception as e:  # noqa: BLE001 - a listener's bug must not stop discovery
+                        warnings.warn(f"remotecuda: a discovery listener failed: {e!r}", RuntimeWarning,
+                                      stacklevel=1)
+
+    def _apply(self, h: Heard, events: list[tuple[str, GatewayInfo]]) -> None:
+        g = h.gateway
+        old = self._table.get(g.id)
+        if h.leaving:
+            if old is not None:
+                events.append(("left", self._remove(g.id)))
+            return
+        if old is not None:
+            if g.seq <= old.seq:
+                return  # a duplicate, or one overtaken on the way
+            if old.address != g.address:
+                del self._by_address[old.address]
+        other = self._by_address.get(g.address)
+        if other is not None and other != g.id:
+            events.append(("left", self._remove(other)))
+        self._table[g.id] = g
+        self._by_address[g.address] = g.id
+        events.append(("updated" if old is not None else "joined", g))
+
+    def _remove(self, gid: str) -> GatewayInfo:
+        g = self._table.pop(gid)
+        del self._by_address[g.address]
+        return g
+
+
+# ---------------------------------------------------------------------- the table a person reads
+BAR = 10
+
+
+def table(gateways: list[GatewayInfo]) -> str:
+    """Gateways and their GPUs as ``nvidia-smi`` shows GPUs: one line per gateway, one per GPU."""
+    blocks = []
+    for g in gateways:
+        n = g.sessions
+        head = (f"{g.address}  host {g.host}  RemoteCUDA {g.version}"
+                + (f"  {n} session{'s' if n != 1 else ''}" if n is not None else ""))
+        rows = [("GPU", "Name", "Memory used / total", "Util", "Queued", "Sessions", "Latency")]
+        rows += [_gpu_row(d) for d in g.gpus]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  " + "  ".join(c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in
+                                  enumerate(zip(r, widths))).rstrip() for r in rows]
+        blocks.append("\n".join([head, *lines] if g.gpus else [head, "  (no GPUs)"]))
+    return "\n\n".join(blocks)
+
+
+def _gpu_row(d: dict) -> tuple[str, ...]:
+    name = str(d.get("name", "?")) + (" [simulated]" if d.get("simulated") else "")
+    total = d.get("total_memory")
+    used = d.get("memory_used")
+    if used is None and isinstance(d.get("free_memory"), int) and isinstance(total, int):
+        used = total - d["free_memory"]
+    if isinstance(total, int) and total > 0 and isinstance(used, int):
+        filled = min(BAR, round(BAR * used / total))
+        memory = f"[{'#' * filled}{'.' * (BAR - filled)}] {used / 2**30:5.1f} / {total / 2**30:.1f} GiB"
+    elif isinstance(total, int):
+        memory = f"{'':{BAR + 2}} {'-':>5} / {total / 2**30:.1f} GiB"
+    else:
+        memory = "-"
+    util = d.get("utilization")
+    latency = d.get("latency_ms")
+    return (str(d.get("index", "?")), name, memory,
+            f"{util:.0f} %" if isinstance(util, (int, float)) else "-",
+            str(d.get("queued", "-")), str(d.get("sessions", "-")),
+            f"{latency:.1f} ms" if isinstance(latency, (int, float)) else "-")
