@@ -5,7 +5,8 @@
 Runs benchmarks/bench_core.py (per-op cost, MLP step, core transfers),
 benchmarks/bench_transfer.py (round trips through a delay proxy, latency hiding, throughput
 4 KB-256 MB, epoch-2 bytes, compression, pipelining), benchmarks/bench_instructions.py and
-benchmarks/bench_programs.py (LSTM LM, checkpoint, GPT-2 step and generate), each in a fresh
+benchmarks/bench_programs.py (LSTM LM, checkpoint, GPT-2 step and generate) and
+benchmarks/bench_placement.py (the scheduler's time per decision in a 200-gateway pool), each in a fresh
 Python process with its own gateway on 127.0.0.1, then writes one report with the machine, the
 figures, the issue's targets and a short reading of each, and the GPU figures kept in
 benchmarks/gpu_results.md. About 8-12 minutes on a 2-CPU machine.
@@ -23,6 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_core  # noqa: E402
+import bench_placement  # noqa: E402
 import bench_programs  # noqa: E402
 import bench_transfer  # noqa: E402
 
@@ -73,6 +75,7 @@ def main() -> None:
     instr = {"skipped": "--no-instructions"} if a.no_instructions else \
         run("bench_instructions.py", quick, timeout=2400)
     programs = run("bench_programs.py", quick, timeout=900)
+    placement = run("bench_placement.py", quick, timeout=300)
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - t0
 
@@ -149,7 +152,10 @@ gateway op; `torch.save` fetches all its tensors in one round trip.
 {bench_programs.markdown(programs)}
 # Part 5: on a real GPU (benchmarks/gpu_check.sh)
 
-{_gpu_results()}"""
+{_gpu_results()}
+{bench_placement.SECTION}
+
+{bench_placement.markdown(placement)}"""
     path = os.path.join(HERE, "RESULTS.md")
     with open(path, "w") as f:
         f.write(report)
