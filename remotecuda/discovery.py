@@ -17,28 +17,44 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from remotecuda_wire import beacon
 
 #: how often the table looks for gateways gone quiet: the most a drop is late past EXPIRY
 SWEEP = 0.25
+#: how long a listener lets beacons gather after one wakes it: one wake-up per ~10 of 200 gateways' beacons
+GATHER = 0.05
 #: how long a named server has to answer one query
 ASK_TIMEOUT = 1.0
-#: the beacon's envelope, kept out of ``GatewayInfo.info``
-_ENVELOPE = ("magic", "v", "id", "addr", "seq", "leaving")
 
 
-@dataclass(frozen=True, slots=True)
 class GatewayInfo:
-    """One gateway as last heard of."""
+    """One gateway as last heard of. ``info`` is its description ("gateway" version, "host",
+    "sessions", "gpus" with their load, ...), decoded from the beacon on first use: a listener
+    hearing 200 gateways a second reads only the beacons' envelopes."""
 
-    id: str  # the beacon's id (random per gateway start); a named server's endpoint
-    address: str  # the endpoint clients connect to, "tcp://host:port"
-    info: dict = field(repr=False)  # its description: "gateway" version, "sessions", "gpus" with their load, ...
-    last_seen: float = 0.0  # time.monotonic() of the last beacon or answer
-    seq: int = 0  # the beacon's count (for a named server, the queries answered)
+    __slots__ = ("id", "address", "last_seen", "seq", "_info", "_raw")
+
+    def __init__(self, id: str, address: str, info: dict | None = None, last_seen: float = 0.0, seq: int = 0,
+                 raw: bytes | None = None):
+        self.id = id  # the beacon's id (random per gateway start); a named server's endpoint
+        self.address = address  # the endpoint clients connect to, "tcp://host:port"
+        self.last_seen = last_seen  # time.monotonic() of the last beacon or answer
+        self.seq = seq  # the beacon's count (for a named server, the queries answered)
+        self._info = info
+        self._raw = raw  # the beacon, while ``info`` has not been read
+
+    @property
+    def info(self) -> dict:
+        if self._info is None:
+            body = beacon.decode(self._raw) if self._raw is not None else None
+            self._info = {k: v for k, v in body.items() if k not in beacon.ENVELOPE} if body else {}
+            self._raw = None
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"GatewayInfo(id={self.id!r}, address={self.address!r}, seq={self.seq})"
 
     @property
     def gpus(self) -> list[dict]:
@@ -106,29 +122,29 @@ class MulticastSource:
     def poll(self, timeout: float) -> list[Heard]:
         if not self._poller.poll(timeout * 1000):
             return []
-        heard = []
+        time.sleep(GATHER)  # the beacons that follow this one come in the same wake-up
+        heard: list[Heard] = []
         now = time.monotonic()
         while True:  # everything queued now, in one wake-up
             try:
                 data, (src, _) = self.sock.recvfrom(beacon.MAX_BYTES + 1, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return heard
-            body = beacon.decode(data)
-            if body is None:
+            env = beacon.decode_envelope(data)
+            if env is None:
                 continue  # not a beacon this version reads: another program, a newer gateway
-            addr = body["addr"]
+            addr = env["addr"]
             if "//0.0.0.0:" in addr:  # bound to every interface: reachable where the beacon came from
                 addr = addr.replace("//0.0.0.0:", f"//{src}:", 1)
-            info = {k: v for k, v in body.items() if k not in _ENVELOPE}
-            heard.append(Heard(GatewayInfo(body["id"], addr, info, now, body["seq"]), bool(body.get("leaving"))))
+            heard.append(Heard(GatewayInfo(env["id"], addr, None, now, env["seq"], data), bool(env["leaving"])))
 
     def close(self) -> None:
         self.sock.close()
 
 
 class ServerListSource:
-    """Gateways named by the user, asked for their inventory (a device-less HELLO) once per
-    beacon interval; one that does not answer is not heard, and expires as a silent one does."""
+    """Gateways named by the user, asked for their status (inventory and load) once per beacon
+    interval; one that does not answer is not heard, and expires as a silent one does."""
 
     def __init__(self, servers: list[str]):
         import zmq
@@ -158,22 +174,48 @@ class ServerListSource:
         self.ctx.term()
 
 
-def _ask(ctx: Any, endpoints: list[str], timeout: float) -> list[dict | Exception]:
-    """The one place discovery talks to a gateway: a device-less HELLO to each, all at once;
-    each WELCOME (the gateway's inventory) or the error saying why none came."""
-    from .session import _connect, greet
-    socks = [_connect(ctx, ep) for ep in endpoints]
+def _ask(ctx: Any, endpoints: list[str], timeout: float) -> list[dict | None]:
+    """The one place discovery talks to a gateway: a STATUS to each, all at once; each answer
+    (the gateway's inventory with its GPUs' load, and its sessions), or None where none came."""
+    import zmq
+
+    from remotecuda_wire import protocol
+
+    from .session import connect
+    socks = [connect(ctx, ep) for ep in endpoints]
+    answers: dict[Any, dict] = {}
     try:
-        return greet([(s, {"device": None}) for s in socks], timeout, ", ".join(endpoints))
+        unsent = list(socks)
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(socks) and time.monotonic() < deadline:
+            for sock in list(unsent):
+                try:  # (IMMEDIATE: a send fails, rather than queueing, until the TCP link is up)
+                    sock.send_multipart(protocol.encode(protocol.STATUS, {}), zmq.NOBLOCK)
+                    unsent.remove(sock)
+                except zmq.Again:
+                    pass
+            waiting = [s for s in socks if s not in unsent and s not in answers]
+            if not waiting:
+                time.sleep(0.02)
+                continue
+            for sock in zmq.select(waiting, [], [], 0.05)[0]:
+                try:
+                    msg = protocol.decode(sock.recv_multipart())
+                except protocol.ProtocolError:
+                    continue
+                if msg.type == protocol.STATUS and isinstance(msg.body, dict):
+                    answers[sock] = msg.body
+        return [answers.get(s) for s in socks]
     finally:
-        for s in socks:
-            s.close(linger=0)
+        for sock in socks:
+            sock.close(linger=0)
 
 
-def _as_beacon_info(welcome: dict) -> dict:
-    """A WELCOME read as a beacon's description: its GPUs under "gpus"."""
-    info = dict(welcome)
-    info.setdefault("gpus", info.pop("devices", []))
+def _as_beacon_info(status: dict) -> dict:
+    """A STATUS answer read as a beacon's description (an older gateway lists its GPUs, without
+    their load, as "devices" only)."""
+    info = dict(status)
+    info.setdefault("gpus", info.get("devices", []))
     return info
 
 
@@ -314,7 +356,7 @@ def table(gateways: list[GatewayInfo]) -> str:
         n = g.sessions
         head = (f"{g.address}  host {g.host}  RemoteCUDA {g.version}"
                 + (f"  {n} session{'s' if n != 1 else ''}" if n is not None else ""))
-        rows = [("GPU", "Name", "Memory used / total", "Util", "Queued", "Sessions", "Latency")]
+        rows: list[tuple[str, ...]] = [("GPU", "Name", "Memory used / total", "Util", "Queued", "Sessions", "Latency")]
         rows += [_gpu_row(d) for d in g.gpus]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  " + "  ".join(c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in
@@ -325,20 +367,17 @@ def table(gateways: list[GatewayInfo]) -> str:
 
 def _gpu_row(d: dict) -> tuple[str, ...]:
     name = str(d.get("name", "?")) + (" [simulated]" if d.get("simulated") else "")
-    total = d.get("total_memory")
-    used = d.get("memory_used")
-    if used is None and isinstance(d.get("free_memory"), int) and isinstance(total, int):
-        used = total - d["free_memory"]
-    if isinstance(total, int) and total > 0 and isinstance(used, int):
+    total, free = d.get("total_memory"), d.get("free_memory")
+    if isinstance(total, int) and total > 0 and isinstance(free, int):
+        used = max(0, total - free)
         filled = min(BAR, round(BAR * used / total))
         memory = f"[{'#' * filled}{'.' * (BAR - filled)}] {used / 2**30:5.1f} / {total / 2**30:.1f} GiB"
     elif isinstance(total, int):
         memory = f"{'':{BAR + 2}} {'-':>5} / {total / 2**30:.1f} GiB"
     else:
         memory = "-"
-    util = d.get("utilization")
-    latency = d.get("latency_ms")
+    util, latency = d.get("utilization"), d.get("latency_ms")
     return (str(d.get("index", "?")), name, memory,
-            f"{util:.0f} %" if isinstance(util, (int, float)) else "-",
+            f"{util * 100:.0f} %" if isinstance(util, (int, float)) else "-",
             str(d.get("queued", "-")), str(d.get("sessions", "-")),
             f"{latency:.1f} ms" if isinstance(latency, (int, float)) else "-")

@@ -13,10 +13,11 @@ import threading
 import msgpack
 import pytest
 
+from remotecuda import cli
 from remotecuda.discovery import Discovery, MulticastSource, ServerListSource
 from remotecuda_wire import beacon
 
-from conftest import ROOT, wait_for
+from conftest import ROOT, GatewayProcess, wait_for
 
 GIB = 2**30
 
@@ -51,8 +52,10 @@ class Beacons:
 
 
 def gpus(n: int, used: int = 3 * GIB) -> list[dict]:
-    return [dict(index=i, name="Sim A100", simulated=True, total_memory=24 * GIB, memory_used=used,
-                 utilization=40.0, queued=2, sessions=1, latency_ms=0.7, capability=[8, 0]) for i in range(n)]
+    """GPUs as a gateway's beacon describes them (remotecuda_server/gateway.py's ``gpus``)."""
+    return [dict(index=i, name="Sim A100", kind="cpu", simulated=True, capability=[8, 0], bf16=True,
+                 total_memory=24 * GIB, free_memory=24 * GIB - used, utilization=0.4, queued=2, sessions=1,
+                 latency_ms=0.7) for i in range(n)]
 
 
 def ids(d: Discovery) -> list[str]:
@@ -71,10 +74,10 @@ def test_join_update_and_listeners(group):
         assert [g.address for g in found] == ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"]
         a = found[0]
         assert (a.id, a.host, a.version, a.sessions, len(a.gpus)) == ("a", "box-a", "0.1.0", 1, 2)
-        assert "magic" not in a.info and a.gpus[0]["memory_used"] == 3 * GIB
+        assert "magic" not in a.info and a.gpus[0]["free_memory"] == 21 * GIB
         b.send("a", 5001, seq=2, gpus=gpus(2, used=20 * GIB))
         assert wait_for(lambda: d.snapshot()[0].seq == 2, timeout=10)
-        assert d.snapshot()[0].gpus[0]["memory_used"] == 20 * GIB
+        assert d.snapshot()[0].gpus[0]["free_memory"] == 4 * GIB
     assert sorted(events) == [("joined", "a", 1), ("joined", "b", 1), ("updated", "a", 2)]
 
 
@@ -135,7 +138,7 @@ def _servers(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
                           timeout=120, cwd=ROOT, env=dict(os.environ, **(env or {})))
 
 
-def test_cli_table_and_json(group):
+def test_cli_table_and_json(group, capsys):
     b = Beacons(group)
     stop = threading.Event()
 
@@ -149,42 +152,80 @@ def test_cli_table_and_json(group):
     t = threading.Thread(target=announce, daemon=True)
     t.start()
     try:
-        table = _servers("--wait", "1.5")
-        listed = _servers("--json", "--wait", "1")
+        assert cli.main(["servers", "--wait", "1"]) == 0
+        out = capsys.readouterr().out
+        assert cli.main(["servers", "--json", "--wait", "1"]) == 0
+        data = json.loads(capsys.readouterr().out)
     finally:
         stop.set()
         t.join()
-    assert table.returncode == 0, table.stderr
-    out = table.stdout
     assert "2 RemoteCUDA gateways found via multicast " + ":".join(map(str, group)) in out
     assert "tcp://127.0.0.1:5011  host box-a  RemoteCUDA 0.1.0  1 session" in out
     assert "Sim A100 [simulated]" in out and "Sim T4  " in out and "Sim T4 [simulated]" not in out
     assert "[#####.....]  12.0 / 24.0 GiB" in out and "40 %" in out and "0.7 ms" in out
-    assert listed.returncode == 0, listed.stderr
-    data = json.loads(listed.stdout)
     assert [g["address"] for g in data] == ["tcp://127.0.0.1:5011", "tcp://127.0.0.1:5012"]
-    assert data[0]["host"] == "box-a" and data[0]["gpus"][1]["memory_used"] == 12 * GIB
+    assert data[0]["host"] == "box-a" and data[0]["gpus"][1]["free_memory"] == 12 * GIB
     assert data[1]["gpus"][0]["name"] == "Sim T4"
 
 
-def test_cli_nothing_found(group):
-    r = _servers("--wait", "0.3")
-    assert r.returncode == 1 and r.stdout == ""
+def test_cli_nothing_found(group, capsys):
+    assert cli.main(["servers", "--wait", "0.3"]) == 1
+    out, err = capsys.readouterr()
     where = ":".join(map(str, group))
-    assert f"no gateway found via multicast {where} (UDP) on interface 127.0.0.1" in r.stderr
-    assert f"UDP to port {group[1]}" in r.stderr and "remotecuda start" in r.stderr
+    assert out == "" and f"no gateway found via multicast {where} (UDP) on interface 127.0.0.1" in err
+    assert f"UDP to port {group[1]}" in err and "remotecuda start" in err
 
 
-def test_named_servers_are_asked(group, gateway):
-    """An explicit list skips multicast: the named gateways are asked for their inventory."""
-    with Discovery(ServerListSource([gateway.address])) as d:
-        (g,) = d.wait(1, timeout=30)
-    assert g.address == gateway.endpoint and g.gpus[0]["kind"] == "cpu" and g.version
-    r = _servers("--json", env={"REMOTECUDA_SERVERS": gateway.address})
-    assert r.returncode == 0, r.stderr
-    assert [g["address"] for g in json.loads(r.stdout)] == [gateway.endpoint]
-    with socket.socket() as s:  # a port where nothing listens
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
-    r = _servers("--server", dead, "--wait", "1")
-    assert r.returncode == 1 and f"no gateway found via the named servers tcp://{dead}" in r.stderr
+def test_real_gateways_join_and_leave(group, capsys, monkeypatch):
+    """Three gateways started in parallel are listed; one killed with kill -9 is dropped when its
+    beacons stop, one stopped (SIGTERM) at once, by its leaving beacon: a listener that would keep
+    a silent gateway for 10 minutes drops it too."""
+    shapes = [("--gpus", "2", "--gpu-memory", "8GB,16GB", "--gpu-name", "Sim L4,Sim A16"), (), ()]
+    gws: list[GatewayProcess] = []
+    with Discovery() as d, Discovery(expiry=600) as patient:
+        starters = [threading.Thread(target=lambda s=s: gws.append(GatewayProcess("--spare", "0", *s, discovery=True)))
+                    for s in shapes]
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        try:
+            assert len(gws) == 3
+            found = d.wait(3, timeout=30)
+            assert sorted(g.address for g in found) == sorted(gw.endpoint for gw in gws)
+            sims = next(g for g in found if len(g.gpus) == 2)
+            assert [(x["name"], x["simulated"], x["total_memory"]) for x in sims.gpus] == \
+                [("Sim L4", True, 8 * 10**9), ("Sim A16", True, 16 * 10**9)]
+            killed, stopped, kept = gws
+            _named_servers_are_asked(gws, sims.address, capsys, monkeypatch)
+            killed.proc.kill()
+            killed.proc.wait()
+            assert wait_for(lambda: killed.endpoint not in [g.address for g in d.snapshot()], timeout=20)
+            assert killed.endpoint in [g.address for g in patient.snapshot()]  # it never said it was leaving
+            assert cli.main(["servers", "--server", killed.address, "--wait", "1"]) == 1
+            assert f"no gateway found via the named servers {killed.endpoint}" in capsys.readouterr().err
+            r = _servers("--json", "--wait", "2")
+            assert r.returncode == 0, r.stderr
+            listed = {g["address"]: g for g in json.loads(r.stdout)}
+            assert sorted(listed) == sorted([stopped.endpoint, kept.endpoint])
+            assert all(g["gpus"] and g["gateway"] for g in listed.values())
+            stopped.stop()
+            assert wait_for(lambda: stopped.endpoint not in [g.address for g in patient.snapshot()], timeout=20)
+            assert [g.address for g in d.snapshot()] == [kept.endpoint]
+        finally:
+            for gw in gws:
+                gw.stop()
+
+
+def _named_servers_are_asked(gws: list[GatewayProcess], sims: str, capsys, monkeypatch) -> None:
+    """An explicit list skips multicast: the named gateways are asked for their status."""
+    with Discovery(ServerListSource([gw.address for gw in gws])) as d:
+        found = {g.address: g for g in d.wait(3, timeout=30)}
+    assert sorted(found) == sorted(gw.endpoint for gw in gws)
+    assert [x["name"] for x in found[sims].gpus] == ["Sim L4", "Sim A16"]
+    assert all(isinstance(x["free_memory"], int) for g in found.values() for x in g.gpus)
+    with monkeypatch.context() as m:
+        m.setenv("REMOTECUDA_SERVERS", ",".join(gw.address for gw in gws))
+        m.setenv("REMOTECUDA_DISCOVERY", "239.255.0.1:9")  # where nobody announces: the list skips multicast
+        assert cli.main(["servers", "--json"]) == 0
+    assert sorted(g["address"] for g in json.loads(capsys.readouterr().out)) == sorted(found)
