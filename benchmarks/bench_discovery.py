@@ -165,11 +165,13 @@ def measure(n: int, seconds: float) -> dict:
         time.sleep(1.5)  # the gateways have been announcing for a while when the client starts
         counts = {"joined": 0, "updated": 0, "left": 0}
         left_at: dict[str, float] = {}
+        last_beacon: dict[str, float] = {}
 
         def on(kind: str, g) -> None:
             counts[kind] += 1
             if kind == "left":
                 left_at[g.id] = time.monotonic()
+                last_beacon[g.id] = g.last_seen
         t0 = time.perf_counter()
         d = Discovery(MulticastSource(group, port, IFACE))
         d.subscribe(on)
@@ -209,6 +211,7 @@ def measure(n: int, seconds: float) -> dict:
         "thread_cpu_ms_per_s": (tc1 - tc0) / wall * 1e3, "process_cpu_ms_per_s": (c1 - c0) / wall * 1e3,
         "beacons_per_s": (u1 - u0) / wall, "listed_after": listed, "flaps": flaps,
         "silent_dropped_after_s": left_at["g000"] - silenced_at if "g000" in left_at else None,
+        "silent_dropped_after_last_beacon_s": left_at["g000"] - last_beacon["g000"] if "g000" in left_at else None,
         "leaving_dropped_after_s": left_at["g001"] - leave_at if "g001" in left_at else None,
         "cli_listed": len(json.loads(cli.stdout)) if cli.returncode == 0 else 0, "cli_s": cli_s,
         "sizes": beacon_sizes(), "decode_us": decode_cost(),
@@ -244,7 +247,7 @@ average {m['load']} at the end; the machine is shared), all figures from the sam
 | CPU of the whole client process per second of listening | {r['process_cpu_ms_per_s']:.2f} ms/s |
 | beacons taken in per second / per beacon | {r['beacons_per_s']:.0f} /s; {per_beacon_us:.0f} µs of thread CPU each |
 | gateways listed after listening / dropped meanwhile (flaps) | {r['listed_after']} / {r['flaps']} |
-| a gateway gone silent (as after `kill -9`) dropped after | {r['silent_dropped_after_s']:.2f} s (expiry {beacon.EXPIRY} s after its last beacon) |
+| a gateway gone silent (as after `kill -9`) dropped after | {r['silent_dropped_after_s']:.2f} s; {r['silent_dropped_after_last_beacon_s']:.2f} s after its last beacon (expiry {beacon.EXPIRY} s) |
 | a gateway sending its `leaving` beacon dropped after | {r['leaving_dropped_after_s'] * 1e3:.1f} ms |
 | `remotecuda servers --json` (fresh process, default 1.5 s wait) | {r['cli_listed']} listed in {r['cli_s']:.2f} s |
 | beacon size, 4 GPUs (min / mean / max) | {s4['min']} / {s4['mean']:.0f} / {s4['max']} bytes |
