@@ -43,14 +43,13 @@ class GatewayInfo:
         self.last_seen = last_seen  # time.monotonic() of the last beacon or answer
         self.seq = seq  # the beacon's count (for a named server, the queries answered)
         self._info = info
-        self._raw = raw  # the beacon, while ``info`` has not been read
+        self._raw = raw  # the beacon ``info`` is decoded from (kept: two threads may read it at once)
 
     @property
     def info(self) -> dict:
         if self._info is None:
             body = beacon.decode(self._raw) if self._raw is not None else None
             self._info = {k: v for k, v in body.items() if k not in beacon.ENVELOPE} if body else {}
-            self._raw = None
         return self._info
 
     def __repr__(self) -> str:
