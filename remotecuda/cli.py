@@ -1,4 +1,4 @@
-"""The ``remotecuda`` command: ``start`` a gateway, ``run`` a script with interception on, list the ``servers`` found."""
+"""The ``remotecuda`` command: ``start`` a gateway, ``run`` a script with interception on, list ``servers``."""
 from __future__ import annotations
 
 import argparse
