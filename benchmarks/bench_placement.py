@@ -144,23 +144,24 @@ def markdown(r: dict) -> str:
                        for gw, v in r["growth"].items())
     b = r["beacon_bytes"]
     return f"""Machine: {m['cpu']}, {m['nproc']} CPUs, Python {m['python']}, {m['date']}; load average (1 min)
-{m['load average (1 min) before']} before, {m['load average (1 min) after']} after (a shared machine: other sessions
-run tests meanwhile; medians are the figures to read).
+{m['load average (1 min) before']} before, {m['load average (1 min) after']} after. A shared machine: other sessions
+run tests meanwhile, which inflates the means and the p99 (a decision preempted); the medians are the figures to read.
 
 A simulated pool of {r['gateways']} gateways with 4-8 GPUs each ({r['gpus']} GPUs, {r['models']} models from T4 to
 H100, bf16 or not, random free memory, sessions, queues, utilization and round trips, 10% unmeasured),
-{r['placements']:,} placements per strategy, each counted as placed on its GPU before the next (as the client does
-until the gateway reports it). Adaptive cycles through four profiles (nothing yet, an 8 GiB model, a sync every
-3 ops, bf16). Time per decision, µs:
+{r['placements']:,} placements per strategy, each counted as placed on its GPU before the next (as the client
+does until the gateway reports it). Adaptive cycles through four profiles (nothing yet, an 8 GiB model, a sync
+every 3 ops, bf16). Time per decision, µs:
 
 | strategy | median | mean | p99 | 4 devices, median |
 | --- | --- | --- | --- | --- |
 {rows}
 
-Turning the {r['gateways']} gateways' reports into `GpuState`s (`GpuState.from_report`, what the pool does when
-beacons change): {r['convert_ms']:.2f} ms for all {r['gpus']} GPUs.
+Turning the {r['gateways']} gateways' reports into `GpuState`s (`GpuState.from_report`, which the pool does
+when it places): {r['convert_ms']:.2f} ms for all {r['gpus']} GPUs.
 
-Adaptive's decision time grows linearly with the pool:
+Adaptive's decision time grows linearly with the pool (a placement is once per session, next to a session
+start that costs a round trip and a worker process, so no index is needed at this size):
 
 | gateways | GPUs | median µs | ns per GPU |
 | --- | --- | --- | --- |

@@ -313,14 +313,17 @@ def place(gpus: Sequence[GpuState], profile: SessionProfile | None = None,
     chosen: list[GpuState | None] = [None] * len(pins)
     details: list[str] = [""] * len(pins)
     how, why = requested, ""
+    narrowed: dict[Pin, tuple[list[GpuState], list[str]]] = {}  # each pin's candidates
     # pinned devices first: they have the fewest choices
     for n, i in enumerate(sorted(range(len(pins)), key=lambda j: pins[j] == ANY)):
-        cands = list(gpus) if pins[i] == ANY else [g for g in gpus if pins[i].matches(g)]
-        if not cands:
-            raise PlacementError(f"device cuda:{i} is pinned to {pins[i]}, which matches none of the "
-                                 f"{len(gpus)} known GPU(s): {_sample(gpus)}")
-        want = 1 if pins[i] != ANY else pins.count(ANY)
-        cands, notes = _narrow(cands, profile, want, requested)
+        if pins[i] not in narrowed:
+            cands = list(gpus) if pins[i] == ANY else [g for g in gpus if pins[i].matches(g)]
+            if not cands:
+                raise PlacementError(f"device cuda:{i} is pinned to {pins[i]}, which matches none of the "
+                                     f"{len(gpus)} known GPU(s): {_sample(gpus)}")
+            want = 1 if pins[i] != ANY else pins.count(ANY)
+            narrowed[pins[i]] = _narrow(cands, profile, want, requested)
+        cands, notes = narrowed[pins[i]]
         if n == 0:  # the strategy and its reason are decided once, for all the session's devices
             if requested == "adaptive":
                 how, why = _adapt(cands, profile)
@@ -382,7 +385,10 @@ Chooser = Callable[[list[GpuState], Sequence[GpuState], SessionProfile, dict, in
 def _load_balancing(cands: list[GpuState], pool: Sequence[GpuState], profile: SessionProfile,
                     extra: dict, spread: int) -> tuple[GpuState, str]:
     cands = _unused(cands, extra)
-    loads = [g.load + extra.get(g.key, 0) for g in cands] if extra else [g.load for g in cands]
+    if extra and cands[0].key in extra:  # every candidate taken already: count this placement's picks
+        loads = [g.load + extra.get(g.key, 0) for g in cands]
+    else:
+        loads = [g.load for g in cands]
     best = min(loads)
     tied = [g for g, v in zip(cands, loads) if v == best]
     if len(tied) > 1:  # equal GPUs: the least loaded gateway
