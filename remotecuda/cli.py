@@ -15,9 +15,6 @@ import zipfile
 
 from remotecuda_wire.limits import CACHE_BYTES
 
-#: until the pool announces gateways by multicast, clients are told where they are
-NO_DISCOVERY = "not implemented yet (clients name gateways: --server / REMOTECUDA_SERVERS)"
-
 
 def _start(a: argparse.Namespace, argv: list[str]) -> int:
     from remotecuda_server.gateway import worker_env
@@ -28,15 +25,21 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
         os.execve(sys.executable, [sys.executable, "-m", "remotecuda", *argv], env)
     from remotecuda_server.devices import detect
     from remotecuda_server.gateway import VERSION, Gateway
-    devices, note = detect(a.device)
-    gw = Gateway(devices, host=a.host, port=a.port, spare=a.spare, session_timeout=a.session_timeout,
-                 cache_bytes=a.cache_bytes, direct=not a.no_direct)
+    try:
+        devices, note = detect(a.device, a.gpus, a.gpu_memory, a.gpu_name, a.gpu_capability)
+        gw = Gateway(devices, host=a.host, port=a.port, spare=a.spare, session_timeout=a.session_timeout,
+                     cache_bytes=a.cache_bytes, direct=not a.no_direct, discovery=not a.no_discovery,
+                     advertise=a.advertise, discovery_iface=a.discovery_iface)
+    except ValueError as e:
+        raise SystemExit(f"remotecuda start: {e}") from None
     if not a.quiet:
         print(f"RemoteCUDA gateway {VERSION}: {note}", flush=True)
         for d in devices:
-            print(f"  device {d.index}: {d.name}, {d.total_memory / 2**30:.1f} GiB"
+            facts = f", capability {d.capability[0]}.{d.capability[1]}" if d.kind == "cuda" or d.simulated else ""
+            print(f"  device {d.index}: {d.name}, {d.total_memory / 2**30:.1f} GiB{facts}"
                   + (" (simulated)" if d.simulated else ""), flush=True)
-        print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {NO_DISCOVERY}", flush=True)
+        where = gw.announcer.describe() if gw.announcer is not None else "off (--no-discovery)"
+        print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {where}", flush=True)
         print("  status: ready (Ctrl-C to stop)", flush=True)
     print(f"READY tcp://{gw.host}:{gw.port}", flush=True)
 
@@ -200,8 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=55555, help="TCP port (default 55555; 0 picks a free one)")
     s.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="serve CUDA GPUs, or the CPU (auto: CUDA if present)")
+    s.add_argument("--gpus", default=None,
+                   help="CUDA: the devices to serve, e.g. 0,1 (default: all visible); with --device cpu: "
+                        "N simulated GPUs, running on the CPU, for testing without GPUs")
+    s.add_argument("--gpu-memory", default=None,
+                   help="a simulated GPU's memory, enforced: 24GB, 80GiB, 512MB or bytes; "
+                        "a comma-separated list gives each its own (default 16GiB)")
+    s.add_argument("--gpu-name", default=None, help="a simulated GPU's name (comma-separated: each its own)")
+    s.add_argument("--gpu-capability", default=None,
+                   help="a simulated GPU's compute capability, e.g. 8.0 (comma-separated: each its own; "
+                        "bfloat16 from 8.0; default 8.0)")
     s.add_argument("--no-discovery", action="store_true",
-                   help=f"changes nothing: discovery is {NO_DISCOVERY}")
+                   help="do not announce this gateway on multicast "
+                        "(clients then name it: --server / REMOTECUDA_SERVERS)")
+    s.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                   help="the address beacons give clients, when they reach the gateway by another one "
+                        "(a proxy, a tunnel, NAT; default: the bound address)")
+    s.add_argument("--discovery-iface", default=None, metavar="IP",
+                   help="the interface (its IPv4 address) beacons leave by (default REMOTECUDA_DISCOVERY_IFACE; "
+                        "else 127.0.0.1 for a loopback --host, else the system's choice)")
     s.add_argument("--spare", type=int, default=1, help="session workers kept started per device")
     s.add_argument("--session-timeout", type=float, default=60.0,
                    help="seconds without a message before a session is dropped")

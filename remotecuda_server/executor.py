@@ -24,6 +24,7 @@ from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import GeneratorRef, Handle, ProtocolError
 
 from . import rnn
+from .memory_account import MemoryAccount
 from .ops import OpResolver, UnknownOpError
 
 _LINK = LinkModel()  # the gateway does not measure its clients' links: downloads use the default
@@ -249,8 +250,10 @@ def internal_op(name: str, args: str, stores: bool = False) -> Callable:
 class Executor:
     """Runs ops in issue order against a handle table."""
 
-    def __init__(self, device: torch.device, upload_cache: ContentCache | None = None, copy_stream: Any = None):
+    def __init__(self, device: torch.device, upload_cache: ContentCache | None = None, copy_stream: Any = None,
+                 account: MemoryAccount | None = None):
         self.device = device
+        self.account = account  # a simulated GPU's memory, shared with the other sessions on it
         self.cache = upload_cache
         self.parts = PartedUploads(device, copy_stream)
         self.pending: dict[int, tuple] = {}  # handle → (last PART, dtype, shape, key): bytes on the way
@@ -259,7 +262,7 @@ class Executor:
         self._prepared: dict = {}  # the running message's uploads, prepared by the I/O thread
         self._out_payloads: list = []  # the running message's reply payloads, which fetches add to
         #: on the CPU the table itself counts the bytes its tensors hold (CUDA's allocator does on a GPU)
-        self.handles: dict[int, torch.Tensor] = {} if device.type == "cuda" else CountedHandles()
+        self.handles: dict[int, torch.Tensor] = {} if device.type == "cuda" else CountedHandles(account)
         self.invalid: dict[int, str] = {}
         self.resolver = OpResolver()
         self.failed: dict | None = None
@@ -698,11 +701,15 @@ class Executor:
                     "reserved": torch.cuda.memory_reserved(self.device),
                     "peak": torch.cuda.max_memory_allocated(self.device),
                     "free": free, "total": total}
-        import psutil
-        vm = psutil.virtual_memory()
         alloc = self.handles.recount()
+        if self.account is not None:
+            free, total = self.account.free(), self.account.size
+        else:
+            import psutil
+            vm = psutil.virtual_memory()
+            free, total = vm.available, vm.total
         return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": self.handles.peak,
-                "free": vm.available, "total": vm.total}
+                "free": free, "total": total}
 
 
 def _sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
@@ -721,23 +728,26 @@ class CountedHandles(dict):
     sampled between messages. A storage is known by its StorageImpl (``_cdata``), which an
     in-place resize keeps; such a resize is counted at the next ``recount`` (a memory query)."""
 
-    def __init__(self) -> None:
+    def __init__(self, account: MemoryAccount | None = None) -> None:
         super().__init__()
         self.storages: dict[int, list] = {}  # StorageImpl → [tensors in the table on it, bytes counted]
         self.held: dict[int, tuple] = {}  # handle → the StorageImpls counted for its tensor
         self.allocated = self.peak = 0
+        #: a simulated GPU's shared account: new storages are taken from it (or refused), freed ones given back
+        self.account = account
 
     def __setitem__(self, h: int, t: torch.Tensor) -> None:
         held = self.held
         if h in held:
             self._drop(h)
-        dict.__setitem__(self, h, t)
         if t.layout is torch.strided:  # (the common case, inline: this runs for every op's output)
             s = t.untyped_storage()
             key = s._cdata
             entry = self.storages.get(key)
             if entry is None:
                 n = s.nbytes()
+                if self.account is not None:
+                    self.account.take(n)  # (a refusal leaves the handle out of the table)
                 self.storages[key] = [1, n]
                 self.allocated += n
                 if self.allocated > self.peak:
@@ -745,9 +755,14 @@ class CountedHandles(dict):
             else:
                 entry[0] += 1
             held[h] = key
+            dict.__setitem__(self, h, t)
             return
+        storages = _storages(t)
+        new = {s._cdata: s.nbytes() for s in storages if s._cdata not in self.storages}
+        if self.account is not None and new:
+            self.account.take(sum(new.values()))
         keys = []
-        for s in _storages(t):
+        for s in storages:
             keys.append(s._cdata)
             entry = self.storages.setdefault(s._cdata, [0, s.nbytes()])
             if entry[0] == 0:
@@ -755,6 +770,7 @@ class CountedHandles(dict):
             entry[0] += 1
         held[h] = tuple(keys)
         self.peak = max(self.peak, self.allocated)
+        dict.__setitem__(self, h, t)
 
     def pop(self, h: int, default: Any = None) -> Any:
         if h in self.held:
@@ -772,14 +788,22 @@ class CountedHandles(dict):
             if entry[0] == 0:
                 del self.storages[key]
                 self.allocated -= entry[1]
+                if self.account is not None:
+                    self.account.give(entry[1])
 
     def recount(self) -> int:
         """Count again from the storages as they are now (catching in-place resizes)."""
         held = list(self.items())
         self.storages, self.held, self.allocated = {}, {}, 0
-        for h, t in held:
-            dict.__delitem__(self, h)
-            self[h] = t
+        account, self.account = self.account, None  # (the bytes are there: settled below, not taken)
+        try:
+            for h, t in held:
+                dict.__delitem__(self, h)
+                self[h] = t
+        finally:
+            self.account = account
+        if account is not None:
+            account.settle(self.allocated)
         self.peak = max(self.peak, self.allocated)
         return self.allocated
 

@@ -1,19 +1,28 @@
 """The gateway supervisor: one TCP port, sessions placed on workers.
 
-The supervisor never runs an op. It checks each message's header, answers HELLO and
-PING itself, and forwards a session's frames (without copying them) to the worker
-process that owns the session — or, when the client reaches the worker's own data port
-(the direct path, see worker.py), only places the session and keeps its accounts. Workers
-are started ahead of time, one spare per device, so a new session does not wait for
-``import torch``. A session ends on BYE, after ``session_timeout`` seconds without a
-message (the client pings every few seconds while alive), or when its worker dies; its
-worker then exits, which frees all of its memory.
+The supervisor never runs an op. It checks each message's header, answers HELLO, PING
+and STATUS itself (so a liveness ping is answered at once however busy the workers are:
+nothing in its loop waits on a worker), and forwards a session's frames (without copying
+them) to the worker process that owns the session — or, when the client reaches the
+worker's own data port (the direct path, see worker.py), only places the session and keeps
+its accounts. Workers are started ahead of time, one spare per device, so a new session
+does not wait for ``import torch``. A session ends on BYE, after ``session_timeout``
+seconds without a message (the client pings every few seconds while alive), or when its
+worker dies; its worker then exits, which frees all of its memory.
+
+It also keeps each GPU's figures (memory, utilization, queued work, sessions, op latency;
+load.py) from its workers' reports, and announces the gateway with them on multicast about
+once a second (announcer.py) unless discovery is off.
 """
 from __future__ import annotations
 
+import functools
 import hmac
+import json
 import os
 import secrets
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,17 +32,20 @@ from typing import Any
 
 import zmq
 
-from remotecuda_wire import protocol
+from remotecuda_wire import beacon, protocol
 from remotecuda_wire._version import __version__ as VERSION
 from remotecuda_wire.cache import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
 from remotecuda_wire.cache import POLICIES
 from remotecuda_wire.protocol import ProtocolError
 
-from . import internal
+from . import announcer, internal, memory_account
 from .devices import DeviceInfo
+from .load import GpuLoad
 
 #: worker figures that are levels, not counts: a session row shows them, totals do not add them up
-_GAUGES = ("memory", "cache_entries", "partial_upload_bytes")
+_GAUGES = ("memory", "cache_entries", "partial_upload_bytes", "queued", "device_free", "device_total")
+#: seconds a worker that said CLOSED may take to exit before it is killed
+_EXIT_GRACE = 30.0
 #: a worker's counts of direct-path traffic, and the session counters they add to
 _DIRECT_KEYS = {"direct_messages_in": "messages_in", "direct_bytes_in": "bytes_in",
                 "direct_bytes_out": "bytes_out"}
@@ -47,6 +59,7 @@ class WorkerProc:
     ready: bool = False
     client: bytes | None = None
     data_port: int = 0  # the worker's direct-path port (0: none)
+    slot: int | None = None  # its slot in a simulated GPU's memory account
 
 
 @dataclass
@@ -66,8 +79,13 @@ class SessionState:
 class Gateway:
     def __init__(self, devices: list[DeviceInfo], host: str = "127.0.0.1", port: int = 55555,
                  spare: int = 1, session_timeout: float = 60.0, max_frame: int = protocol.MAX_PAYLOAD_BYTES,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES, direct: bool = True):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, direct: bool = True, discovery: bool = False,
+                 advertise: str | None = None, discovery_iface: str | None = None):
+        """``discovery``: announce on multicast (group from REMOTECUDA_DISCOVERY), from
+        ``discovery_iface`` (else REMOTECUDA_DISCOVERY_IFACE, else announcer.interface's choice),
+        giving ``advertise`` (HOST:PORT) as the address, else the bound one."""
         self.devices = devices
+        self.id = secrets.token_hex(8)  # this start's: a restarted gateway is another one
         self.direct = direct
         self.max_frame = max_frame
         self.spare = spare
@@ -104,6 +122,26 @@ class Gateway:
         self.cache_bytes = cache_bytes
         self._n = 0
         self.running = True
+        self.exiting: list[tuple[subprocess.Popen, float]] = []  # workers that said CLOSED, until they exit
+        now = time.monotonic()
+        self.loads = [GpuLoad(now) for _ in devices]
+        self.accounts: dict[int, memory_account.MemoryAccount] = {}  # simulated GPU → its memory account
+        self.free_slots: dict[int, list[int]] = {}
+        self._accounts_dir: str | None = None
+        if any(d.simulated for d in devices):
+            self._accounts_dir = tempfile.mkdtemp(prefix="remotecuda-gw-", dir=memory_account.account_dir())
+            for d in devices:
+                if d.simulated:
+                    path = os.path.join(self._accounts_dir, f"gpu{d.index}")
+                    memory_account.create(path)
+                    self.accounts[d.index] = memory_account.MemoryAccount(path, d.total_memory, d.index, d.name)
+                    self.free_slots[d.index] = list(range(1, memory_account.SLOTS))  # ([0]: the total)
+        self.announcer: announcer.Announcer | None = None
+        if discovery:
+            group, gport = beacon.group_from_env()
+            iface = announcer.interface(host, discovery_iface or beacon.iface_from_env())
+            addr = announcer.address(host, self.port, advertise, iface, group)
+            self.announcer = announcer.Announcer(self.id, addr, group, gport, iface)
 
     # ------------------------------------------------------------------ workers
     def _spawn(self, device: int) -> None:
@@ -114,8 +152,25 @@ class Gateway:
                "--max-frame", str(self.max_frame), "--parent", str(os.getpid())]
         if self.direct:
             cmd += ["--host", self.host]
+        slot = None
+        account = self.accounts.get(device)
+        if account is not None:
+            if not self.free_slots[device]:
+                return  # (every slot taken: the HELLO waits for a worker to end)
+            slot = self.free_slots[device].pop(0)
+            d = self.devices[device]
+            cmd += ["--account", os.path.join(self._accounts_dir, f"gpu{device}"), "--slot", str(slot),
+                    "--gpu", json.dumps({"index": d.index, "name": d.name, "total_memory": d.total_memory})]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env())
-        self.workers[ident] = WorkerProc(ident, device, proc)
+        self.workers[ident] = WorkerProc(ident, device, proc, slot=slot)
+
+    def _retire(self, w: WorkerProc) -> None:
+        """A worker is gone, or will run no more ops: its share of a simulated GPU is free."""
+        self.workers.pop(w.ident, None)
+        if w.slot is not None:
+            self.accounts[w.device].clear(w.slot)
+            self.free_slots[w.device].append(w.slot)
+            w.slot = None
 
     def _maintain_spares(self) -> None:
         for dev in range(len(self.devices)):
@@ -125,13 +180,21 @@ class Gateway:
                 self._spawn(dev)
 
     def _reap(self) -> None:
-        for ident, w in list(self.workers.items()):
+        for w in list(self.workers.values()):
             code = w.proc.poll()
             if code is None:
                 continue
-            del self.workers[ident]
+            self._retire(w)
             if w.client is not None and w.client in self.sessions:
                 self._lose_session(w.client, f"the gateway's session worker exited (code {code})")
+        now = time.monotonic()
+        still = []
+        for proc, deadline in self.exiting:
+            if proc.poll() is None:
+                if now > deadline:
+                    proc.kill()
+                still.append((proc, deadline))
+        self.exiting = still
 
     def _assign(self) -> None:
         still = []
@@ -164,12 +227,41 @@ class Gateway:
 
     # ------------------------------------------------------------------ messages
     def _inventory(self, session: bool = False) -> dict:
-        return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(),
+        return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(), "id": self.id,
                 "devices": [d.as_dict() for d in self.devices], "session": session,
                 "sessions": len(self.sessions), "codecs": list(protocol.CODECS)}
 
+    def gpus(self) -> list[dict]:
+        """Each GPU's facts and current figures (STATUS's and the beacon's ``gpus``)."""
+        now = time.monotonic()
+        out = []
+        for d, load in zip(self.devices, self.loads):
+            rows = [st.worker_stats for st in self.sessions.values() if st.device == d.index]
+            out.append({"index": d.index, "name": d.name, "kind": d.kind, "simulated": d.simulated,
+                        "capability": d.capability, "bf16": d.bf16, "total_memory": d.total_memory,
+                        "free_memory": self._free_memory(d, rows), "utilization": load.utilization(now),
+                        "queued": sum(r.get("queued", 0) for r in rows), "sessions": len(rows),
+                        "latency_ms": load.latency()})
+        return out
+
+    def _free_memory(self, d: DeviceInfo, rows: list[dict]) -> int:
+        """A simulated GPU's from its account; a GPU's as its workers last saw it (cudaMemGetInfo),
+        else its size less what sessions hold; the CPU's, the host's available memory."""
+        if d.simulated:
+            return self.accounts[d.index].free()
+        if d.kind == "cpu":
+            import psutil
+            return psutil.virtual_memory().available
+        seen = [r["device_free"] for r in rows if "device_free" in r]
+        return min(seen) if seen else max(0, d.total_memory - sum(r.get("memory", 0) for r in rows))
+
+    def _beacon_info(self) -> dict:
+        return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(),
+                "host": socket.gethostname(), "sessions": len(self.sessions), "gpus": self.gpus()}
+
     def status(self) -> dict:
-        """Per-session and gateway-wide counters: what the pool's scheduler and panel read."""
+        """Per-session and gateway-wide counters, and each GPU's figures: what the pool's
+        scheduler and panel read."""
         sessions = []
         total = dict(self.totals)
         for st in self.sessions.values():
@@ -184,7 +276,7 @@ class Gateway:
             sessions.append(row)
         for k, v in self.finished.items():
             total[k] = total.get(k, 0) + v
-        return dict(self._inventory(), sessions=sessions, totals=total)
+        return dict(self._inventory(), sessions=sessions, totals=total, gpus=self.gpus())
 
     def _send_client(self, client: bytes, frames: list) -> None:
         try:
@@ -228,7 +320,7 @@ class Gateway:
             self._error(client, str(e))
             return
         if msg_type == protocol.PING:
-            self._send_client(client, protocol.encode(protocol.PONG, {"t": msg.body.get("t")}))
+            self._send_client(client, protocol.encode(protocol.PONG, {"t": msg.body.get("t"), "id": self.id}))
         elif msg_type == protocol.HELLO:
             self._on_hello(client, msg.body)
         elif msg_type == protocol.STATUS:
@@ -341,13 +433,13 @@ class Gateway:
                 stats = protocol.unpack_body(frames[2].bytes)
                 if stats.get("direct_messages_in") != state.worker_stats.get("direct_messages_in"):
                     state.last_seen = time.monotonic()  # the client is alive on the direct path
+                self.loads[state.device].report(state.worker_stats, stats)
                 state.worker_stats = stats
         elif kind == internal.CLOSED:
-            try:
-                w.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-            self.workers.pop(ident, None)
+            # its executor has stopped and the process exits next: reaped later, never waited for
+            # here, where every client's message (a liveness PING too) would wait with it
+            self._retire(w)
+            self.exiting.append((w.proc, time.monotonic() + _EXIT_GRACE))
             if w.client is not None and w.client in self.sessions \
                     and self.sessions[w.client].worker == ident:  # it ended without a CLOSE
                 self._lose_session(w.client, "the gateway's session worker ended")
@@ -360,7 +452,9 @@ class Gateway:
         self._maintain_spares()
         last_maint = time.monotonic()
         while self.running:
-            events = dict(poller.poll(200))
+            wait = 200 if self.announcer is None else \
+                max(0, min(200, int((self.announcer.next_at - time.monotonic()) * 1000) + 1))
+            events = dict(poller.poll(wait))
             if self.back in events:
                 for _ in range(256):
                     try:
@@ -380,8 +474,12 @@ class Gateway:
                         traceback.print_exc()
                         self._error(frames[0].bytes, "the gateway could not handle this message", "internal")
             now = time.monotonic()
+            if self.announcer is not None and now >= self.announcer.next_at:
+                self.announcer.send(self._beacon_info())
             if now - last_maint > 0.5:
                 last_maint = now
+                for load in self.loads:
+                    load.sample(now)
                 self._reap()
                 for client, st in list(self.sessions.items()):
                     if now - st.last_seen > self.session_timeout:
@@ -391,17 +489,25 @@ class Gateway:
 
     def shutdown(self) -> None:
         self.running = False
-        for w in self.workers.values():
-            w.proc.terminate()
-        for w in self.workers.values():
+        if self.announcer is not None:
+            self.announcer.send(self._beacon_info(), leaving=True)
+            self.announcer.close()
+        procs = [w.proc for w in self.workers.values()] + [proc for proc, _ in self.exiting]
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
             try:
-                w.proc.wait(timeout=10)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                w.proc.kill()
+                proc.kill()
         self.front.close()
         self.back.close()
         self.ctx.term()
         self._tmp.cleanup()
+        for account in self.accounts.values():
+            account.close()
+        if self._accounts_dir is not None:
+            shutil.rmtree(self._accounts_dir, ignore_errors=True)
 
 
 #: malloc, which ZeroMQ's receive buffers use: huge pages, and buffers up to 32 MiB (an upload
@@ -420,6 +526,7 @@ def worker_env() -> dict:
     return env
 
 
+@functools.cache
 def _torch_version() -> str:
     from importlib.metadata import version
     try:

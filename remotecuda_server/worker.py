@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import json
 import os
 import queue
 import sys
@@ -36,6 +37,7 @@ from remotecuda_wire.protocol import ProtocolError
 
 from . import internal
 from .executor import Assembly, Executor, Upload
+from .memory_account import MemoryAccount
 
 STATS_INTERVAL = 0.25  # seconds between a busy session's reports to the supervisor
 
@@ -47,6 +49,7 @@ class Run:
 
     msg: protocol.Message
     prepared: dict  # uploaded handle → its Upload, already on the device, or why it could not be
+    ops: int = 0  # how many ops it holds (the queued work a GPU reports, until they have run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +72,17 @@ InboxItem = Run | Rejected | Cancelled | None
 
 class Worker:
     def __init__(self, backend: str, ident: bytes, device: str, host: str | None = None,
-                 max_frame: int = protocol.MAX_PAYLOAD_BYTES):
+                 max_frame: int = protocol.MAX_PAYLOAD_BYTES, account: MemoryAccount | None = None):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.executor = Executor(self.device, copy_stream=self.copy_stream)
+        self.executor = Executor(self.device, copy_stream=self.copy_stream, account=account)
+        #: the load this session puts on its GPU, which the I/O thread reports: ops received (counted
+        #: by the I/O thread) and run (by the executor thread); and the executor's seconds on finished
+        #: messages with the running one's start (None when idle), one tuple so that it is read whole
+        self.ops_received = self.ops_done = 0
+        self._busy: tuple[float, float | None] = (0.0, None)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, ident)
@@ -219,10 +227,15 @@ class Worker:
         at most every STATS_INTERVAL: summing the session's memory after each message cost the
         I/O thread as much as placing a large upload's part."""
         self._stats_at = time.monotonic()
+        done, since = self._busy
         stats = dict(self.executor.stats, **self.direct_counts, memory=self.executor.allocated_bytes(),
                      cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
                      cache_evictions=self.executor.cache.evictions if self.executor.cache else 0,
-                     parts_in=self.executor.parts.received, partial_upload_bytes=self.executor.parts.building_bytes())
+                     parts_in=self.executor.parts.received, partial_upload_bytes=self.executor.parts.building_bytes(),
+                     queued=self.ops_received - self.ops_done, run_s=done,
+                     busy_s=done + (time.perf_counter() - since if since is not None else 0.0))
+        if self.device.type == "cuda":
+            stats["device_free"], stats["device_total"] = torch.cuda.mem_get_info(self.device)
         if stats != self._last_stats and self.client is not None:
             self._last_stats = stats
             self.sock.send_multipart([internal.STATS, protocol.pack_body(stats)])
@@ -250,7 +263,10 @@ class Worker:
         except Exception as e:  # a malformed message must never take down the I/O thread
             self.inbox.put(Rejected(f"malformed OPS message ({type(e).__name__}: {e})"))
             return
-        self.inbox.put(Run(msg, prepared))
+        ops = msg.body.get("ops")
+        n = len(ops) if isinstance(ops, list) else 0
+        self.ops_received += n
+        self.inbox.put(Run(msg, prepared, n))
 
     def _on_part(self, frames: list) -> None:
         """One part of a large upload: checked and copied into place here, as it arrives, while
@@ -332,7 +348,14 @@ class Worker:
             if item is None:
                 break
             if type(item) is Run:
-                self._run_message(item, out)
+                done = self._busy[0]
+                start = time.perf_counter()
+                self._busy = (done, start)
+                try:
+                    self._run_message(item, out)
+                finally:
+                    self._busy = (done + time.perf_counter() - start, None)
+                    self.ops_done += item.ops
             elif type(item) is Rejected:
                 out.send_multipart(protocol.encode(protocol.ERROR, {"msg": item.why, "kind": "protocol"}))
             else:
@@ -384,6 +407,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="", help="bind a data port on this address for the direct path")
     p.add_argument("--max-frame", type=int, default=protocol.MAX_PAYLOAD_BYTES)
     p.add_argument("--parent", type=int, help="the gateway's pid: a worker must not outlive it")
+    p.add_argument("--account", default="", help="a simulated GPU's memory account file (memory_account.py)")
+    p.add_argument("--slot", type=int, default=0, help="this worker's slot in the account")
+    p.add_argument("--gpu", default="{}", help="the simulated GPU's description (JSON: index, name, total_memory)")
     a = p.parse_args(argv)
     die_with_parent()
     if a.parent is not None and os.getppid() != a.parent:  # it ended while we imported torch
@@ -391,7 +417,11 @@ def main(argv: list[str] | None = None) -> None:
     # the I/O thread must get the GIL soon while the executor thread runs Python op after op:
     # a part or a CANCEL waiting out the default 5 ms would stall the transfer it overlaps
     sys.setswitchinterval(0.0005)
-    Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame).serve()
+    account = None
+    if a.account:
+        gpu = json.loads(a.gpu)
+        account = MemoryAccount(a.account, gpu["total_memory"], gpu["index"], gpu["name"], a.slot)
+    Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account).serve()
     os._exit(0)
 
 

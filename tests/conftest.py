@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -14,12 +16,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("REMOTECUDA_CHECK_CACHE", "1")
 
 
-class GatewayProcess:
-    """A `remotecuda start --device cpu` process on a free loopback port."""
+def private_discovery() -> str:
+    """A multicast group and UDP port for one test run (or one test) alone: "GROUP:PORT"."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"239.255.{random.randint(101, 254)}.{random.randint(1, 254)}:{port}"
 
-    def __init__(self, *extra: str):
+
+#: beacons stay on loopback, on a group of this run's own: no gateway a test starts (they inherit
+#: this environment) sends through the default route, and parallel runs do not hear each other
+os.environ["REMOTECUDA_DISCOVERY_IFACE"] = "127.0.0.1"
+os.environ["REMOTECUDA_DISCOVERY"] = private_discovery()
+
+
+class GatewayProcess:
+    """A `remotecuda start --device cpu` process on a free loopback port (announcing itself with
+    ``discovery``, on the run's private group unless the environment says otherwise)."""
+
+    def __init__(self, *extra: str, discovery: bool = False):
         cmd = [sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--port", "0",
-               "--no-discovery", "--quiet", *extra]
+               *([] if discovery else ["--no-discovery"]), "--quiet", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=ROOT)
         line = self.proc.stdout.readline()
         if not line.startswith("READY "):

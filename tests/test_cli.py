@@ -284,7 +284,7 @@ def test_start_banner():
         for lines in (cpu_lines, auto_lines):
             text = "\n".join(lines)
             assert lines[0].startswith(f"RemoteCUDA gateway {remotecuda.__version__}: "), text
-            assert "discovery: not implemented yet (clients name gateways: --server" in text
+            assert "; discovery: off (--no-discovery)" in text
             assert re.search(rf"device 0: CPU \(\w+, {os.cpu_count()} cores\), {total:.1f} GiB$", text, re.M), text
             m = re.search(r"listening on tcp://127\.0\.0\.1:(\d+)", text)
             assert m and lines[-1] == f"READY tcp://127.0.0.1:{m.group(1)}", text
@@ -299,12 +299,15 @@ def test_start_banner():
     assert codes == [0, 0]
 
 
-def test_unimplemented_options_say_so():
-    """Until the pool announces gateways, --no-discovery is accepted (scripts pass it) and says it
-    changes nothing."""
+def test_start_help_names_the_pool_options():
+    """The discovery and GPU options are there and say what they do (none is a placebo)."""
     r = _run([BIN, "start", "--help"], timeout=60)
     assert r.returncode == 0
-    assert "changes nothing: discovery is not implemented yet" in " ".join(r.stdout.split()), r.stdout
+    text = " ".join(r.stdout.split())
+    for option in ("--gpus", "--gpu-memory", "--gpu-name", "--gpu-capability", "--no-discovery",
+                   "--advertise HOST:PORT", "--discovery-iface IP"):
+        assert option in text, text
+    assert "do not announce this gateway on multicast" in text and "not implemented" not in text
 
 
 def test_one_version():

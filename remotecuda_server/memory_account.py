@@ -1,0 +1,119 @@
+"""A simulated GPU's memory: one account that all the sessions on that GPU draw from.
+
+A simulated GPU (``remotecuda start --device cpu --gpus N --gpu-memory SIZE``) runs on the
+CPU, but its memory must run out where the GPU's would, for every session on it together.
+Sessions are separate worker processes, so the account lives in a small shared file (on
+/dev/shm where there is one): ``SLOTS`` signed 64-bit counters, the first the GPU's total in
+use, each other one a worker's share. The supervisor creates the file and gives each worker on
+the GPU a slot of its own; the worker keeps its slot equal to the bytes its session's tensors
+hold (the CPU executor counts them exactly, storage by storage: executor.CountedHandles).
+Every change moves the total and the slot together under an exclusive ``flock`` on the file,
+so two sessions can never both take the last bytes, and taking is checked against the total
+alone (a lock and two stores per new tensor). A worker that ends, or is killed, leaves its
+slot to the supervisor, which zeroes it and sums the total afresh: no byte stays held by a
+session that is gone, however it went. The supervisor reads the total for the GPU's
+free memory (STATUS, beacons) without the lock.
+
+An op's output is made on the host before it is counted, so a simulated GPU refuses an
+oversized tensor after allocating it once (the host needs the room for a moment).
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+
+import torch
+
+#: the total, and a slot for each of the most workers (sessions and spares) one simulated GPU can have at once
+SLOTS = 1024
+_SLOT = struct.Struct("=q")
+
+
+def account_dir() -> str | None:
+    """Where account files go: shared memory (/dev/shm) when the system has it."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def create(path: str) -> None:
+    """A new, empty account file (the supervisor's, one per simulated GPU)."""
+    with open(path, "wb") as f:
+        f.write(bytes(SLOTS * _SLOT.size))
+
+
+def _fmt(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "bytes" else f"{int(n)} bytes"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+class MemoryAccount:
+    """One process's view of a simulated GPU's account: read it, and (a worker) draw from its slot."""
+
+    def __init__(self, path: str, size: int, gpu: int, name: str, slot: int | None = None):
+        self.size, self.gpu, self.name, self.slot = size, gpu, name, slot
+        self._fd = os.open(path, os.O_RDWR)
+        self._map = mmap.mmap(self._fd, SLOTS * _SLOT.size)
+        self._slots = memoryview(self._map).cast("q")  # [0]: the total; [k]: worker k's share
+        self.mine = 0  # this worker's bytes (its slot's value)
+
+    def used(self) -> int:
+        """Bytes held by all the sessions on the GPU."""
+        return self._slots[0]
+
+    def free(self) -> int:
+        return max(0, self.size - self.used())
+
+    def take(self, n: int) -> None:
+        """Take ``n`` bytes for this worker, or raise the ``torch.OutOfMemoryError`` a GPU would."""
+        with self._locked():
+            used = self._slots[0]
+            if used + n > self.size:
+                others = f"; other sessions on this GPU hold {_fmt(used - self.mine)}" if used > self.mine else ""
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {_fmt(n)}. GPU {self.gpu} ({self.name}, "
+                    f"simulated) has a total capacity of {_fmt(self.size)} of which "
+                    f"{_fmt(max(0, self.size - used))} is free. This session has {_fmt(self.mine)} "
+                    f"memory in use{others}.")
+            self._move(n)
+
+    def give(self, n: int) -> None:
+        """Give back ``n`` bytes."""
+        with self._locked():
+            self._move(-n)
+
+    def settle(self, n: int) -> None:
+        """This worker holds ``n`` bytes, as a recount found them: no check, they are there."""
+        with self._locked():
+            self._move(n - self.mine)
+
+    def _move(self, delta: int) -> None:
+        assert self.slot is not None, "only a worker, with a slot of its own, draws from the account"
+        self.mine += delta
+        self._slots[self.slot] = self.mine
+        self._slots[0] += delta
+
+    def clear(self, slot: int) -> None:
+        """Take an ended worker's share off the total (the supervisor's). The total is summed
+        afresh, so even a worker killed between its two stores leaves it right."""
+        with self._locked():
+            self._slots[slot] = 0
+            self._slots[0] = sum(self._slots[1:])
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self._slots.release()
+        self._map.close()
+        os.close(self._fd)
