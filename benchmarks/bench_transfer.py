@@ -199,7 +199,7 @@ def sync() -> None:
 
 def session():
     import remotecuda
-    return remotecuda.runtime().session(0)
+    return remotecuda.runtime.current().session(0)
 
 
 # ---------------------------------------------------------------------------- (a) round trips per step
@@ -688,7 +688,7 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
         # --- through the delay proxy: (a), (b)
         proxy = ProxyProcess(gw_port, target_host=PROXIED_HOST)
         remotecuda.activate(proxy.address, fallback="error")
-        res["proxied_session_direct"] = remotecuda.runtime().session(0).direct  # False: all via the proxy
+        res["proxied_session_direct"] = remotecuda.runtime.current().session(0).direct  # False: all via the proxy
         wait_for_quiet("(a) round trips")
         res["round_trips"] = measure_round_trips(proxy, steps={"no_read": 20 if quick else 60,
                                                                "item_each_step": 15 if quick else 30},
@@ -714,7 +714,7 @@ def measure(quick: bool = False, with_256: bool = True) -> dict:
         gw, address = bench_core.start_gateway(spare=0)
         GATEWAY_PID = gw.pid
         remotecuda.activate(address, fallback="error")
-        res["session_direct"] = remotecuda.runtime().session(0).direct
+        res["session_direct"] = remotecuda.runtime.current().session(0).direct
         x = torch.ones(4, device="cuda")
         x.sum().item()
         wait_for_quiet("(c) throughput")

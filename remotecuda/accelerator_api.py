@@ -81,7 +81,7 @@ def set_stream(stream: cuda_api.Stream) -> None:
 
 def get_device_capability(device: Any = None, /) -> dict[str, Any]:
     """The dtypes a CUDA device allocates and converts between: all but the quantized ones."""
-    cuda_api._index(device)  # (a bad device raises)
+    cuda_api.device_index(device)  # (a bad device raises)
     dtypes = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
     return {"supported_dtypes": {d for d in dtypes if not str(d).startswith(("torch.qint", "torch.quint"))}}
 

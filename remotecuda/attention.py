@@ -3,7 +3,8 @@
 SDPA is a composite op: on the client it would decompose (on meta tensors) into the
 ~22-op math path, so a GPU would run many small kernels instead of one flash, memory-efficient
 or cuDNN attention kernel. Instead the client asks the gateway once per input signature which
-backend its device picks (``aten._fused_sdp_choice``) and then does what PyTorch's own
+backend its device picks (``aten._fused_sdp_choice``; the answers are kept by the runtime,
+as they depend on the gateways' GPUs) and then does what PyTorch's own
 ``scaled_dot_product_attention`` (aten/src/ATen/native/transformers/attention.cpp) does for
 that backend: the same mask conversion and padding, then the backend's aten op. Those ops
 have meta kernels and autograd formulas, so the backward runs the fused kernel too.
@@ -17,12 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .dispatch import DISPATCHER
+from . import runtime
 from .tensor import RemoteTensor
 
 aten = torch.ops.aten
 MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
-_choices: dict[tuple, int] = {}
 
 
 def _bind(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -63,14 +63,15 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     if not all(isinstance(t, RemoteTensor) for t in (q, k, v)) or \
             (mask is not None and not isinstance(mask, RemoteTensor)):
         return func(*args, **kwargs)
-    kind = DISPATCHER.runtime.device(q._dev).kind
+    rt = runtime.current()
+    kind = rt.device(q._dev).kind
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     key = (kind, q._k, k._k, v._k, None if mask is None else mask._k, p > 0, causal, scale, gqa, grad)
     if kind == "cpu" and mask is not None and mask.requires_grad:
         return func(*args, **kwargs)  # CPU's check_attn_mask_shape; the gateway's mask has no grad
-    choice = _choices.get(key)
+    choice = rt.sdpa_choices.get(key)
     if choice is None:  # asked with `grad`: the gateway's tensors never require it, and the choice depends on it
-        choice = _choices[key] = int(q._s.request("rc::sdp_choice", [
+        choice = rt.sdpa_choices[key] = int(q._s.request("rc::sdp_choice", [
             t._h if t is not None else None for t in (q, k, v, mask)] + [p, causal, scale, gqa, grad]))
     if choice == CUDNN and kind == "cuda":
         return aten._scaled_dot_product_cudnn_attention(q, k, v, _additive(mask, q.dtype, -65504.0), grad, p,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import attention
 from .tensor import RemoteTensor
 
 _LOWER = [  # run in the autocast dtype (float16 / bfloat16)
@@ -69,9 +70,14 @@ def _cast_to(dtype: torch.dtype, eligible: Callable) -> Callable:
     return cast
 
 
+def lowered(args: Any) -> Any:
+    """``args`` with their remote floating-point tensors (float64 excepted) cast to autocast's
+    lower-precision dtype, as CUDA autocast casts the arguments of the ops on its lower list."""
+    return _map(args, _cast_to(torch.get_autocast_dtype("cuda"), lambda d: d != torch.float64))
+
+
 def _lower(func: Callable, args: tuple, kwargs: dict) -> Any:
-    cast = _cast_to(torch.get_autocast_dtype("cuda"), lambda d: d != torch.float64)
-    return func(*_map(args, cast), **{k: _map(v, cast) for k, v in kwargs.items()})
+    return func(*lowered(args), **{k: lowered(v) for k, v in kwargs.items()})
 
 
 def _fp32(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -116,10 +122,8 @@ for _fs, _p in ((_LOWER, _lower), (_FP32, _fp32), (_FP32_SET_OPT_DTYPE, _fp32_dt
 
 def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     """Scaled dot-product attention: CUDA's autocast casts it (lower precision), then the fused path."""
-    from . import attention
     if torch.is_autocast_enabled("cuda") and has_remote(args, kwargs):
-        cast = _cast_to(torch.get_autocast_dtype("cuda"), lambda d: d != torch.float64)
-        args, kwargs = _map(args, cast), {k: _map(v, cast) for k, v in kwargs.items()}
+        args, kwargs = lowered(args), {k: lowered(v) for k, v in kwargs.items()}
     return attention.sdpa(func, args, kwargs)
 
 

@@ -1,9 +1,11 @@
-"""``torch.cuda.*`` answered by the gateways.
+"""``torch.cuda.*`` (and ``torch.Generator``) answered by the gateways.
 
 On a CPU-only build these functions raise "Torch not compiled with CUDA enabled"; while
 remotecuda is active they are replaced by the ones here (and restored on deactivation).
 Device facts come from the gateways' inventories; memory figures, synchronisation and
-event timings are requests to the session's worker, measured where the work runs.
+event timings are requests to the session's worker, measured where the work runs. The
+state torch.cuda keeps (the current device, streams, the seed for devices not used yet)
+is the active runtime's (runtime.py), so it ends with it.
 """
 from __future__ import annotations
 
@@ -13,14 +15,16 @@ from typing import Any
 
 import torch
 
-from .dispatch import DISPATCHER
+from . import runtime
+from .generator import CudaGenerator
+from .pool import VirtualDevice
+from .session import Session
+
+_rt = runtime.current
 
 
-def _rt() -> Any:
-    return DISPATCHER.runtime
-
-
-def _index(device: Any = None) -> int:
+def device_index(device: Any = None) -> int:
+    """The index of a device argument as torch.cuda takes it (None: the current device)."""
     if device is None:
         return _rt().current_device
     if isinstance(device, int):
@@ -34,12 +38,12 @@ def _index(device: Any = None) -> int:
     raise TypeError(f"invalid device {device!r}")
 
 
-def _props(device: Any = None) -> dict:
-    return _rt().device(_index(device)).props
+def _device(device: Any = None) -> VirtualDevice:
+    return _rt().device(device_index(device))
 
 
-def _session(device: Any = None) -> Any:
-    return _rt().session(_index(device))
+def _session(device: Any = None) -> Session:
+    return _rt().session(device_index(device))
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ def init() -> None:
 
 
 def device_count() -> int:
-    return len(_rt().devices)
+    return len(_rt().pool.devices)
 
 
 def current_device() -> int:
@@ -83,30 +87,31 @@ def current_device() -> int:
 
 
 def set_device(device: Any) -> None:
-    i = _index(device)
+    i = device_index(device)
     if i >= 0:
-        _rt().device(i)
-        _rt().current_device = i
+        rt = _rt()
+        rt.device(i)  # (an invalid index raises)
+        rt.current_device = i
 
 
 def get_device_name(device: Any = None) -> str:
-    return _props(device)["name"]
+    return _device(device).props["name"]
 
 
 def get_device_capability(device: Any = None) -> tuple[int, int]:
-    major, minor = _props(device)["capability"]
+    major, minor = _device(device).props["capability"]
     return (major, minor)
 
 
 def get_device_properties(device: Any = None) -> DeviceProperties:
-    p = _props(device)
-    d = _rt().device(_index(device))
+    d = _device(device)
+    p = d.props
     return DeviceProperties(p["name"], p["capability"][0], p["capability"][1], p["total_memory"],
                             p["multi_processor_count"], gateway=d.endpoint)
 
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:
-    return bool(_props().get("bf16", True))
+    return bool(_device().props.get("bf16", True))
 
 
 def get_arch_list() -> list[str]:
@@ -117,7 +122,7 @@ class device:
     """``with torch.cuda.device(i):`` makes cuda:i the current device."""
 
     def __init__(self, device: Any):
-        self.idx = -1 if device is None else _index(device)
+        self.idx = -1 if device is None else device_index(device)
         self.prev = -1
 
     def __enter__(self) -> None:
@@ -151,7 +156,7 @@ class Stream:
 
     def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
         self = object.__new__(cls)
-        self.device = torch.device("cuda", _index(device))
+        self.device = torch.device("cuda", device_index(device))
         self.priority = priority
         self.stream_id = next(_ids)
         return self
@@ -187,24 +192,21 @@ class Stream:
         return f"<torch.cuda.Stream device={self.device} cuda_stream={self.stream_id:#x}>"
 
 
-_default_streams: dict[int, Stream] = {}
-_current: dict[int, Stream] = {}
-
-
 def default_stream(device: Any = None) -> Stream:
-    i = _index(device)
-    if i not in _default_streams:
-        _default_streams[i] = Stream(i)
-    return _default_streams[i]
+    i = device_index(device)
+    streams = _rt().default_streams
+    if i not in streams:
+        streams[i] = Stream(i)
+    return streams[i]
 
 
 def current_stream(device: Any = None) -> Stream:
-    i = _index(device)
-    return _current.get(i) or default_stream(i)
+    i = device_index(device)
+    return _rt().current_streams.get(i) or default_stream(i)
 
 
 def set_stream(stream: Stream) -> None:
-    _current[stream.device.index] = stream
+    _rt().current_streams[stream.device.index] = stream
 
 
 class StreamContext:
@@ -309,11 +311,11 @@ def reset_max_memory_allocated(device: Any = None) -> None:
 
 
 def reset_accumulated_memory_stats(device: Any = None) -> None:
-    _index(device)  # memory_stats has no accumulated counters (only current and peak) to reset
+    device_index(device)  # memory_stats has no accumulated counters (only current and peak) to reset
 
 
 def empty_cache() -> None:
-    for s in list(_rt().sessions.values()):
+    for s in list(_rt().pool.sessions.values()):
         s.request("rc::empty_cache", [])
 
 
@@ -334,7 +336,7 @@ def manual_seed(seed: int) -> None:
 def manual_seed_all(seed: int) -> None:
     rt = _rt()
     rt.seed = int(seed)
-    for s in list(rt.sessions.values()):
+    for s in list(rt.pool.sessions.values()):
         s.enqueue("rc::seed", [int(seed)], None, None)
 
 
@@ -370,6 +372,28 @@ def get_rng_state_all() -> list[torch.Tensor]:
 def set_rng_state_all(new_states: Any) -> None:
     for i, state in enumerate(new_states):
         set_rng_state(state, i)
+
+
+_ORIGINAL_GENERATOR = torch._C.Generator
+
+
+class _GeneratorType(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _ORIGINAL_GENERATOR)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _ORIGINAL_GENERATOR)
+
+    def __call__(cls, device: Any = "cpu") -> torch._C.Generator:
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if d.type == "cuda":
+            return CudaGenerator(_rt().session(d.index))
+        return _ORIGINAL_GENERATOR(device)
+
+
+class Generator(metaclass=_GeneratorType):
+    """Stands in for ``torch.Generator`` while active: 'cuda' ones live on the gateway
+    (generator.py), CPU generators are made as before."""
 
 
 def _lazy_init() -> None:

@@ -12,12 +12,15 @@ Ops whose output the client cannot predict (data-dependent shapes such as
 kernel) take the *describe* path: the gateway runs the op once, keeps the outputs
 under handles from a block the client reserved, and replies with their metadata.
 
-The cache, its keys, entries and counters are in dispatch_cache.py.
+The cache, its keys, entries and counters are in dispatch_cache.py. The runtime
+(runtime.py) makes one Dispatcher per activation and owns it, with its op table, cache and
+per-thread state; the dispatch mode and ``RemoteTensor.dispatch`` call its ``dispatch``
+while it is installed.
 """
 from __future__ import annotations
 
-import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +34,7 @@ from . import downloads
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import RemoteCUDAError
 from .generator import wire_ref
-from .tensor import RemoteTensor, layout, make, refresh_key, wrap
+from .tensor import RemoteTensor, is_pinned, layout, make, refresh_key, wrap
 
 aten = torch.ops.aten
 _Tag = torch.Tag
@@ -233,12 +236,16 @@ class ThreadState(threading.local):
 
 
 class Dispatcher:
-    """Turns aten calls on RemoteTensors into queued remote ops."""
+    """Turns aten calls on RemoteTensors into queued remote ops.
 
-    def __init__(self) -> None:
-        self.runtime: Any = None
+    ``session_of(i)``: the session of virtual device ``cuda:i`` (None: the current device), where
+    factories and copies between devices go. ``cache``: the metadata cache (dispatch_cache.py).
+    """
+
+    def __init__(self, session_of: Callable[[int | None], Any], cache: DispatchCache) -> None:
+        self.session_of = session_of
         self.ops: dict[int, OpMeta] = {}
-        self.cache = DispatchCache(check=os.environ.get("REMOTECUDA_CHECK_CACHE", "") not in ("", "0"))
+        self.cache = cache
         self.local = ThreadState()
 
     # ------------------------------------------------------------------ entry points
@@ -266,7 +273,7 @@ class Dispatcher:
     def factory(self, func: Any, args: tuple, kwargs: dict, vdev: int | None) -> Any:
         """An op with no remote tensor argument whose output goes to a 'cuda' device."""
         m = self.op_meta(func)
-        s = self.runtime.session(self.runtime.current_device if vdev is None else vdev)
+        s = self.session_of(vdev)
         if func is aten._to_copy.default:
             return self.upload(args[0], s, kwargs)
         if m.name.endswith("_like.default") and args and not isinstance(args[0], RemoteTensor):
@@ -588,7 +595,7 @@ def _to_copy(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     if dev.type == "cuda":  # another virtual device: through the client
         cpu = d.download(src)
         kw = {k: v for k, v in kwargs.items() if k != "device"}
-        return d.upload(cpu, d.runtime.session(dev.index), kw)
+        return d.upload(cpu, d.session_of(dev.index), kw)
     raise RuntimeError(f"remotecuda: cannot copy a cuda tensor to device {dev}")
 
 
@@ -651,7 +658,7 @@ def _record_stream(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> None:
 
 
 def _is_pinned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
-    return False
+    return is_pinned(*args, **kwargs)
 
 
 def _materialized(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
@@ -685,5 +692,3 @@ _SPECIAL = {
     aten._neg_view.default: _materialized,
 }
 
-DISPATCHER = Dispatcher()
-RemoteTensor.dispatch = staticmethod(DISPATCHER.dispatch)

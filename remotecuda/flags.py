@@ -7,7 +7,7 @@ Every Python-level way of setting them (``torch.backends.cudnn.benchmark = True`
 one of a few ``torch._C`` setters; while active those are wrapped to queue an
 ``rc::set_flags`` op with what changed. It travels with the next batch of ops: no
 round trip, and nothing at all when a flag is set to the value the gateway already has.
-Sessions opened later get every flag set so far.
+Sessions opened later get every flag set so far (the runtime's ``flags``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.backends import ContextProp
 
-from .dispatch import DISPATCHER
+from . import runtime
 
 
 def _deterministic() -> list[bool]:
@@ -70,14 +70,14 @@ def _current() -> dict[str, Any]:
 
 def changed() -> None:
     """Queue what differs from what the gateways were told (the defaults, then each change)."""
-    rt = DISPATCHER.runtime
+    rt = runtime.active()
     if rt is None:
         return
     delta = {k: v for k, v in _current().items() if rt.flags.get(k, DEFAULTS[k]) != v}
     if not delta:
         return
     rt.flags.update(delta)
-    for s in list(rt.sessions.values()):
+    for s in list(rt.pool.sessions.values()):
         if not s.closed:
             s.enqueue("rc::set_flags", [delta], None, None)
 

@@ -4,7 +4,9 @@ A CPU-only torch cannot make a CUDA generator, and the Python object passed as
 ``generator=`` reaches ``__torch_dispatch__`` as a fresh ``torch._C.Generator`` (its
 identity is lost, its state is not). So the client object is a CPU generator that
 serves as a carrier: its own seed encodes the gateway generator's id, and the seed the
-user set is kept in Python.
+user set is kept in Python. The generator belongs to the session it was made in
+(cuda_api.Generator, the ``torch.Generator`` stand-in, makes it); the dispatcher turns
+the carrier back into the gateway's reference with ``wire_ref``.
 """
 from __future__ import annotations
 
@@ -19,29 +21,36 @@ from remotecuda_wire.protocol import GeneratorRef
 
 _MAGIC = 0x5EED << 48
 _MASK = 0xFFFF << 48
-_ids = itertools.count(1)
+_ids = itertools.count(1)  # ids are never reused, over all runtimes
+#: id → generator, while it lives: which carriers are ours
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_ORIGINAL = torch._C.Generator
 DEFAULT_SEED = 67280421310721  # what a fresh CUDA generator starts from
 
 
 class CudaGenerator(torch._C.Generator):
-    def __new__(cls, index: int) -> CudaGenerator:
+    """A generator on ``session``'s device."""
+
+    gid: int
+    index: int
+    session: Any
+    user_seed: int
+
+    def __new__(cls, session: Any) -> CudaGenerator:
         self = torch._C.Generator.__new__(cls, "cpu")
         self.gid = next(_ids)
-        self.index = index
+        self.index = session.vdev
+        self.session = session
         self.user_seed = DEFAULT_SEED
         torch._C.Generator.manual_seed(self, _MAGIC | self.gid)
         _live[self.gid] = self
         self._send("rc::gen_new", [self.gid, DEFAULT_SEED])
         return self
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, session: Any) -> None:
         pass
 
     def _send(self, op: str, args: list) -> None:
-        from .dispatch import DISPATCHER
-        DISPATCHER.runtime.session(self.index).enqueue(op, args, None, None)
+        self.session.enqueue(op, args, None, None)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
@@ -73,25 +82,10 @@ class CudaGenerator(torch._C.Generator):
 def wire_ref(g: torch._C.Generator) -> GeneratorRef:
     """The gateway generator behind a generator argument; CPU generators are an error, as on a GPU."""
     seed = torch._C.Generator.initial_seed(g)
-    if seed & _MASK == _MAGIC and (seed & ~_MASK) in _live:
-        return GeneratorRef(seed & ~_MASK)
-    raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
-
-
-class _GeneratorType(type):
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, _ORIGINAL)
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, _ORIGINAL)
-
-    def __call__(cls, device: Any = "cpu") -> torch._C.Generator:
-        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        if d.type == "cuda":
-            from .dispatch import DISPATCHER
-            return CudaGenerator(DISPATCHER.runtime.current_device if d.index is None else d.index)
-        return _ORIGINAL(device)
-
-
-class Generator(metaclass=_GeneratorType):
-    """Stands in for ``torch.Generator`` while active: CPU generators are made as before."""
+    gen = _live.get(seed & ~_MASK) if seed & _MASK == _MAGIC else None
+    if gen is None:
+        raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
+    if gen.session.closed:
+        raise RuntimeError("remotecuda: this cuda Generator's session is closed (remotecuda was "
+                           "deactivated); make a new torch.Generator('cuda')")
+    return GeneratorRef(gen.gid)

@@ -14,9 +14,10 @@
 * CUDA autocast needs every matmul, softmax... seen at the Python level; its function
   mode (``AutocastMode``) is pushed only while a ``torch.autocast('cuda')`` block runs.
 
-``install()``/``uninstall()`` also swap in the ``torch.cuda`` and ``torch.accelerator``
+``install(runtime)`` also swaps in the ``torch.cuda`` and ``torch.accelerator``
 replacements, the backend-flag setters (flags.py) and the few torch settings the wrapper
-needs, and put everything back exactly as it was.
+needs; the ``Interception`` it returns belongs to the runtime, whose ``close`` calls its
+``remove``, which puts everything back exactly as it was.
 """
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _device as device_context
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from . import accelerator_api, autocast, cuda_api, downloads, flags, generator, rnn, serialization
-from .dispatch import DISPATCHER, meta_stand_in
-from .tensor import RemoteTensor
+from . import accelerator_api, autocast, cuda_api, downloads, flags, rnn, runtime, serialization
+from .dispatch import Dispatcher, meta_stand_in
+from .errors import install_excepthook, uninstall_excepthook
+from .runtime import Runtime
+from .tensor import RemoteTensor, is_pinned
 
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _DATA = torch._C.TensorBase.data
@@ -42,19 +45,16 @@ _DATA = torch._C.TensorBase.data
 _TO = torch._C.TensorBase.to
 
 
-def _user_meta() -> bool:
-    return DISPATCHER.local.user_meta > 0
-
-
 class _UserMeta:
     """Marks a factory the user asked for on 'meta': it stays meta (other 'meta' factories
     come from C++ building on a remote tensor's options, and become remote)."""
 
     def __enter__(self) -> None:
-        DISPATCHER.local.user_meta += 1
+        self.local = runtime.current().dispatcher.local
+        self.local.user_meta += 1
 
     def __exit__(self, *exc: object) -> None:
-        DISPATCHER.local.user_meta -= 1
+        self.local.user_meta -= 1
 
 
 def _is_meta(d: Any) -> bool:
@@ -81,7 +81,7 @@ def _device(d: Any) -> torch.device | None:
 
 
 def _cuda_index(d: torch.device) -> int:
-    return DISPATCHER.runtime.current_device if d.index is None else d.index
+    return runtime.current().current_device if d.index is None else d.index
 
 
 # ---------------------------------------------------------------------- function-level handlers
@@ -90,8 +90,9 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
             memory_format: Any = None) -> RemoteTensor:
     """``t.to('cuda:index')`` for a CPU tensor, through aten so autograd records the copy
     (past any function mode: ``with torch.device('cuda')`` would hand it to the patched ``to``)."""
-    prev = DISPATCHER.local.target
-    DISPATCHER.local.target = index
+    local = runtime.current().dispatcher.local
+    prev = local.target
+    local.target = index
     try:
         kw: dict = {"non_blocking": non_blocking}
         if dtype is not None:
@@ -101,7 +102,7 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
         with torch._C.DisableTorchFunction():
             return _TO(t, torch.device("meta"), **kw)
     finally:
-        DISPATCHER.local.target = prev
+        local.target = prev
 
 
 def _made_here(func: Callable, args: tuple, kwargs: dict, meta: bool) -> Any:
@@ -256,7 +257,7 @@ def _pin_memory(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def _is_pinned(func: Callable, args: tuple, kwargs: dict) -> bool:
-    return False
+    return is_pinned(*args, **kwargs)
 
 
 def _unpinned(kwargs: dict) -> dict:
@@ -285,7 +286,7 @@ def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
     gateway keeps the CPU's path, as the local CPU reference does."""
     x, p, train = _dropout_args(*args, **kwargs)
     if train and 0 < p < 1 and isinstance(x, RemoteTensor) and x.numel() > 0 and \
-            DISPATCHER.runtime.device(x._dev).kind == "cuda":
+            runtime.current().device(x._dev).kind == "cuda":
         return torch.ops.aten.native_dropout(x, p, train)[0]
     return func(*args, **kwargs)
 
@@ -299,7 +300,7 @@ def _get_default_device(func: Callable, args: tuple, kwargs: dict) -> torch.devi
     there: an upload; the current device says it without one."""
     d = _context_device()
     if d is not None and d.type == "cuda" and d.index is None:
-        return torch.device("cuda", DISPATCHER.runtime.current_device)
+        return torch.device("cuda", runtime.current().current_device)
     return func(*args, **kwargs)
 
 
@@ -399,6 +400,13 @@ def _autocast_exit(original: Callable) -> Callable:
 
 
 class RemoteDispatchMode(TorchDispatchMode):
+    """Sends ops on remote tensors, and factories headed for 'cuda', to the runtime's dispatcher."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self.dispatcher = dispatcher
+        self.dispatch = dispatcher.dispatch  # bound once: called for every op
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False  # torch.compile is a pass-through while active; its guard costs ~9 us per op
@@ -406,15 +414,15 @@ class RemoteDispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if RemoteTensor in types:
-            return DISPATCHER.dispatch(func, args, kwargs)
+            return self.dispatch(func, args, kwargs)
         d = kwargs.get("device")
         if d is not None:
             if d.type == "cuda":
-                return DISPATCHER.factory(func, args, kwargs, d.index)
-            if d.type == "meta" and not _user_meta():
-                target = DISPATCHER.local.target
-                return DISPATCHER.factory(func, args, kwargs,
-                                          target if target is not None else DISPATCHER.local.vdev)
+                return self.dispatcher.factory(func, args, kwargs, d.index)
+            local = self.dispatcher.local
+            if d.type == "meta" and not local.user_meta:
+                target = local.target
+                return self.dispatcher.factory(func, args, kwargs, target if target is not None else local.vdev)
         return func(*args, **kwargs)
 
 
@@ -443,22 +451,28 @@ class _Patches:
         self.saved.clear()
 
 
-_state: dict[str, Any] = {}
+def _compile_eagerly() -> Callable:
+    """``torch.compile`` while active: the model as it is (it runs eagerly on the gateway), with
+    one warning per activation."""
+    warned = []
+
+    def compile(model: Any = None, **kwargs: Any) -> Any:
+        if not warned:
+            warned.append(True)
+            warnings.warn("remotecuda: torch.compile runs the model eagerly on the gateway", stacklevel=2)
+        if model is None:
+            return lambda m: m
+        return model
+    return compile
 
 
-def _compile(model: Any = None, **kwargs: Any) -> Any:
-    if not _state.get("warned_compile"):
-        _state["warned_compile"] = True
-        warnings.warn("remotecuda: torch.compile runs the model eagerly on the gateway", stacklevel=2)
-    if model is None:
-        return lambda m: m
-    return model
-
-
-def _patched_manual_seed(seed: int) -> Any:
-    gen = _state["orig_manual_seed"](seed)
-    cuda_api.manual_seed_all(int(seed))
-    return gen
+def _seeding_devices_too(original: Callable) -> Callable:
+    """``torch.manual_seed`` seeds every CUDA device too."""
+    def manual_seed(seed: int) -> Any:
+        gen = original(seed)
+        cuda_api.manual_seed_all(int(seed))
+        return gen
+    return manual_seed
 
 
 def _group_by_device(original: Callable) -> Callable:
@@ -534,10 +548,27 @@ def _cudnn_is_acceptable(tensor: torch.Tensor) -> bool:
             and tensor.dtype in cudnn.CUDNN_TENSOR_DTYPES)
 
 
-def install() -> None:
-    if _state.get("installed"):
-        return
+class Interception:
+    """What ``install`` changed in torch and the process, for ``remove`` to undo: the patches,
+    the dispatch mode pushed on the installing thread, and RemoteTensor's place in the foreach lists."""
+
+    def __init__(self, patches: _Patches, mode: RemoteDispatchMode, foreach: list[list]) -> None:
+        self.patches, self.mode, self.foreach = patches, mode, foreach
+
+    def remove(self) -> None:
+        if _get_current_dispatch_mode() is self.mode:  # (not in another thread, or a forked child of one)
+            self.mode.__exit__(None, None, None)
+        for lst in self.foreach:
+            lst.remove(RemoteTensor)
+        self.foreach = []
+        self.patches.restore()
+        uninstall_excepthook()
+
+
+def install(rt: Runtime) -> Interception:
+    """Route 'cuda' to ``rt``: patch torch, push the dispatch mode on this thread."""
     p = _Patches()
+    p.set(RemoteTensor, "dispatch", staticmethod(rt.dispatcher.dispatch))
     for name, obj in cuda_api.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
     p.set(torch.cuda.graphs, "is_current_stream_capturing", cuda_api.is_current_stream_capturing)
@@ -553,11 +584,11 @@ def install() -> None:
     p.set(torch, "_use_cudnn_rnn_flatten_weight", lambda: False)  # flat cuDNN weights are a local GPU's
     flags.install(p)
     p.set(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)
-    _state["orig_manual_seed"] = torch.random.manual_seed
-    p.set(torch, "manual_seed", _patched_manual_seed)
-    p.set(torch.random, "manual_seed", _patched_manual_seed)
-    p.set(torch, "compile", _compile)
-    p.set(torch, "Generator", generator.Generator)
+    manual_seed = _seeding_devices_too(torch.random.manual_seed)
+    p.set(torch, "manual_seed", manual_seed)
+    p.set(torch.random, "manual_seed", manual_seed)
+    p.set(torch, "compile", _compile_eagerly())
+    p.set(torch, "Generator", cuda_api.Generator)
     from torch.nn.utils import clip_grad
     from torch.optim import optimizer
     from torch.utils import _foreach_utils as foreach_utils
@@ -568,9 +599,9 @@ def install() -> None:
     p.set(torch.nn.DataParallel, "forward", _data_parallel_forward)
     serialization.install(p)
     downloads.install(p)
-    _state["foreach"] = [lst for lst in (foreach_utils._foreach_supported_types,
-                                         optimizer._foreach_supported_types) if RemoteTensor not in lst]
-    for lst in _state["foreach"]:
+    foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)
+               if RemoteTensor not in lst]
+    for lst in foreach:
         lst.append(RemoteTensor)
     p.set(torch.nn.Module, "_apply", _module_apply(torch.nn.Module._apply))
     device_context._device_constructors()  # `with torch.device(...)` caches the originals: before patching
@@ -582,17 +613,7 @@ def install() -> None:
     amp = torch.amp.autocast_mode.autocast
     p.set(amp, "__enter__", _autocast_enter(amp.__enter__))
     p.set(amp, "__exit__", _autocast_exit(amp.__exit__))
-    mode = RemoteDispatchMode()
+    install_excepthook()
+    mode = RemoteDispatchMode(rt.dispatcher)
     mode.__enter__()
-    _state.update(installed=True, patches=p, mode=mode)
-
-
-def uninstall() -> None:
-    if not _state.get("installed"):
-        return
-    if _get_current_dispatch_mode() is _state["mode"]:  # (not in another thread, or a forked child of one)
-        _state["mode"].__exit__(None, None, None)
-    for lst in _state["foreach"]:
-        lst.remove(RemoteTensor)
-    _state["patches"].restore()
-    _state.clear()
+    return Interception(p, mode, foreach)

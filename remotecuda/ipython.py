@@ -82,39 +82,23 @@ class RemoteCUDA(Configurable):
 # ---------------------------------------------------------------------- snapshots
 
 def _rt() -> Any:
-    import remotecuda
-    return remotecuda.runtime()
+    """The active runtime (remotecuda/runtime.py), or None; torch is not imported for it."""
+    runtime = sys.modules.get("remotecuda.runtime")
+    return None if runtime is None else runtime.active()
 
 
 def _per_session_ops(rt: Any) -> dict[int, int]:
     """vdev → ops issued so far (sent or queued); read without taking the session locks."""
     if rt is None:
         return {}
-    out = {}
-    for vdev, s in list(getattr(rt, "sessions", {}).items()):
-        out[vdev] = s.stats.get("ops", 0) + len(getattr(s, "_ops", ()))
-    return out
-
-
-def _totals_nolock(rt: Any) -> dict:
-    """Like remotecuda.stats(), without waiting for a session that is blocked in a request
-    (a status asked for from another thread must not wait for the running cell)."""
-    from .session import STAT_KEYS
-    total = dict.fromkeys(STAT_KEYS, 0)
-    if rt is not None:
-        for s in list(getattr(rt, "sessions", {}).values()):
-            st = dict(s.stats)
-            for k in STAT_KEYS:
-                total[k] += st.get(k, 0)
-            total["ops"] += len(getattr(s, "_ops", ()))
-    return total
+    return {vdev: s.counters(wait=False)["ops"] for vdev, s in list(rt.pool.sessions.items())}
 
 
 def _device_info(rt: Any, d: Any) -> dict:
     props = d.props or {}
     return {"device": f"cuda:{d.index}", "name": props.get("name"), "gateway": d.endpoint,
             "gpu": d.gpu, "total_memory": props.get("total_memory"), "kind": props.get("kind"),
-            "session_open": d.index in getattr(rt, "sessions", {})}
+            "session_open": d.index in rt.pool.sessions}
 
 
 def _rate(hits: int, misses: int) -> float | None:
@@ -169,8 +153,7 @@ class Extension:
             self.notices.append(f"remotecuda: not active ({self.activation_error}); "
                                 "use %remotecuda use HOST:PORT")
             return False
-        if hasattr(rt, "cache_bytes"):  # sessions open lazily, so this still applies
-            rt.cache_bytes = int(self.config.cache_bytes)
+        rt.pool.cache_bytes = int(self.config.cache_bytes)  # sessions open lazily, so this still applies
         return True
 
     def load(self, defer_activation: bool = False) -> None:
@@ -267,11 +250,10 @@ class Extension:
 
     # -------------------------------------------------------------- per cell
     def _snapshot(self) -> tuple | None:
-        import remotecuda
         rt = _rt()
         if rt is None:
             return None
-        return (rt, remotecuda.stats(), _per_session_ops(rt), time.monotonic())
+        return (rt, rt.stats(), _per_session_ops(rt), time.monotonic())
 
     def pre_execute(self) -> None:
         self._activate_if_pending()
@@ -290,20 +272,17 @@ class Extension:
             return False
         if before is None or before[0] is not rt:
             return True
-        return _per_session_ops(rt) != before[2] or any(getattr(s, "_ops", None) for s in rt.sessions.values())
+        return _per_session_ops(rt) != before[2] or any(s.queued for s in list(rt.pool.sessions.values()))
 
     def _end_of_cell(self, interrupted: bool) -> BaseException | None:
         """Flush and wait for the cell's remote work; the remote error, if any."""
-        import remotecuda
         rt = _rt()
         if rt is None or not self._needs_sync():
             return None
         try:
             if interrupted:  # the user wants control back, not the rest of the queued work
-                for s in list(rt.sessions.values()):
-                    if hasattr(s, "cancel"):
-                        s.cancel()
-            remotecuda.synchronize()
+                rt.pool.cancel()
+            rt.synchronize()
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt belongs to the cell too
             return e
         return None
@@ -337,22 +316,21 @@ class Extension:
         self._account(result, err)
 
     def _account(self, result: Any, err: BaseException | None) -> None:
-        import remotecuda
         before, self._before = self._before, None
         rt = _rt()
         if before is None or rt is None or before[0] is not rt:
             return
         _, stats0, ops0, t0 = before
-        stats1 = remotecuda.stats()
+        stats1 = rt.stats()
         ops1 = _per_session_ops(rt)
         rec: dict = {"type": "cell", "execution_count": getattr(result, "execution_count", None)}
         for k in CELL_KEYS:
             v = stats1.get(k, 0) - stats0.get(k, 0)
             rec[k] = round(v, 6) if isinstance(v, float) else v
         rec["wall_seconds"] = round(time.monotonic() - t0, 6)
-        rec["devices"] = [dict(_device_info(rt, rt.devices[v]), ops=n - ops0.get(v, 0))
-                          for v, n in sorted(ops1.items())
-                          if n - ops0.get(v, 0) > 0 and v < len(rt.devices)]
+        devices = rt.pool.devices
+        rec["devices"] = [dict(_device_info(rt, devices[v]), ops=n - ops0.get(v, 0))
+                          for v, n in sorted(ops1.items()) if n - ops0.get(v, 0) > 0 and v < len(devices)]
         # ipykernel fails a cell whose result could not be displayed (e.g. repr met a remote
         # error) although IPython's result says success
         display_failed = bool(getattr(self.ip, "_last_traceback_during_displayhook", False))
@@ -376,24 +354,25 @@ class Extension:
                     os.environ.get("REMOTECUDA_SERVERS") or "127.0.0.1:55555",
                     "strategy": cfg.strategy, "fallback": cfg.fallback, "sync": cfg.sync,
                     "cache_bytes": cfg.cache_bytes, "gateways": [], "devices": [],
-                    "fallback_gateway": bool(getattr(rt, "is_fallback", False))}
+                    "fallback_gateway": rt is not None and rt.pool.is_fallback}
         if rt is not None:
             gws: dict = {}
-            for d in rt.devices:
+            for d in rt.pool.devices:
                 g = gws.setdefault(d.endpoint, {"endpoint": d.endpoint, "devices": [],
                                                 "gateway_version": (d.gateway or {}).get("gateway"),
                                                 "torch": (d.gateway or {}).get("torch")})
                 g["devices"].append(f"cuda:{d.index}")
                 st["devices"].append(_device_info(rt, d))
             st["gateways"] = list(gws.values())
-        tot = _totals_nolock(rt)
-        from .dispatch import DISPATCHER
-        st["session"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in tot.items()}
-        st["cache_hit_rate"] = _rate(tot.get("cache_hits", 0), tot.get("cache_misses", 0))
-        mc = DISPATCHER.cache.info()
-        st["metadata_cache"] = mc.as_stats()
-        st["metadata_cache_hit_rate"] = _rate(mc.hits, mc.misses)
-        st["sessions_open"] = len(getattr(rt, "sessions", {})) if rt is not None else 0
+        from .session import STAT_KEYS
+        # (without waiting for a session blocked in a request: a status asked for from another
+        # thread must not wait for the running cell)
+        tot = remotecuda.stats() if rt is None else rt.stats(wait=False)
+        st["session"] = {k: round(tot[k], 6) if isinstance(tot[k], float) else tot[k] for k in STAT_KEYS}
+        st["cache_hit_rate"] = _rate(tot["cache_hits"], tot["cache_misses"])
+        st["metadata_cache"] = {k: v for k, v in tot.items() if k.startswith("metadata_cache_")}
+        st["metadata_cache_hit_rate"] = _rate(tot["metadata_cache_hits"], tot["metadata_cache_misses"])
+        st["sessions_open"] = len(rt.pool.sessions) if rt is not None else 0
         return st
 
     # -------------------------------------------------------------- comm
@@ -453,7 +432,7 @@ def close_sessions(timeout: float) -> None:
     rt = _rt()
     if rt is None:
         return
-    t = threading.Thread(target=rt.close, name="remotecuda-shutdown", daemon=True)
+    t = threading.Thread(target=rt.pool.close, name="remotecuda-shutdown", daemon=True)
     t.start()
     t.join(timeout)
 
@@ -539,9 +518,9 @@ def _magics_class() -> type:
             ok = self.ext.activate()
             self.ext.show_notices()
             if ok:
-                rt = remotecuda.runtime()
-                print(f"remotecuda: using {args[0]} ({len(rt.devices)} GPU(s)"
-                      f"{', LOCAL CPU FALLBACK' if getattr(rt, 'is_fallback', False) else ''})")
+                pool = remotecuda.runtime.current().pool
+                print(f"remotecuda: using {args[0]} ({len(pool.devices)} GPU(s)"
+                      f"{', LOCAL CPU FALLBACK' if pool.is_fallback else ''})")
             else:
                 raise RuntimeError(f"remotecuda: not active ({self.ext.activation_error})")
 

@@ -2,8 +2,11 @@
 one session per virtual device, opened on first use.
 
 Virtual device ``cuda:N`` is the N-th GPU over the gateways in the order given. When
-no gateway answers, the runtime starts a gateway on the local CPU (after one warning)
+no gateway answers, the pool starts a gateway on the local CPU (after one warning)
 unless ``fallback="error"``, so unchanged code still runs.
+
+The pool knows gateways, devices and sessions only; what a session must be told when it
+opens (the seed, backend flags) is the runtime's, handed in as ``prime`` (runtime.py).
 """
 from __future__ import annotations
 
@@ -14,15 +17,17 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
-from remotecuda_wire import cache
+from remotecuda_wire import cache, protocol
 from remotecuda_wire.lifetime import die_with_parent
 
 from .errors import GatewayUnavailableError, RemoteCUDAError
-from .session import BATCH_WINDOW, PING_EVERY, Session, _connect, hello
+from .session import BATCH_WINDOW, PING_EVERY, STAT_KEYS, Session, connect, hello
 
 DEFAULT_SERVER = "127.0.0.1:55555"
 
@@ -53,17 +58,24 @@ def endpoint(server: str) -> str:
 
 
 class Pool:
+    """The gateways in use, their GPUs as virtual devices, and a session per device.
+
+    ``codecs``: the payload codecs sessions offer; ``prime``: called with each session as it
+    opens, before any other op is queued on it.
+    """
+
     def __init__(self, servers: list[str], fallback: str = "cpu", sync: bool = False,
-                 connect_timeout: float = 3.0):
+                 connect_timeout: float = 3.0, codecs: Sequence[str] = protocol.CODECS,
+                 prime: Callable[[Session], Any] | None = None):
         self.ctx = zmq.Context()
         self.sync = sync
+        self.codecs = tuple(codecs)
+        self.prime = prime
+        #: the upload cache bound that sessions opened from now on ask the gateway for
         self.cache_bytes = int(os.environ.get("REMOTECUDA_CACHE_BYTES", cache.DEFAULT_BYTES))
         self.cache_policy = os.environ.get("REMOTECUDA_CACHE_POLICY", "lru").lower()
         self.devices: list[VirtualDevice] = []
         self.sessions: dict[int, Session] = {}
-        self.current_device = 0
-        self.seed: int | None = None  # the last torch.manual_seed, applied to sessions opened later
-        self.flags: dict = {}  # backend flags set so far (remotecuda.flags), applied to sessions opened later
         self.fallback_gateway: subprocess.Popen | None = None
         self._lock = threading.Lock()
         unreachable = []
@@ -92,7 +104,7 @@ class Pool:
         return self.fallback_gateway is not None
 
     def _add_gateway(self, ep: str, timeout: float) -> None:
-        sock = _connect(self.ctx, ep)
+        sock = connect(self.ctx, ep)
         try:
             info = hello(sock, {"device": None}, timeout, ep)
         finally:
@@ -117,14 +129,15 @@ class Pool:
             d.props = dict(d.props, name=d.props["name"] + " [local fallback]")
 
     # ------------------------------------------------------------------ sessions
-    def device(self, index: int | None) -> VirtualDevice:
-        i = self.current_device if index is None else index
-        if not 0 <= i < len(self.devices):
-            raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{i}; remotecuda has "
+    def device(self, index: int) -> VirtualDevice:
+        """Virtual device ``cuda:index``; an invalid index raises as CUDA does."""
+        if not 0 <= index < len(self.devices):
+            raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index}; remotecuda has "
                                f"{len(self.devices)} device(s))")
-        return self.devices[i]
+        return self.devices[index]
 
     def session(self, index: int) -> Session:
+        """The session of ``cuda:index``, opened (and primed) on first use."""
         s = self.sessions.get(index)
         if s is None:
             with self._lock:
@@ -133,11 +146,9 @@ class Pool:
                     d = self.device(index)
                     s = Session(self.ctx, d.endpoint, d.gpu, index, connect_timeout=60.0, sync=self.sync,
                                 cache_bytes=self.cache_bytes, cache_policy=self.cache_policy,
-                                wake=self._pending.set)
-                    if self.seed is not None:
-                        s.enqueue("rc::seed", [self.seed], None, None)
-                    if self.flags:
-                        s.enqueue("rc::set_flags", [dict(self.flags)], None, None)
+                                codecs=self.codecs, wake=self._pending.set)
+                    if self.prime is not None:
+                        self.prime(s)
                     self.sessions[index] = s
         return s
 
@@ -157,14 +168,33 @@ class Pool:
                     pass  # the session is marked lost; the user's next call says so
 
     def synchronize(self) -> None:
+        """Wait for every session's queued work; raise the first pending remote error."""
         for s in list(self.sessions.values()):
             if not s.closed:
                 s.request("rc::sync", [])
 
+    def cancel(self) -> None:
+        """Drop every session's queued work (an interrupted cell's), as an interrupt does."""
+        for s in list(self.sessions.values()):
+            s.cancel()
+
+    def counters(self, reset: bool = False, wait: bool = True) -> dict[str, Any]:
+        """The sessions' counters (session.STAT_KEYS) summed; see ``Session.counters``."""
+        total: dict[str, Any] = dict.fromkeys(STAT_KEYS, 0)
+        for s in list(self.sessions.values()):
+            for k, v in s.counters(reset=reset, wait=wait).items():
+                total[k] += v
+        return total
+
     def close(self) -> None:
+        """Close every session (BYE: the gateway frees its memory) and the local fallback gateway."""
         if getattr(self, "_stop", None) is None or self._stop.is_set():
             return
+        atexit.unregister(self.close)
         self._stop.set()
+        self._pending.set()  # wake the flusher, which then ends
+        if self._flusher is not threading.current_thread():
+            self._flusher.join(timeout=5)
         for s in list(self.sessions.values()):
             try:
                 s.close()
@@ -179,7 +209,10 @@ class Pool:
                 self.fallback_gateway.kill()
         self.ctx.term()
 
-
+    def abandon(self) -> None:
+        """In a forked child: forget the parent's sessions without touching their sockets."""
+        atexit.unregister(self.close)
+        self.sessions = {}
 
 
 def servers_from_env(servers: str | list[str] | None) -> list[str]:

@@ -116,8 +116,7 @@ def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
     if torch.is_autocast_enabled("cuda") and autocast.has_remote(args, kwargs):
         # CUDA autocast runs cuDNN's RNN in the autocast dtype (``_cudnn_rnn_cast_reflatten``)
-        low = autocast._cast_to(torch.get_autocast_dtype("cuda"), lambda d: d != torch.float64)
-        args = autocast._map(args, low)
+        args = autocast.lowered(args)
     call = _Call(func.__name__, args)
     s = getattr(call.tensors[0], "_s", None)
     if s is None or call.tensors[0].dim() != (2 if call.packed else 3) or \

@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -51,16 +52,18 @@ class Session:
     def __init__(self, ctx: zmq.Context, endpoint: str, gpu: int, vdev: int,
                  connect_timeout: float = 5.0, sync: bool = False,
                  cache_bytes: int = cache.DEFAULT_BYTES, cache_policy: str = "lru",
-                 wake: Any = None):
+                 codecs: Sequence[str] = protocol.CODECS, wake: Any = None):
         self.endpoint, self.gpu, self.vdev, self.sync = endpoint, gpu, vdev, sync
         self.wake = wake  # tells the background flusher that ops are waiting
         self.lock = threading.RLock()
-        self.front = _connect(ctx, endpoint)  # the gateway's port: placement, and word of a lost worker
+        self.front = connect(ctx, endpoint)  # the gateway's port: placement, and word of a lost worker
         want = {"bytes": cache_bytes, "policy": cache_policy}
-        self.info = hello(self.front, {"device": gpu, "cache": want, "codecs": list(protocol.CODECS)},
+        #: the codecs this session offers: what downloads may come in
+        self.offered = tuple(codecs)
+        self.info = hello(self.front, {"device": gpu, "cache": want, "codecs": list(self.offered)},
                           connect_timeout, endpoint)
         #: the codecs uploads may use: ours that the gateway decodes
-        self.codecs = protocol.common_codecs(self.info.get("codecs"))
+        self.codecs = protocol.common_codecs(self.info.get("codecs"), self.offered)
         self.direct_failure: str | None = None
         self.bulk_failure: str | None = None
         self.sock, self.bulk = self._open_connections(ctx)  # the op stream's, and large transfers'
@@ -83,8 +86,35 @@ class Session:
         self._rid = 0
         self._op_index = 0
         self._last_send = time.monotonic()
-        self.stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # counts, and wait_seconds
+        self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # counts, and wait_seconds (counters())
         self.closed = False
+
+    def counters(self, reset: bool = False, wait: bool = True) -> dict[str, float]:
+        """This session's counters (STAT_KEYS), "ops" counting the ops still queued too.
+
+        ``reset``: count from zero again (ops queued now are not counted again when they are
+        sent). ``wait=False``: read without the session's lock, for a status asked from another
+        thread while this one is blocked in a request (exact but for an op being queued).
+        """
+        if not wait:
+            if reset:
+                raise ValueError("Session.counters: reset needs the lock (wait=True)")
+            out = dict(self._stats)
+            out["ops"] += self.queued
+            return out
+        with self.lock:
+            out = dict(self._stats)
+            pending = len(self._ops)
+            out["ops"] += pending
+            if reset:
+                self._stats = dict.fromkeys(STAT_KEYS, 0)
+                self._stats["ops"] = -pending
+            return out
+
+    @property
+    def queued(self) -> int:
+        """How many ops are queued, not sent yet (read without the lock)."""
+        return len(self._ops)
 
     @property
     def direct(self) -> bool:
@@ -106,9 +136,9 @@ class Session:
             token = None
         if isinstance(offer, dict) and os.environ.get("REMOTECUDA_DIRECT", "1") != "0":
             endpoint = f"{self.endpoint.rsplit(':', 1)[0]}:{offer.get('port')}"
-            greetings = [(_connect(ctx, endpoint, routing_id=os.urandom(16)), {"token": offer.get("token")})]
+            greetings = [(connect(ctx, endpoint, routing_id=os.urandom(16)), {"token": offer.get("token")})]
             if token is not None:
-                greetings.append((_connect(ctx, endpoint, routing_id=os.urandom(16)), {"token": token, "bulk": True}))
+                greetings.append((connect(ctx, endpoint, routing_id=os.urandom(16)), {"token": token, "bulk": True}))
             answers = greet(greetings, DIRECT_TIMEOUT, endpoint)
             if isinstance(answers[0], dict):
                 bulk = self._bulk_or_none(greetings[-1][0], answers[-1]) if token is not None else None
@@ -118,7 +148,7 @@ class Session:
                 sock.close(linger=0)
         if token is None:
             return self.front, self.front
-        sock = _connect(ctx, self.endpoint)
+        sock = connect(ctx, self.endpoint)
         answer = greet([(sock, {"token": token, "bulk": True})], DIRECT_TIMEOUT, self.endpoint)[0]
         return self.front, self._bulk_or_none(sock, answer) or self.front
 
@@ -177,7 +207,7 @@ class Session:
                 self._first_pending = time.monotonic()
                 if self.wake is not None:
                     self.wake()
-            self.stats["uploads"] += 1
+            self._stats["uploads"] += 1
             mirror = self.cache if n >= cache.MIN_BYTES else None
             digests = [protocol.payload_digest(buf[:protocol.PART_BYTES])]
             if mirror is not None and (n <= protocol.PART_BYTES or mirror.may_hold((n, digests[0]))):
@@ -185,8 +215,8 @@ class Session:
                     digests = cache.part_digests(buf, protocol.PART_BYTES)
                 key = cache.content_key(digests)
                 if mirror.get(key) is not None:
-                    self.stats["cache_hits"] += 1
-                    self.stats["cache_bytes_saved"] += n
+                    self._stats["cache_hits"] += 1
+                    self._stats["cache_bytes_saved"] += n
                     self._ops.append(["rc::upload_cached", [h, key, dtype, shape], None, None])
                     if self.sync:
                         self.request("rc::sync", [])
@@ -201,7 +231,7 @@ class Session:
             return None
         key = cache.content_key(digests)
         mirror.put(key, (n, digests[0]), n)
-        self.stats["cache_misses"] += 1
+        self._stats["cache_misses"] += 1
         return key
 
     def _send_whole(self, h: int, buf: memoryview, digests: list, codec: str | None, dtype: torch.dtype,
@@ -217,7 +247,7 @@ class Session:
         self._ops.append(["rc::upload", [h, len(self._payloads), dtype, shape, key], None, None])
         self._payloads.append((desc, frame))
         self._pending_bytes += sent
-        self.stats["compressed_bytes_saved"] += n - sent
+        self._stats["compressed_bytes_saved"] += n - sent
         if self._pending_bytes >= BATCH_BYTES:
             self.flush()
         elif self.sync:
@@ -241,15 +271,15 @@ class Session:
                     trackers.append(self._send_frames(self.bulk, frames, track=frame is part))
                     self._parts_sent += 1
                 sent += _size(frame)
-                self.stats["messages"] += 1
-                self.stats["bytes_up"] += sum(_size(f) for f in frames)
+                self._stats["messages"] += 1
+                self._stats["bytes_up"] += sum(_size(f) for f in frames)
         except BaseException:  # (an interrupt): the worker drops the parts sent, when they are in
             if self._parts_sent > first:
                 self._ops.append(["rc::upload_abandon", [h, self._parts_sent], None, None])
             raise
         key = self._enter(mirror, digests, n)
         self._ops.append(["rc::upload", [h, None, dtype, shape, key, self._parts_sent], None, None])
-        self.stats["compressed_bytes_saved"] += n - sent
+        self._stats["compressed_bytes_saved"] += n - sent
         try:
             self._settle([tr for tr in trackers if tr is not None], sent, t0, non_blocking, t)
         except BaseException:  # interrupted while ZeroMQ sent: no tensor will ever hold h
@@ -285,9 +315,9 @@ class Session:
                 self._seq += 1
                 frames = protocol.encode(protocol.OPS, body, self._payloads, self._seq)
                 self._op_index += len(self._ops)
-                self.stats["ops"] += len(self._ops)
-                self.stats["messages"] += 1
-                self.stats["bytes_up"] += sum(_size(f) for f in frames)
+                self._stats["ops"] += len(self._ops)
+                self._stats["messages"] += 1
+                self._stats["bytes_up"] += sum(_size(f) for f in frames)
                 self._ops, self._payloads, self._pending_bytes = [], [], 0
                 self._last_send = time.monotonic()
                 if self._inflight:
@@ -341,12 +371,12 @@ class Session:
             rid = self._rid
             t0 = time.perf_counter()
             self.flush(req=rid)
-            self.stats["blocking_round_trips"] += 1
+            self._stats["blocking_round_trips"] += 1
             t_wait = time.monotonic()
             try:
                 msg, downloads = self._wait(rid)
             finally:
-                self.stats["wait_seconds"] += time.monotonic() - t_wait
+                self._stats["wait_seconds"] += time.monotonic() - t_wait
             body = msg.body
             if body.get("err"):  # this op's own error, or (with a note) an earlier one's
                 err = body["err"]
@@ -372,13 +402,14 @@ class Session:
         """The CPU tensor a fetch result describes: a reply payload, or PARTs assembled already."""
         if not isinstance(res, dict) or not ("pl" in res or "parts" in res):
             raise GatewayProtocolError(f"gateway {self.endpoint} answered a fetch with something else")
-        self.stats["downloads"] += 1
+        self._stats["downloads"] += 1
         if "parts" in res:
-            return (download or Download()).finish(res["parts"], res["dtype"], res["shape"])
+            return (download or Download(self.offered)).finish(res["parts"], res["dtype"], res["shape"])
         if not 0 <= res["pl"] < len(msg.payloads):
             raise GatewayProtocolError(f"gateway {self.endpoint}: a fetch names a payload its reply lacks")
         desc, frame = msg.payloads[res["pl"]]
-        return protocol.tensor_from_bytes(protocol.decode_payload(desc, frame), res["dtype"], res["shape"])
+        return protocol.tensor_from_bytes(protocol.decode_payload(desc, frame, accepted=self.offered),
+                                          res["dtype"], res["shape"])
 
     def _wait(self, rid: int) -> tuple[protocol.Message, dict[int, Download]]:
         """The REPLY to request ``rid``, and the PARTs that came ahead of it (large downloads),
@@ -391,12 +422,12 @@ class Session:
                 for sock in dict(self._poller.poll(100)):
                     frames = sock.recv_multipart(copy=False)
                     last_heard = time.monotonic()
-                    self.stats["bytes_down"] += sum(len(f) for f in frames)
+                    self._stats["bytes_down"] += sum(len(f) for f in frames)
                     msg = protocol.decode(frames)
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
                         return msg, downloads
                     if msg.type == protocol.PART and msg.body.get("rid") == rid:
-                        downloads.setdefault(msg.body.get("i", 0), Download()).add(msg)
+                        downloads.setdefault(msg.body.get("i", 0), Download(self.offered)).add(msg)
                     if msg.type == protocol.ERROR:
                         self._raise_error(msg.body)
                     # else PONG, or the reply to a request abandoned by an interrupt
@@ -481,7 +512,8 @@ class Download:
     into fresh memory as it comes; a bad part is reported at the REPLY, once the rest of the
     stream has been read past."""
 
-    def __init__(self) -> None:
+    def __init__(self, accepted: Sequence[str] = protocol.CODECS) -> None:
+        self.accepted = accepted  # the codecs its parts may come in
         self.assembly: protocol.Assembly | None = None
         self.parts = 0
         self.error: ProtocolError | None = None
@@ -500,7 +532,7 @@ class Download:
                 # numpy's memory: large blocks get transparent huge pages, few faults to fill
                 self.assembly = protocol.Assembly(torch.from_numpy(np.empty(total, dtype=np.uint8)))
             desc, frame = msg.payloads[0]
-            self.assembly.add(off, protocol.decode_payload(desc, frame, total))
+            self.assembly.add(off, protocol.decode_payload(desc, frame, total, accepted=self.accepted))
         except ProtocolError as e:
             self.error = e
 
@@ -519,7 +551,7 @@ def _size(frame: Any) -> int:
     return len(frame) if isinstance(frame, bytes) else frame.nbytes
 
 
-def _connect(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) -> zmq.Socket:
+def connect(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) -> zmq.Socket:
     """A DEALER to a gateway. With ``routing_id`` (a session's direct connection) a reconnect keeps
     the peer's identity, and messages wait for it: the session's worker, if it died, is reported
     on the gateway's port at once, instead of a send blocking until SEND_TIMEOUT."""
@@ -542,6 +574,19 @@ def hello(sock: zmq.Socket, body: dict, timeout: float, endpoint: str) -> dict:
     if isinstance(answer, dict):
         return answer
     raise answer
+
+
+def gateway_status(ctx: zmq.Context, endpoint: str, timeout: float) -> dict:
+    """A gateway's STATUS answer (its inventory, per-session and total counters), asked on a
+    connection of its own; GatewayUnavailableError when none comes within ``timeout``."""
+    sock = connect(ctx, endpoint)
+    try:
+        sock.send_multipart(protocol.encode(protocol.STATUS, {}))
+        if not sock.poll(int(timeout * 1000)):
+            raise GatewayUnavailableError(f"no RemoteCUDA gateway answered at {endpoint}")
+        return protocol.decode(sock.recv_multipart()).body
+    finally:
+        sock.close(linger=0)
 
 
 def greet(greetings: list[tuple[zmq.Socket, dict]], timeout: float, endpoint: str) -> list[dict | Exception]:

@@ -17,6 +17,8 @@ import torch
 
 from remotecuda_wire.protocol import handle_ext
 
+from .errors import GatewayLostError
+
 _DEVICES: dict[int, torch.device] = {}
 _META = torch.device("meta")
 _new_wrapper = torch.Tensor._make_wrapper_subclass
@@ -44,6 +46,19 @@ class HandleOwner:
             s.release(self.handle)
 
 
+def is_pinned(t: torch.Tensor, device: Any = None) -> bool:
+    """Whether ``t`` is in page-locked host memory: never, while remotecuda is active. Pinned
+    memory is a local GPU's notion (a CPU-only torch has no page-locked allocator, and the gateway
+    receives from a socket), so ``pin_memory`` gives plain memory, and this is the one answer for
+    a remote tensor's ``is_pinned``, for the aten op, and for ``Tensor.is_pinned`` in every thread."""
+    return False
+
+
+def _not_active(func: Any, args: tuple, kwargs: dict) -> Any:
+    raise GatewayLostError(f"remotecuda is not active: this 'cuda' tensor's session was closed "
+                           f"(remotecuda.deactivate()) and its data is gone ({func})")
+
+
 class RemoteTensor(torch.Tensor):
     # set by wrap(); listed for readers
     _h: int  # the gateway handle
@@ -55,8 +70,8 @@ class RemoteTensor(torch.Tensor):
     _owner: HandleOwner
 
     __torch_function__ = torch._C._disabled_torch_function_impl
-    #: set by dispatch.py (which builds on this module) to its Dispatcher's entry point
-    dispatch: Any = None
+    #: the active runtime's ``Dispatcher.dispatch`` (set by interception while installed)
+    dispatch: Any = staticmethod(_not_active)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -87,7 +102,7 @@ class RemoteTensor(torch.Tensor):
         return (((self._dev + 1) << 48) | (self._sid << 16)) + self.storage_offset() * self.element_size()
 
     def is_pinned(self, device: Any = None) -> bool:
-        return False
+        return is_pinned(self, device)
 
     def pin_memory(self, device: Any = None) -> RemoteTensor:
         raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")

@@ -250,14 +250,15 @@ def enabled_codecs(setting: str | None) -> tuple[str, ...]:
 CODECS = enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))
 
 
-def common_codecs(offered: Any) -> tuple[str, ...]:
-    """Our codecs that a peer listed (in WELCOME or HELLO), fastest first; a peer that lists
-    none is from before codec negotiation and decodes zstd only."""
+def common_codecs(offered: Any, ours: Sequence[str] = CODECS) -> tuple[str, ...]:
+    """Our codecs (``ours``: this process's, or those a client read at activation) that a peer
+    listed (in WELCOME or HELLO), fastest first; a peer that lists none is from before codec
+    negotiation and decodes zstd only."""
     if offered is None:
         offered = ["zstd"]
     if not isinstance(offered, list):
         raise ProtocolError("malformed codec list")
-    return tuple(name for name in CODECS if name in offered)
+    return tuple(name for name in ours if name in offered)
 
 
 # ---------------------------------------------------------------------------- payloads
@@ -298,9 +299,10 @@ def encode_payload(buf: memoryview, codec: str | None = None, digest: bytes | No
     return desc, buf
 
 
-def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> memoryview:
+def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES,
+                   accepted: Sequence[str] = CODECS) -> memoryview:
     """Decompress (if needed) and check one payload frame against its descriptor's digest;
-    raise ProtocolError on any mismatch, or for a codec this side did not offer."""
+    raise ProtocolError on any mismatch, or for a codec this side did not offer (``accepted``)."""
     if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], int)
             and isinstance(desc[2], bytes)):
         raise ProtocolError("malformed payload descriptor")
@@ -312,12 +314,12 @@ def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES) ->
         if buf.nbytes != raw_n:
             raise ProtocolError(f"payload is {buf.nbytes} bytes, descriptor says {raw_n}")
         out = buf
-    elif codec in CODECS:
+    elif codec in accepted and codec in CODEC_IMPLS:
         out = memoryview(CODEC_IMPLS[codec].decompress(buf, raw_n))
         if out.nbytes != raw_n:
             raise ProtocolError(f"decompressed payload is {out.nbytes} bytes, descriptor says {raw_n}")
     else:
-        raise ProtocolError(f"unknown payload codec {codec!r} (this side decodes {', '.join(('raw', *CODECS))})")
+        raise ProtocolError(f"unknown payload codec {codec!r} (this side decodes {', '.join(('raw', *accepted))})")
     if payload_digest(out) != digest:
         raise ProtocolError("payload integrity check failed")
     return out

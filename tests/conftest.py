@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -67,6 +68,19 @@ def remote(gateway):
     rt = remotecuda.activate(gateway.address, fallback="error")
     yield rt
     remotecuda.deactivate()
+
+
+@contextmanager
+def interception_removed():
+    """torch as deactivate() leaves it, for the block, with the active runtime's sessions kept
+    open: its interception removed, then installed again."""
+    from remotecuda import interception, runtime
+    rt = runtime.current()
+    rt.interception.remove()
+    try:
+        yield
+    finally:
+        rt.interception = interception.install(rt)
 
 
 @pytest.fixture

@@ -7,9 +7,13 @@ import torch
 
 import remotecuda
 from remotecuda import dispatch_cache as dc
-from remotecuda.dispatch import DISPATCHER, _op_meta
 
 aten = torch.ops.aten
+
+
+def _dispatcher():
+    """The active runtime's dispatcher (its op table and metadata cache)."""
+    return remotecuda.runtime.current().dispatcher
 
 
 @pytest.fixture
@@ -17,10 +21,10 @@ def cache(remote):
     """The dispatcher's cache, emptied and with its counters at zero."""
     x = torch.ones(7, 13, device="cuda")
     torch.cuda.synchronize()
-    DISPATCHER.cache.clear()
+    _dispatcher().cache.clear()
     remotecuda.stats(reset=True)
     yield x
-    DISPATCHER.cache.clear()
+    _dispatcher().cache.clear()
 
 
 def _counts() -> dict:
@@ -36,11 +40,11 @@ def test_hits_misses_and_typed_entries(cache):
     st = _counts()
     assert (st["metadata_cache_hits"], st["metadata_cache_misses"], st["metadata_cache_bypasses"]) == (2, 2, 0)
     assert st["metadata_cache_entries"] == 2
-    entries = list(DISPATCHER.cache.values())
+    entries = list(_dispatcher().cache.values())
     assert all(type(e) is dc.NewTensor for e in entries)
     assert entries[0].layout[0] == (torch.float32, (7, 13), (13, 1), 0)
     values, indices = x.max(dim=1)  # two new tensors: an Outputs entry
-    entry = DISPATCHER.cache[next(k for k in DISPATCHER.cache if k[0].name == "aten::max.dim")]
+    entry = _dispatcher().cache[next(k for k in _dispatcher().cache if k[0].name == "aten::max.dim")]
     assert type(entry) is dc.Outputs and entry.multi and all(type(i) is dc.NewOut for i in entry.items)
     assert indices.dtype == torch.int64 and values.shape == (7,)
 
@@ -56,7 +60,7 @@ def test_data_dependent_ops_bypass_with_a_reason(cache):
     assert st["metadata_cache_bypass_reasons"] == {dc.DYNAMIC_OUTPUT_SHAPE: 2, dc.NO_META_KERNEL: 2}
     assert (st["metadata_cache_hits"], st["metadata_cache_misses"], st["metadata_cache_bypasses"]) == (0, 1, 4)
     assert n.shape == (91, 2) and m1.shape == m2.shape == (91,)
-    assert dc.Bypass(dc.NO_META_KERNEL) in DISPATCHER.cache.values()
+    assert dc.Bypass(dc.NO_META_KERNEL) in _dispatcher().cache.values()
 
 
 def test_reset_and_stats_keys(cache):
@@ -88,24 +92,25 @@ def test_status_shows_the_counters(cache, capsys):
 
 def test_cross_check_catches_a_corrupted_entry(cache, monkeypatch):
     x = cache
-    monkeypatch.setattr(DISPATCHER.cache, "check", True)
+    monkeypatch.setattr(_dispatcher().cache, "check", True)
     x * 3
     x * 3  # checked: the entry is what the meta kernel says
-    key = next(k for k in DISPATCHER.cache if k[0].name == "aten::mul.Tensor")
-    good = DISPATCHER.cache[key]
-    DISPATCHER.cache[key] = dc.NewTensor(((torch.float32, (13, 7), (7, 1), 0), True))
+    key = next(k for k in _dispatcher().cache if k[0].name == "aten::mul.Tensor")
+    good = _dispatcher().cache[key]
+    _dispatcher().cache[key] = dc.NewTensor(((torch.float32, (13, 7), (7, 1), 0), True))
     with pytest.raises(dc.CacheCrossCheckError, match="aten::mul.Tensor"):
         x * 3
-    DISPATCHER.cache[key] = good
+    _dispatcher().cache[key] = good
     assert (x * 3).shape == (7, 13)
 
 
 def test_float_values_in_the_key_come_from_the_schema(cache, monkeypatch):
-    assert _op_meta(aten.upsample_nearest2d.vec).float_values  # scale_factors: float[] sizes the output
-    assert _op_meta(aten.arange.start_step).float_values  # a factory
-    assert not _op_meta(aten.add.Tensor).float_values
-    assert not _op_meta(aten.upsample_nearest2d.default).float_values  # output_size given: scales don't size
-    monkeypatch.setattr(DISPATCHER.cache, "check", True)  # the rule is checked on every hit
+    op_meta = _dispatcher().op_meta
+    assert op_meta(aten.upsample_nearest2d.vec).float_values  # scale_factors: float[] sizes the output
+    assert op_meta(aten.arange.start_step).float_values  # a factory
+    assert not op_meta(aten.add.Tensor).float_values
+    assert not op_meta(aten.upsample_nearest2d.default).float_values  # output_size given: scales don't size
+    monkeypatch.setattr(_dispatcher().cache, "check", True)  # the rule is checked on every hit
     img = cache[None, None]
     for f in (2.0, 3.0, 2.0):
         assert torch.nn.functional.interpolate(img, scale_factor=f).shape == (1, 1, 7 * int(f), 13 * int(f))

@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 import remotecuda
-from remotecuda import accelerator_api, interception
+from remotecuda import accelerator_api
 from remotecuda.tensor import RemoteTensor
 
-from conftest import run_python, wait_for
+from conftest import interception_removed, run_python, wait_for
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -266,11 +266,8 @@ def _double_with_live_graph() -> tuple:
 
 def test_cpu_only_double_with_a_live_graph_is_torchs_own():
     got = _double_with_live_graph()
-    interception.uninstall()  # the same without remotecuda (the fixture's sessions stay open)
-    try:
+    with interception_removed():  # the same without remotecuda (the fixture's sessions stay open)
         expected = _double_with_live_graph()
-    finally:
-        interception.install()
     assert got == expected
     assert not torch.__future__.get_swap_module_params_on_conversion()
 

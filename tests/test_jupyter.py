@@ -112,9 +112,9 @@ def gateway_sessions(address: str) -> int:
     """How many client sessions the gateway holds (from its WELCOME to a probe)."""
     import zmq
 
-    from remotecuda.session import _connect, hello
+    from remotecuda.session import connect, hello
     ctx = zmq.Context()
-    sock = _connect(ctx, "tcp://" + address)
+    sock = connect(ctx, "tcp://" + address)
     try:
         return hello(sock, {"device": None}, 10.0, address)["sessions"]
     finally:
@@ -427,7 +427,7 @@ def test_fallback_gateway_survives_interrupt_and_ends_with_kernel(kernel_dirs, k
     env = dict(kernel_env, REMOTECUDA_SERVERS="127.0.0.1:1", REMOTECUDA_FALLBACK="cpu")
     k = Kernel("remotecuda", kernel_dirs, env)
     try:
-        r = k.ok("import torch, remotecuda\nprint(remotecuda.runtime().fallback_gateway.pid)")
+        r = k.ok("import torch, remotecuda\nprint(remotecuda.runtime.current().pool.fallback_gateway.pid)")
         pid = int(r["stdout"])
         assert "running 'cuda' work on the local CPU" in r["stderr"], r  # the notice, in cell 1
         msg_id = k.send("keep = torch.arange(4., device='cuda')\nprint('started', flush=True)\n"

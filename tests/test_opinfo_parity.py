@@ -255,7 +255,7 @@ def gw(remote, gateway):
     try:
         yield gateway
     finally:
-        if remotecuda.runtime() is None or not _session_alive():
+        if remotecuda.runtime.active() is None or not _session_alive():
             remotecuda.deactivate()
             remotecuda.activate(gateway.address, fallback="error")
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import interception_removed
+
 pytestmark = pytest.mark.usefixtures("remote")
 
 
@@ -206,17 +208,13 @@ def test_other_threads_get_plain_pytorch_not_meta_tensors():
 
 
 def test_deactivate_restores_torch_exactly():
-    from remotecuda import interception
-    interception.uninstall()  # what deactivate() does, keeping the fixture's sessions
-    try:
+    with interception_removed():  # what deactivate() does, keeping the fixture's sessions
         assert torch.Tensor.to is torch._C.TensorBase.to and "data" not in vars(torch.Tensor)
         assert torch.zeros is torch._C._VariableFunctions.zeros
         assert torch.nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
         assert "__enter__" in vars(torch.amp.autocast_mode.autocast)
         assert torch.autocast.__enter__.__module__ == "torch.amp.autocast_mode"
         assert torch.ones(2).to("meta").is_meta
-    finally:
-        interception.install()
     assert torch.zeros(2, device="cuda").is_cuda
 
 

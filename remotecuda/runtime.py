@@ -1,0 +1,158 @@
+"""The runtime: everything an active remotecuda holds, in one object.
+
+``remotecuda.activate()`` starts a ``Runtime`` (``start``) and ``deactivate()`` stops it
+(``stop``): it closes its sessions, undoes interception and is dropped, so nothing it held
+outlives it, and the next ``activate()`` begins afresh. What it owns:
+
+- ``pool``: the gateways, the virtual devices they provide, one session per device and the
+  background flusher (pool.py);
+- ``dispatcher``: the op dispatcher, with its op table, its metadata cache and counters, and
+  its per-thread state (dispatch.py);
+- ``interception``: torch's patched functions and the dispatch mode, undone by ``close``
+  (interception.py; installed by ``start``, which is given the installer, so that this
+  module sits below the ones that reach the runtime);
+- torch.cuda's process state: ``current_device``, the current and default streams, and what a
+  session opened later must start with (``seed``, the backend ``flags``; see ``prime``);
+- ``sdpa_choices``: the attention backend each device picks, per input signature
+  (attention.py), which depends on the gateways' GPUs;
+- ``codecs``: the payload codecs this client offers (``REMOTECUDA_CODECS``, read at start).
+
+Modules keep no state of their own that belongs to it. Code that runs only while remotecuda
+is active (the ``torch.cuda`` replacements, the patched torch functions) reaches it with
+``current()``; code that asks whether it is active uses ``active()``. On the per-op path the
+dispatcher is reached without either: the dispatch mode and ``RemoteTensor.dispatch`` hold
+the runtime's ``Dispatcher.dispatch`` while it is installed.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from remotecuda_wire import protocol
+
+from .dispatch import Dispatcher
+from .dispatch_cache import DispatchCache
+from .errors import RemoteCUDAError
+from .pool import Pool, VirtualDevice
+from .session import Session
+
+
+class NotActiveError(RemoteCUDAError):
+    """A remotecuda function was called while remotecuda is not active."""
+
+
+class Installed(Protocol):
+    """What installing interception leaves: ``remove`` puts torch back as it was."""
+
+    def remove(self) -> None: ...
+
+
+class Runtime:
+    """One activation of remotecuda (see the module's docstring for what it owns)."""
+
+    def __init__(self, servers: list[str], *, fallback: str = "cpu", sync: bool = False) -> None:
+        self.current_device = 0
+        #: the last ``manual_seed``/``manual_seed_all``, for sessions opened later
+        self.seed: int | None = None
+        #: the backend flags set so far (flags.py), for sessions opened later
+        self.flags: dict[str, Any] = {}
+        #: device index → its current stream (``torch.cuda.set_stream``), and its default stream
+        self.current_streams: dict[int, Any] = {}
+        self.default_streams: dict[int, Any] = {}
+        #: (device kind, input layouts and options) → the attention backend the gateway picked
+        self.sdpa_choices: dict[tuple, int] = {}
+        self.codecs = protocol.enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))
+        check = os.environ.get("REMOTECUDA_CHECK_CACHE", "") not in ("", "0")
+        self.dispatcher = Dispatcher(self.session, DispatchCache(check=check))
+        self.pool = Pool(servers, fallback=fallback, sync=sync, codecs=self.codecs, prime=self.prime)
+        self.interception: Installed | None = None
+
+    def device(self, index: int | None = None) -> VirtualDevice:
+        """Virtual device ``cuda:index`` (default: the current one); an invalid index raises as CUDA does."""
+        return self.pool.device(self.current_device if index is None else index)
+
+    def session(self, index: int | None = None) -> Session:
+        """The session of ``cuda:index`` (default: the current device), opened on first use."""
+        return self.pool.session(self.current_device if index is None else index)
+
+    def prime(self, session: Session) -> None:
+        """Bring a newly opened session up to what was set before it opened: the seed, the flags."""
+        if self.seed is not None:
+            session.enqueue("rc::seed", [self.seed], None, None)
+        if self.flags:
+            session.enqueue("rc::set_flags", [dict(self.flags)], None, None)
+
+    def synchronize(self) -> None:
+        """Wait for all queued remote work; raise the first pending remote error."""
+        self.pool.synchronize()
+
+    def stats(self, reset: bool = False, wait: bool = True) -> dict[str, Any]:
+        """The sessions' counters (session.STAT_KEYS) summed, and the dispatch cache's
+        (``metadata_cache_*``). ``reset``: start them all from zero again. ``wait=False``: do not
+        wait for a session that is blocked in a request (for a status asked from another thread)."""
+        total: dict[str, Any] = self.pool.counters(reset=reset, wait=wait)
+        total.update(self.dispatcher.cache.info().as_stats())
+        if reset:
+            self.dispatcher.cache.reset_counters()
+        return total
+
+    def close(self) -> None:
+        """Undo interception, then close every session (gateway memory is freed)."""
+        if self.interception is not None:
+            self.interception.remove()
+            self.interception = None
+        self.pool.close()
+
+
+_current: Runtime | None = None
+
+
+def current() -> Runtime:
+    """The active runtime; NotActiveError when remotecuda is not active."""
+    rt = _current
+    if rt is None:
+        raise NotActiveError("remotecuda is not active (remotecuda.activate() turns it on)")
+    return rt
+
+
+def active() -> Runtime | None:
+    """The active runtime, or None."""
+    return _current
+
+
+def start(servers: list[str], install: Callable[[Runtime], Installed], *, fallback: str = "cpu",
+          sync: bool = False) -> Runtime:
+    """Make a runtime for ``servers``, make it current, and install interception with ``install``;
+    the active runtime, if there is one already."""
+    global _current
+    if _current is not None:
+        return _current
+    rt = Runtime(servers, fallback=fallback, sync=sync)
+    _current = rt
+    try:
+        rt.interception = install(rt)
+    except BaseException:
+        _current = None
+        rt.close()
+        raise
+    return rt
+
+
+def stop() -> None:
+    """Drop the active runtime and close it; nothing of it stays reachable from here."""
+    global _current
+    rt, _current = _current, None
+    if rt is not None:
+        rt.close()
+
+
+def release_in_forked_child() -> None:
+    """In a forked child: drop the parent's runtime without closing it (its sockets are the
+    parent's, and a lock another thread held at the fork stays held), undoing interception."""
+    global _current
+    rt, _current = _current, None
+    if rt is not None:
+        if rt.interception is not None:
+            rt.interception.remove()
+        rt.pool.abandon()
