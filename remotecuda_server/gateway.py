@@ -21,7 +21,6 @@ import hmac
 import json
 import os
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -127,15 +126,11 @@ class Gateway:
         self.loads = [GpuLoad(now) for _ in devices]
         self.accounts: dict[int, memory_account.MemoryAccount] = {}  # simulated GPU → its memory account
         self.free_slots: dict[int, list[int]] = {}
-        self._accounts_dir: str | None = None
-        if any(d.simulated for d in devices):
-            self._accounts_dir = tempfile.mkdtemp(prefix="remotecuda-gw-", dir=memory_account.account_dir())
-            for d in devices:
-                if d.simulated:
-                    path = os.path.join(self._accounts_dir, f"gpu{d.index}")
-                    memory_account.create(path)
-                    self.accounts[d.index] = memory_account.MemoryAccount(path, d.total_memory, d.index, d.name)
-                    self.free_slots[d.index] = list(range(1, memory_account.SLOTS))  # ([0]: the total)
+        for d in devices:
+            if d.simulated:
+                fd = memory_account.create(f"gpu{d.index}")
+                self.accounts[d.index] = memory_account.MemoryAccount(fd, d.total_memory, d.index, d.name)
+                self.free_slots[d.index] = list(range(1, memory_account.SLOTS))  # ([0]: the total)
         self.announcer: announcer.Announcer | None = None
         if discovery:
             group, gport = beacon.group_from_env()
@@ -159,9 +154,10 @@ class Gateway:
                 return  # (every slot taken: the HELLO waits for a worker to end)
             slot = self.free_slots[device].pop(0)
             d = self.devices[device]
-            cmd += ["--account", os.path.join(self._accounts_dir, f"gpu{device}"), "--slot", str(slot),
+            cmd += ["--account-fd", str(account.fd), "--slot", str(slot),
                     "--gpu", json.dumps({"index": d.index, "name": d.name, "total_memory": d.total_memory})]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env())
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env(),
+                                pass_fds=(account.fd,) if account is not None else ())
         self.workers[ident] = WorkerProc(ident, device, proc, slot=slot)
 
     def _retire(self, w: WorkerProc) -> None:
@@ -506,8 +502,6 @@ class Gateway:
         self._tmp.cleanup()
         for account in self.accounts.values():
             account.close()
-        if self._accounts_dir is not None:
-            shutil.rmtree(self._accounts_dir, ignore_errors=True)
 
 
 #: malloc, which ZeroMQ's receive buffers use: huge pages, and buffers up to 32 MiB (an upload

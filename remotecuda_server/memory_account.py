@@ -2,17 +2,19 @@
 
 A simulated GPU (``remotecuda start --device cpu --gpus N --gpu-memory SIZE``) runs on the
 CPU, but its memory must run out where the GPU's would, for every session on it together.
-Sessions are separate worker processes, so the account lives in a small shared file (on
-/dev/shm where there is one): ``SLOTS`` signed 64-bit counters, the first the GPU's total in
-use, each other one a worker's share. The supervisor creates the file and gives each worker on
-the GPU a slot of its own; the worker keeps its slot equal to the bytes its session's tensors
-hold (the CPU executor counts them exactly, storage by storage: executor.CountedHandles).
-Every change moves the total and the slot together under an exclusive ``flock`` on the file,
-so two sessions can never both take the last bytes, and taking is checked against the total
-alone (a lock and two stores per new tensor). A worker that ends, or is killed, leaves its
-slot to the supervisor, which zeroes it and sums the total afresh: no byte stays held by a
-session that is gone, however it went. The supervisor reads the total for the GPU's
-free memory (STATUS, beacons) without the lock.
+Sessions are separate worker processes, so the account is a small shared file with no name
+(``memfd_create``): ``SLOTS`` signed 64-bit counters, the first the GPU's total in use, each
+other one a worker's share. The supervisor creates it and hands each worker on the GPU its
+descriptor (inherited at spawn) and a slot of its own; the worker keeps its slot equal to the
+bytes its session's tensors hold (the CPU executor counts them exactly, storage by storage:
+executor.CountedHandles). Every change moves the total and the slot together under an
+exclusive POSIX lock (``lockf``: held per process, so one inherited descriptor serves them
+all), so two sessions can never both take the last bytes, and taking is checked against the
+total alone (a lock and two stores per new tensor). A worker that ends, or is killed, leaves
+its slot to the supervisor, which zeroes it and sums the total afresh: no byte stays held by a
+session that is gone, however it went. The supervisor reads the total for the GPU's free
+memory (STATUS, beacons) without the lock. Having no name, the file goes with the last
+process that holds it: nothing is left behind, however the gateway ends.
 
 An op's output is made on the host before it is counted, so a simulated GPU refuses an
 oversized tensor after allocating it once (the host needs the room for a moment).
@@ -24,6 +26,7 @@ import fcntl
 import mmap
 import os
 import struct
+import tempfile
 from collections.abc import Iterator
 
 import torch
@@ -33,15 +36,15 @@ SLOTS = 1024
 _SLOT = struct.Struct("=q")
 
 
-def account_dir() -> str | None:
-    """Where account files go: shared memory (/dev/shm) when the system has it."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-
-
-def create(path: str) -> None:
-    """A new, empty account file (the supervisor's, one per simulated GPU)."""
-    with open(path, "wb") as f:
-        f.write(bytes(SLOTS * _SLOT.size))
+def create(name: str) -> int:
+    """A new, empty account (the supervisor's, one per simulated GPU): its file descriptor."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(f"remotecuda-{name}")
+    else:  # (no memfd: an unlinked temporary file)
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    os.ftruncate(fd, SLOTS * _SLOT.size)
+    return fd
 
 
 def _fmt(n: float) -> str:
@@ -55,10 +58,9 @@ def _fmt(n: float) -> str:
 class MemoryAccount:
     """One process's view of a simulated GPU's account: read it, and (a worker) draw from its slot."""
 
-    def __init__(self, path: str, size: int, gpu: int, name: str, slot: int | None = None):
-        self.size, self.gpu, self.name, self.slot = size, gpu, name, slot
-        self._fd = os.open(path, os.O_RDWR)
-        self._map = mmap.mmap(self._fd, SLOTS * _SLOT.size)
+    def __init__(self, fd: int, size: int, gpu: int, name: str, slot: int | None = None):
+        self.fd, self.size, self.gpu, self.name, self.slot = fd, size, gpu, name, slot
+        self._map = mmap.mmap(fd, SLOTS * _SLOT.size)
         self._slots = memoryview(self._map).cast("q")  # [0]: the total; [k]: worker k's share
         self.mine = 0  # this worker's bytes (its slot's value)
 
@@ -107,13 +109,13 @@ class MemoryAccount:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        fcntl.lockf(self.fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         self._slots.release()
         self._map.close()
-        os.close(self._fd)
+        os.close(self.fd)

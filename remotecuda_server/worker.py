@@ -407,7 +407,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="", help="bind a data port on this address for the direct path")
     p.add_argument("--max-frame", type=int, default=protocol.MAX_PAYLOAD_BYTES)
     p.add_argument("--parent", type=int, help="the gateway's pid: a worker must not outlive it")
-    p.add_argument("--account", default="", help="a simulated GPU's memory account file (memory_account.py)")
+    p.add_argument("--account-fd", type=int, default=-1,
+                   help="a simulated GPU's memory account, an inherited file descriptor (memory_account.py)")
     p.add_argument("--slot", type=int, default=0, help="this worker's slot in the account")
     p.add_argument("--gpu", default="{}", help="the simulated GPU's description (JSON: index, name, total_memory)")
     a = p.parse_args(argv)
@@ -418,9 +419,9 @@ def main(argv: list[str] | None = None) -> None:
     # a part or a CANCEL waiting out the default 5 ms would stall the transfer it overlaps
     sys.setswitchinterval(0.0005)
     account = None
-    if a.account:
+    if a.account_fd >= 0:
         gpu = json.loads(a.gpu)
-        account = MemoryAccount(a.account, gpu["total_memory"], gpu["index"], gpu["name"], a.slot)
+        account = MemoryAccount(a.account_fd, gpu["total_memory"], gpu["index"], gpu["name"], a.slot)
     Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account).serve()
     os._exit(0)
 

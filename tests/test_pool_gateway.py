@@ -15,6 +15,7 @@ import time
 import pytest
 import zmq
 
+from remotecuda_server import memory_account
 from remotecuda_server.devices import detect, parse_size, simulated_devices
 from remotecuda_wire import beacon, protocol
 
@@ -86,6 +87,49 @@ def test_bad_gpu_options_are_refused():
     r = subprocess.run([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--port", "0",
                         "--gpus", "1", "--gpu-memory", "lots"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode != 0 and "remotecuda start: 'lots' is not a memory size" in r.stderr, r.stderr
+
+
+ACCOUNT_USER = r'''
+import sys, torch
+from remotecuda_server.memory_account import MemoryAccount
+a = MemoryAccount(int(sys.argv[1]), 100, 0, "Sim", int(sys.argv[2]))
+sys.stdin.readline()
+for _ in range(20000):  # the two processes at once: a lost update would leave the total wrong
+    a.take(1)
+    a.give(1)
+a.take(30)
+print("HELD", flush=True)
+sys.stdin.readline()
+try:
+    a.take(60)
+except torch.OutOfMemoryError as e:
+    print("OOM", e, flush=True)
+'''
+
+
+def test_memory_account_is_exact_across_processes():
+    """Workers share a simulated GPU's account through an inherited descriptor: taking and giving
+    at once from two processes keeps the total exact, the size holds, and clearing a slot (a
+    worker gone) returns its share."""
+    fd = memory_account.create("test")
+    supervisor = memory_account.MemoryAccount(fd, 100, 0, "Sim")
+    users = [subprocess.Popen([sys.executable, "-c", ACCOUNT_USER, str(fd), str(k)], pass_fds=(fd,), cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for k in (1, 2)]
+    try:
+        for p in users:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        assert [p.stdout.readline() for p in users] == ["HELD\n"] * 2
+        said = [p.communicate("go\n", timeout=120)[0] for p in users]
+        assert all(p.returncode == 0 for p in users)
+        assert said == ["OOM CUDA out of memory. Tried to allocate 60 bytes. GPU 0 (Sim, simulated) has a total "
+                        "capacity of 100 bytes of which 40 bytes is free. This session has 30 bytes memory in use; "
+                        "other sessions on this GPU hold 30 bytes.\n"] * 2
+        assert supervisor.used() == 60
+        supervisor.clear(1)
+        assert supervisor.used() == 30 and supervisor.free() == 70
+    finally:
+        supervisor.close()
 
 
 WANT = [("Sim A100", 64 * MB, [8, 0], True), ("Sim T4", 96 * MIB, [7, 5], False), ("Sim H100", 2**30, [9, 0], True)]
