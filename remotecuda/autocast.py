@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from . import attention
 from .tensor import RemoteTensor
 
-_LOWER = [  # run in the autocast dtype (float16 / bfloat16)
+_LOWER: list[Callable] = [  # run in the autocast dtype (float16 / bfloat16)
     F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
     torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm,
     torch.baddbmm, torch.Tensor.baddbmm, torch.addbmm, torch.Tensor.addbmm, torch.mv, torch.Tensor.mv,
@@ -27,7 +27,7 @@ _LOWER = [  # run in the autocast dtype (float16 / bfloat16)
     F.prelu, torch.lstm_cell, torch.gru_cell, torch.rnn_tanh_cell,
     torch.rnn_relu_cell,
 ]
-_FP32 = [  # run in float32
+_FP32: list[Callable] = [  # run in float32
     torch.acos, torch.asin, torch.cosh, torch.erfinv, torch.exp, torch.Tensor.exp, torch.expm1,
     torch.log, torch.Tensor.log, torch.log10, torch.log2, torch.log1p, torch.reciprocal, torch.rsqrt,
     torch.Tensor.rsqrt, torch.sinh, torch.tan, torch.pow, torch.Tensor.pow, torch.Tensor.__pow__,
@@ -39,19 +39,19 @@ _FP32 = [  # run in float32
     torch.pdist, torch.cdist, torch.renorm, torch.logsumexp, torch.Tensor.logsumexp, F.interpolate,
     F.rms_norm,
 ]
-_FP32_SET_OPT_DTYPE = [  # float32 through their dtype= argument
+_FP32_SET_OPT_DTYPE: list[Callable] = [  # float32 through their dtype= argument
     F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax,
     torch.Tensor.log_softmax, torch.prod, torch.Tensor.prod, torch.cumprod, torch.Tensor.cumprod,
     torch.cumsum, torch.Tensor.cumsum, torch.sum, torch.Tensor.sum, torch.linalg.vector_norm,
     torch.linalg.matrix_norm,
 ]
-_PROMOTE = [  # run in the widest floating type among the inputs
+_PROMOTE: list[Callable] = [  # run in the widest floating type among the inputs
     torch.addcdiv, torch.Tensor.addcdiv, torch.addcmul, torch.Tensor.addcmul, torch.atan2,
     F.bilinear, torch.cross, torch.linalg.cross, torch.dot, torch.Tensor.dot, F.grid_sample,
     torch.index_put, torch.Tensor.index_put, torch.scatter_add, torch.Tensor.scatter_add,
     torch.tensordot,
 ]
-_BANNED = [F.binary_cross_entropy]
+_BANNED: list[Callable] = [F.binary_cross_entropy]
 
 _LOW = (torch.float16, torch.bfloat16)
 

@@ -130,10 +130,9 @@ class device:
         if self.idx >= 0:
             set_device(self.idx)
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> None:
         if self.idx >= 0:
             _rt().current_device = self.prev
-        return False
 
 
 class device_of(device):
@@ -153,6 +152,10 @@ _ids = itertools.count(1)
 class Stream:
     """A CUDA stream. Ops are executed in issue order per session, so a stream only orders
     (never overlaps) work; its methods behave as on a GPU whose streams ran serially."""
+
+    device: torch.device
+    priority: int
+    stream_id: int
 
     def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
         self = object.__new__(cls)
@@ -211,7 +214,8 @@ def set_stream(stream: Stream) -> None:
 
 class StreamContext:
     def __init__(self, stream: Stream | None):
-        self.stream, self.prev = stream, None
+        self.stream: Stream | None = stream
+        self.prev: Stream | None = None
 
     def __enter__(self) -> Stream | None:
         if self.stream is not None:
@@ -219,10 +223,9 @@ class StreamContext:
             set_stream(self.stream)
         return self.stream
 
-    def __exit__(self, *exc: Any) -> bool:
-        if self.stream is not None:
+    def __exit__(self, *exc: Any) -> None:
+        if self.stream is not None and self.prev is not None:
             set_stream(self.prev)
-        return False
 
 
 def stream(stream: Stream | None) -> StreamContext:

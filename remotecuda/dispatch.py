@@ -286,14 +286,14 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ the common path
     def run(self, m: OpMeta, args: tuple, kwargs: dict, session: Any = None, factory: bool = False) -> Any:
-        key: list = [m]
+        parts: list = [m]  # of the cache key
         wkw = None
         try:
-            wargs, s = _walk(args, key, session, m.float_values)
+            wargs, s = _walk(args, parts, session, m.float_values)
             if kwargs:
-                values, s = _walk(kwargs.values(), key, s, m.float_values)
+                values, s = _walk(kwargs.values(), parts, s, m.float_values)
                 wkw = dict(zip(kwargs, values))
-                key.append(tuple(kwargs))
+                parts.append(tuple(kwargs))
         except _NeedUpload:
             args, kwargs = self._upload_cpu_args(m, args, kwargs, session)
             return self.run(m, args, kwargs, session, factory)
@@ -301,10 +301,10 @@ class Dispatcher:
             raise RuntimeError(f"remotecuda: op {m.name} has no remote tensor argument")
         self.local.vdev = s.vdev
         if factory:
-            key.append(torch.get_default_dtype())
+            parts.append(torch.get_default_dtype())
         if m.bypass is not None:
             return self._bypassed(m.bypass, m, s, wargs, wkw, args, kwargs)
-        key = tuple(key)
+        key = tuple(parts)
         cache = self.cache
         entry = cache.get(key)
         if type(entry) is NewTensor:  # the common case, a hit for one new tensor: inline
@@ -359,7 +359,7 @@ class Dispatcher:
                 return _META_NEEDS_DATA
             raise
         rets = out if m.multi else (out,)
-        items = []
+        items: list[Any] = []
         for r, alias in zip(rets, m.ret_alias):
             if isinstance(r, torch.Tensor):
                 items.append(_spec(r, alias))
@@ -453,8 +453,8 @@ class Dispatcher:
             return a
         return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
 
-    def upload(self, cpu: torch.Tensor, s: Any, kwargs: dict | None = None) -> RemoteTensor:
-        """A CPU tensor copied to session ``s``'s device (``_to_copy`` semantics)."""
+    def upload(self, cpu: torch.Tensor, s: Any, kwargs: dict | None = None) -> torch.Tensor:
+        """A CPU tensor copied to session ``s``'s device (``_to_copy`` semantics): a RemoteTensor."""
         kwargs = kwargs or {}
         dtype = kwargs.get("dtype")
         if dtype is not None and dtype != cpu.dtype:
@@ -469,7 +469,8 @@ class Dispatcher:
         if mf is not torch.contiguous_format and not cpu.is_contiguous():
             # preserve_format keeps the strides of a dense layout (a transpose, channels_last):
             # send the bytes in memory order and rebuild the same view on the gateway
-            perm = sorted(range(cpu.dim()), key=lambda d: (-cpu.stride(d), -cpu.shape[d]))
+            strides = cpu.stride()
+            perm = sorted(range(cpu.dim()), key=lambda d: (-strides[d], -cpu.shape[d]))
             base = cpu.permute(perm)
             if base.is_contiguous():
                 t = make(s, s.upload(base, non_blocking), base.shape, base.stride(), 0, base.dtype)
@@ -505,7 +506,7 @@ _META_REFUSED = Bypass(dc.META_REFUSED)
 def _spec(r: torch.Tensor, alias: Any) -> ArgOut | ViewOut | NewOut:
     if alias is not None and alias[2]:
         return ArgOut(alias[0], alias[1])
-    lay = layout(r.shape, r.stride(), r.storage_offset(), r.dtype)
+    lay = layout(r.shape, r.stride(), int(r.storage_offset()), r.dtype)
     if alias is not None:
         return ViewOut(alias[0], alias[1], lay)
     return NewOut(lay)
@@ -560,9 +561,8 @@ def _mutate_wrapper(func: Any, args: tuple, kwargs: dict) -> None:
     margs = [a if isinstance(a, RemoteTensor) else _to_meta(a) for a in args]
     with torch._C._AutoDispatchBelowADInplaceOrView(), _DisableTorchDispatch():
         func(*margs, **kwargs)
-    refresh_key(target)
-    if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
-        target.__dict__["_sid"] = args[1]._sid
+    refresh_key(target, args[1] if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset)
+                else None)
 
 
 def _iter_tensors(xs: list):

@@ -40,10 +40,11 @@ def prefetching(tensors: Iterable[Any]) -> Iterator[None]:
     """Fetch the remote tensors among ``tensors`` now, in one round trip per session (per
     BATCH_BYTES), for the downloads of this scope to take. A nested scope adds to the stash and
     takes back, on leaving, what it added and nobody took."""
-    stash = getattr(_local, "stash", None)
-    outermost = stash is None
+    outer: dict | None = getattr(_local, "stash", None)
+    outermost = outer is None
+    stash: dict = {} if outer is None else outer
     if outermost:
-        stash = _local.stash = {}
+        _local.stash = stash
     added: list = []
     try:
         groups: dict[Any, dict] = {}
@@ -65,7 +66,8 @@ def prefetching(tensors: Iterable[Any]) -> Iterator[None]:
 
 
 def _batches(tensors: list) -> Iterator[list]:
-    batch, size = [], 0
+    batch: list = []
+    size = 0
     for t in tensors:
         n = t.numel() * t.element_size()
         if batch and size + n > BATCH_BYTES:
@@ -129,15 +131,16 @@ class _OnImport(MetaPathFinder):
         if name != "safetensors.torch":
             return None
         spec = PathFinder.find_spec(name, path)
-        if spec is None or not hasattr(spec.loader, "exec_module"):
+        loader = None if spec is None else spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        exec_module = spec.loader.exec_module
+        exec_module = loader.exec_module
 
         def exec_and_patch(module: Any) -> None:
             exec_module(module)
             if self.active:
                 _patch_safetensors(self.patches, module)
-        spec.loader.exec_module = exec_and_patch  # (this spec's own loader)
+        setattr(loader, "exec_module", exec_and_patch)  # (this spec's own loader)  # noqa: B010
         return spec
 
 

@@ -36,7 +36,7 @@ class CudaGenerator(torch._C.Generator):
     user_seed: int
 
     def __new__(cls, session: Any) -> CudaGenerator:
-        self = torch._C.Generator.__new__(cls, "cpu")
+        self = torch._C.Generator.__new__(cls, "cpu")  # type: ignore[call-arg]  # (torch's stub)
         self.gid = next(_ids)
         self.index = session.vdev
         self.session = session

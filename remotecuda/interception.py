@@ -37,10 +37,10 @@ from . import accelerator_api, autocast, cuda_api, downloads, flags, rnn, runtim
 from .dispatch import Dispatcher, meta_stand_in
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
-from .tensor import RemoteTensor, is_pinned
+from .tensor import RemoteTensor, follow, is_pinned
 
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
-_DATA = torch._C.TensorBase.data
+_DATA: Any = torch._C.TensorBase.data  # the getset descriptor
 #: the unpatched ``Tensor.to``, for calls made on the user's behalf
 _TO = torch._C.TensorBase.to
 
@@ -87,9 +87,9 @@ def _cuda_index(d: torch.device) -> int:
 # ---------------------------------------------------------------------- function-level handlers
 
 def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool = False,
-            memory_format: Any = None) -> RemoteTensor:
-    """``t.to('cuda:index')`` for a CPU tensor, through aten so autograd records the copy
-    (past any function mode: ``with torch.device('cuda')`` would hand it to the patched ``to``)."""
+            memory_format: Any = None) -> torch.Tensor:
+    """``t.to('cuda:index')`` for a CPU tensor (a RemoteTensor), through aten so autograd records the
+    copy (past any function mode: ``with torch.device('cuda')`` would hand it to the patched ``to``)."""
     local = runtime.current().dispatcher.local
     prev = local.target
     local.target = index
@@ -244,8 +244,7 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
             self.__dict__.update(saved)
             return None
         func(self, new)
-        for k in ("_h", "_w", "_s", "_dev", "_sid", "_k", "_owner"):
-            self.__dict__[k] = new.__dict__[k]
+        follow(self, new)
         return None
     return func(*args, **kwargs)
 
@@ -454,7 +453,7 @@ class _Patches:
 def _compile_eagerly() -> Callable:
     """``torch.compile`` while active: the model as it is (it runs eagerly on the gateway), with
     one warning per activation."""
-    warned = []
+    warned: list[bool] = []
 
     def compile(model: Any = None, **kwargs: Any) -> Any:
         if not warned:
@@ -498,7 +497,7 @@ def _data_parallel_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
 
 def _first_only(fn: Callable, first: torch.Tensor, applied: torch.Tensor) -> Callable:
     """``fn``, answering ``applied`` (already computed) for ``first`` the first time."""
-    done = []
+    done: list[bool] = []
 
     def once(t: torch.Tensor) -> Any:
         if t is first and not done:

@@ -459,7 +459,7 @@ def _magics_class() -> type:
             cmd, args = (parts[0].lower(), parts[1:]) if parts else ("status", [])
             fn = getattr(self, "_cmd_" + cmd.replace("-", "_"), None)
             if fn is None:
-                print(self.remotecuda.__doc__.strip())
+                print((type(self).remotecuda.__doc__ or "").strip())
                 return
             fn(args)
 

@@ -23,10 +23,10 @@ _ATTR = "__dynamo_disable"  # where torch._compile's wrapper caches Dynamo's wra
 
 def _until_dynamo(fn: Callable, recursive: bool) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
-        dynamo = sys.modules.get("torch._dynamo")
-        if getattr(dynamo, "disable", None) is None:
+        disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+        if disable is None:
             return fn(*args, **kwargs)
-        real = dynamo.disable(fn, recursive, wrapping=False)
+        real = disable(fn, recursive, wrapping=False)
         setattr(fn, _ATTR, real)
         return real(*args, **kwargs)
     return call
@@ -39,7 +39,7 @@ def install() -> None:
     if code.co_freevars != ("fn", "recursive"):
         return
     for o in gc.get_objects():
-        if type(o) is FunctionType and o.__code__ is code:
+        if type(o) is FunctionType and o.__code__ is code and o.__closure__ is not None:
             fn, recursive = (cell.cell_contents for cell in o.__closure__)
             if getattr(fn, _ATTR, None) is None:
                 setattr(fn, _ATTR, _until_dynamo(fn, recursive))

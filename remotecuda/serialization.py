@@ -78,7 +78,7 @@ def _move(obj: Any, target: Any, seen_ptrs: dict, memo: dict) -> Any:
                     moved = torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
                 out = moved
     elif isinstance(obj, dict):
-        new = type(obj)() if type(obj) is not dict else {}
+        new: Any = type(obj)() if type(obj) is not dict else {}
         for k, v in obj.items():
             new[k] = _move(v, target, seen_ptrs, memo)
         if hasattr(obj, "_metadata"):
@@ -133,7 +133,7 @@ def _make_load(original: Any) -> Any:
         finally:
             _loading.cuda_storages = None
     load.__doc__ = original.__doc__
-    load.__wrapped__ = original
+    load.__wrapped__ = original  # type: ignore[attr-defined]  # (as functools.wraps sets it)
     return load
 
 

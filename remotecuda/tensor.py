@@ -11,7 +11,7 @@ weakref finalizer: ``torch.utils.swap_tensors`` (which keeps Parameter identity 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 import torch
 
@@ -39,6 +39,8 @@ class HandleOwner:
     """
 
     __slots__ = ("handle", "session")
+    handle: int
+    session: Any  # the Session
 
     def __del__(self) -> None:
         s = self.session
@@ -60,7 +62,9 @@ def _not_active(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 class RemoteTensor(torch.Tensor):
-    # set by wrap(); listed for readers
+    # Set by wrap(), and read by the dispatcher, downloads, rnn and attention: the wrapper's own
+    # fields, underscored to stay out of torch.Tensor's namespace; changed only here (wrap,
+    # refresh_key, follow).
     _h: int  # the gateway handle
     _s: Any  # the Session
     _dev: int  # virtual device index
@@ -69,7 +73,7 @@ class RemoteTensor(torch.Tensor):
     _w: Any  # the handle's wire form
     _owner: HandleOwner
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # (torch's way)
     #: the active runtime's ``Dispatcher.dispatch`` (set by interception while installed)
     dispatch: Any = staticmethod(_not_active)
 
@@ -99,7 +103,7 @@ class RemoteTensor(torch.Tensor):
 
     def data_ptr(self) -> int:
         """A stable fake address: distinct per storage, offset like a real pointer."""
-        return (((self._dev + 1) << 48) | (self._sid << 16)) + self.storage_offset() * self.element_size()
+        return (((self._dev + 1) << 48) | (self._sid << 16)) + int(self.storage_offset()) * self.element_size()
 
     def is_pinned(self, device: Any = None) -> bool:
         return is_pinned(self, device)
@@ -123,7 +127,7 @@ class RemoteTensor(torch.Tensor):
             return self.item().__format__(spec)
         return object.__format__(self, spec)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # (torch's stub)
         from torch._tensor_str import _str, _tensor_str
         if tensor_contents is None:
             with torch.no_grad():
@@ -157,7 +161,7 @@ class RemoteTensor(torch.Tensor):
         if id(self) in memo:
             return memo[id(self)]
         with torch.no_grad():
-            new = self.clone()
+            new = cast(RemoteTensor, self.clone())
         if self.requires_grad:
             new.requires_grad_(True)
         if self.grad is not None:
@@ -171,7 +175,7 @@ class RemoteTensor(torch.Tensor):
         memo[id(self)] = new
         return new
 
-    def __reduce_ex__(self, proto: int) -> Any:
+    def __reduce_ex__(self, proto: SupportsIndex) -> Any:
         """Save as a CPU tensor that torch rebuilds on 'cuda:N' (as it does for XLA and PrivateUse1)."""
         if isinstance(self, torch.nn.Parameter):
             from collections import OrderedDict
@@ -225,6 +229,20 @@ def make(session: Any, handle: int, shape: Any, stride: Any, offset: int, dtype:
     return wrap(session, handle, layout(shape, stride, offset, dtype), sid)
 
 
-def refresh_key(t: RemoteTensor) -> None:
-    """After an in-place metadata change (t_, resize_, set_...)."""
+def refresh_key(t: RemoteTensor, storage_of: RemoteTensor | None = None) -> None:
+    """After an in-place metadata change (t_, resize_, set_...); ``storage_of``: the tensor whose
+    storage ``t`` now uses (``set_``)."""
     t.__dict__["_k"] = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    if storage_of is not None:
+        t.__dict__["_sid"] = storage_of._sid
+
+
+#: what ties a wrapper to its gateway tensor
+_HANDLE_FIELDS = ("_h", "_w", "_s", "_dev", "_sid", "_k", "_owner")
+
+
+def follow(t: RemoteTensor, new: RemoteTensor) -> None:
+    """Make ``t`` stand for ``new``'s gateway tensor (``p.data = new``; the C++ metadata is set by
+    the caller)."""
+    for k in _HANDLE_FIELDS:
+        t.__dict__[k] = new.__dict__[k]

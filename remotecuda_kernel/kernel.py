@@ -21,8 +21,9 @@ class RemoteCUDAKernel(IPythonKernel):
         # Marked loaded, so %load_ext/%unload_ext/%reload_ext see it; the extension also closes
         # the gateway sessions on shutdown and restart
         from remotecuda.ipython import load_ipython_extension
-        load_ipython_extension(self.shell, defer_activation=True)
-        self.shell.extension_manager.loaded.add("remotecuda")
+        shell: Any = self.shell
+        load_ipython_extension(shell, defer_activation=True)
+        shell.extension_manager.loaded.add("remotecuda")
 
     @property
     def banner(self) -> str:  # type: ignore[override]

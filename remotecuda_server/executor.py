@@ -13,7 +13,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -340,7 +340,8 @@ class Executor:
         k = 0
         if self.pending:
             self._resolve_arrived()
-        result, out_payloads = None, []
+        result: Any = None
+        out_payloads: list = []
         self._out_payloads = out_payloads
         for i, op in enumerate(ops):
             while frees[k][0] <= i:
@@ -547,7 +548,7 @@ class Executor:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self.handles.reset_peak()
+            cast(CountedHandles, self.handles).reset_peak()
 
     @internal_op("empty_cache", "[]")
     def _empty_cache(self, args: list) -> None:
@@ -572,8 +573,8 @@ class Executor:
 
     @internal_op("sdp_choice", "[q, k, v, mask or nil, dropout_p, is_causal, scale, enable_gqa, grad]")
     def _sdp_choice(self, args: list) -> int:
-        return _sdp_choice(*[None if h is None else self._arg(Handle(h)).detach() for h in args[:4]],
-                           *args[4:])
+        tensors: list[Any] = [None if h is None else self._arg(Handle(h)).detach() for h in args[:4]]
+        return _sdp_choice(*tensors, *args[4:])
 
     @internal_op("set_flags", "[{flag: value}]")
     def _set_flags(self, args: list) -> None:
@@ -684,6 +685,7 @@ class Executor:
         """Enter an upload's bytes under its key; False if its verified digests do not give that key."""
         if content_key(up.digests) != key:
             return False
+        assert self.cache is not None  # (keys are sent only to a session granted a cache)
         self.cache.put(key, up.parts, sum(p.nbytes for p in up.parts))
         return True
 
@@ -692,7 +694,7 @@ class Executor:
         """Bytes held by the session's tensors (read by the I/O thread's stats report too)."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        return self.handles.allocated
+        return cast(CountedHandles, self.handles).allocated
 
     def memory_stats(self) -> dict:
         if self.device.type == "cuda":
@@ -701,14 +703,15 @@ class Executor:
                     "reserved": torch.cuda.memory_reserved(self.device),
                     "peak": torch.cuda.max_memory_allocated(self.device),
                     "free": free, "total": total}
-        alloc = self.handles.recount()
+        counted = cast(CountedHandles, self.handles)
+        alloc = counted.recount()
         if self.account is not None:
             free, total = self.account.free(), self.account.size
         else:
             import psutil
             vm = psutil.virtual_memory()
             free, total = vm.available, vm.total
-        return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": self.handles.peak,
+        return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": counted.peak,
                 "free": free, "total": total}
 
 

@@ -46,8 +46,9 @@ class OpResolver:
             raise UnknownOpError(f"op namespace {ns!r} is not allowed on this gateway (op {name})")
         if op_name in _DENIED or op_name.startswith("__") and not op_name.endswith("__"):
             raise UnknownOpError(f"op {name} is not allowed on this gateway")
-        if ALLOWED_NAMESPACES[ns] is not None:
-            importlib.import_module(ALLOWED_NAMESPACES[ns])
+        module = ALLOWED_NAMESPACES[ns]
+        if module is not None:
+            importlib.import_module(module)
         packet = getattr(getattr(torch.ops, ns), op_name, None) if op_name.isidentifier() else None
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             raise UnknownOpError(
