@@ -54,7 +54,7 @@ def reports(gateways: int, seed: int = 0) -> list[tuple[str, str, list[dict], fl
             total = mem * GiB
             gpus.append({"index": i, "name": name, "kind": "cuda", "simulated": rnd.random() < 0.1,
                          "capability": list(cap), "bf16": bf16, "total_memory": total,
-                         "free_memory": int(total * rnd.random()), "utilization": rnd.randint(0, 100),
+                         "free_memory": int(total * rnd.random()), "utilization": round(rnd.random(), 2),
                          "queued": rnd.choice([0, 0, 0, rnd.randint(1, 2000)]), "sessions": rnd.randint(0, 4),
                          "latency_ms": round(rnd.uniform(0.02, 2.0), 3)})
         rtt = None if rnd.random() < 0.1 else round(rnd.uniform(0.1, 5.0), 3)

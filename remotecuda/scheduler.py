@@ -93,7 +93,7 @@ class GpuState:
     bf16: bool = True
     total_memory: int = 0
     free_memory: int = 0
-    utilization: float = 0.0  # percent, as nvidia-smi reports it
+    utilization: float = 0.0  # the fraction of recent time the GPU was busy, 0–1 (as gateways report it)
     queued: int = 0  # ops queued on the GPU's sessions, not yet run
     sessions: int = 0
     latency_ms: float = 0.0  # the gateway's recent time per op on this GPU
@@ -128,7 +128,7 @@ class GpuState:
         """Sessions here, counting this client's recent placements, plus queued work and
         utilization in sessions' worth (``QUEUE_MS_PER_SESSION``)."""
         return (self.sessions + self.placed + self.queued * self.latency_ms / QUEUE_MS_PER_SESSION
-                + self.utilization / 100.0)
+                + self.utilization)
 
     @property
     def host(self) -> str:
@@ -402,7 +402,7 @@ def _load_balancing(cands: list[GpuState], pool: Sequence[GpuState], profile: Se
         g = tied[0]
     placed = g.placed + extra.get(g.key, 0)
     return g, (f"{g.label()} has {g.sessions} session(s)" + (f" (+{placed} just placed)" if placed else "")
-               + f", {g.queued} op(s) queued, {g.utilization:.0f}% busy")
+               + f", {g.queued} op(s) queued, {g.utilization:.0%} busy")
 
 
 def _memory_aware(cands: list[GpuState], pool: Sequence[GpuState], profile: SessionProfile,

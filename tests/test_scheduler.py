@@ -89,7 +89,7 @@ def test_load_balancing_spreads_six_sessions_over_three_gateways(gpus_per_gatewa
 
 def test_load_balancing_weighs_sessions_queue_and_utilization():
     pool = [gpu("a", sessions=2), gpu("b", sessions=1, queued=5000, latency_ms=1.0),
-            gpu("c", sessions=1, utilization=90.0), gpu("d", sessions=1, placed=1)]
+            gpu("c", sessions=1, utilization=0.9), gpu("d", sessions=1, placed=1)]
     p = place(pool, None, "load-balancing")
     assert p.gpus[0].gateway_id == "c"
     assert p.reason == "load-balancing: gw c GPU 0 (A100) has 1 session(s), 0 op(s) queued, 90% busy"
@@ -265,7 +265,7 @@ def test_parse_devices_errors(text, message):
 def test_from_report():
     g = GpuState.from_report("id1", "tcp://10.0.0.2:55555", {
         "index": 1, "name": "A100", "kind": "cpu", "simulated": True, "capability": [8, 0], "bf16": True,
-        "total_memory": 80 * GiB, "free_memory": 70 * GiB, "utilization": 12, "queued": 3, "sessions": 2,
+        "total_memory": 80 * GiB, "free_memory": 70 * GiB, "utilization": 0.12, "queued": 3, "sessions": 2,
         "latency_ms": 0.5}, rtt_ms=0.4, placed=1)
     assert g.capability == (8, 0) and g.free_memory == 70 * GiB and g.queue_ms == 1.5 and g.placed == 1
     assert g.label() == "gw 10.0.0.2 GPU 1 (A100 simulated)" and g.is_gpu
