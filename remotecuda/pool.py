@@ -194,7 +194,7 @@ class Pool:
         self._stop.set()
         self._pending.set()  # wake the flusher, which then ends
         if self._flusher is not threading.current_thread():
-            self._flusher.join(timeout=5)
+            self._flusher.join(timeout=1.0)  # (a send to a gone gateway may hold it; it ends after)
         for s in list(self.sessions.values()):
             try:
                 s.close()
