@@ -582,9 +582,9 @@ def spy_encode(buf, codec=None, digest=None):
     sent.append(desc[1])
     return desc, frame
 
-def spy_decode(desc, frame, *args):
+def spy_decode(desc, frame, *args, **kwargs):
     received.append(desc[1])
-    return decode(desc, frame, *args)
+    return decode(desc, frame, *args, **kwargs)
 
 protocol.encode_payload, protocol.decode_payload = spy_encode, spy_decode
 rt = remotecuda.activate(sys.argv[1], fallback="error")
