@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import re
 import selectors
 import socket
 import statistics
@@ -34,6 +33,9 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from results_md import put_section  # noqa: E402
+
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
@@ -263,14 +265,7 @@ beacon (plus at most one {SWEEP} s sweep), a leaving one at once. An 8-GPU beaco
 
 def write(r: dict) -> None:
     """Put this part's section into benchmarks/RESULTS.md (replacing an earlier one of its own)."""
-    path = os.path.join(HERE, "RESULTS.md")
-    with open(path) as f:
-        text = f.read()
-    section = f"{SECTION}\n\n{markdown(r)}"
-    m = re.search(rf"^{re.escape(SECTION)}\n.*?(?=^# |\Z)", text, flags=re.S | re.M)
-    text = text[:m.start()] + section + "\n" + text[m.end():] if m else text.rstrip("\n") + "\n\n" + section
-    with open(path, "w") as f:
-        f.write(text)
+    put_section(SECTION, markdown(r))
 
 
 def main() -> None:

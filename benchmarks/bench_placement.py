@@ -19,13 +19,15 @@ import json
 import os
 import platform
 import random
-import re
 import statistics
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from results_md import put_section  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(HERE))
 from remotecuda.scheduler import STRATEGIES, GpuState, SessionProfile, place  # noqa: E402
 from remotecuda_wire import beacon  # noqa: E402
@@ -175,14 +177,7 @@ group.
 
 def write(r: dict) -> None:
     """Put this part's section into benchmarks/RESULTS.md (replacing an earlier one of its own)."""
-    path = os.path.join(HERE, "RESULTS.md")
-    with open(path) as f:
-        text = f.read()
-    section = f"{SECTION}\n\n{markdown(r)}"
-    m = re.search(rf"^{re.escape(SECTION)}\n.*?(?=^# |\Z)", text, flags=re.S | re.M)
-    text = text[:m.start()] + section + "\n" + text[m.end():] if m else text.rstrip("\n") + "\n\n" + section
-    with open(path, "w") as f:
-        f.write(text)
+    put_section(SECTION, markdown(r))
 
 
 def main() -> None:
