@@ -14,7 +14,7 @@ from typing import Any
 
 from remotecuda_wire._version import __version__ as __version__  # the one definition (pyproject.toml reads it)
 
-from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError
+from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError, TransferError
 
 
 def __getattr__(name: str) -> Any:
@@ -38,7 +38,8 @@ def fetch(tensors: Any) -> list:
 
 __all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "prefetch", "fetch",
            "gateway_status",
-           "RemoteCUDAError", "GatewayUnavailableError", "GatewayLostError", "GatewayProtocolError"]
+           "RemoteCUDAError", "GatewayUnavailableError", "GatewayLostError", "GatewayProtocolError",
+           "TransferError"]
 
 
 def activate(servers: str | list[str] | None = None, *, fallback: str | None = None,

@@ -30,7 +30,7 @@ from torch._C import _DisableTorchDispatch
 from remotecuda_wire.protocol import DTYPE_EXT
 
 from . import dispatch_cache as dc
-from . import downloads
+from . import downloads, transfer
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import RemoteCUDAError
 from .generator import wire_ref
@@ -485,6 +485,19 @@ class Dispatcher:
             return dev.index
         return self.local.target
 
+    def between(self, src: RemoteTensor, index: int, kwargs: dict) -> torch.Tensor:
+        """``src`` copied to virtual device ``index`` (``_to_copy`` semantics): worker to worker
+        (transfer.py), else through the client."""
+        dst = self.session_of(index)
+        out = transfer.move(src, dst)
+        if out is None:
+            return self.upload(self.download(src), dst, kwargs)
+        dtype, mf = kwargs.get("dtype"), kwargs.get("memory_format")
+        if (dtype is not None and dtype != out.dtype) or mf not in (None, torch.preserve_format):
+            kw = {k: v for k, v in (("dtype", dtype), ("memory_format", mf)) if v is not None}
+            out = self.run(self.op_meta(aten._to_copy.default), (out,), kw)
+        return out
+
     def download(self, t: RemoteTensor) -> torch.Tensor:
         fetched = downloads.take(t)  # fetched ahead with others (torch.save, Module.cpu...)
         return fetched if fetched is not None else t._s.request("rc::fetch", [t._h])
@@ -592,10 +605,8 @@ def _to_copy(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
             cpu = torch.empty_strided(shape, stride, dtype=cpu.dtype).copy_(cpu)
         rest = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format") and v is not None}
         return cpu.to(**rest) if rest else cpu
-    if dev.type == "cuda":  # another virtual device: through the client
-        cpu = d.download(src)
-        kw = {k: v for k, v in kwargs.items() if k != "device"}
-        return d.upload(cpu, d.session_of(dev.index), kw)
+    if dev.type == "cuda":  # another virtual device
+        return d.between(src, dev.index, {k: v for k, v in kwargs.items() if k != "device"})
     raise RuntimeError(f"remotecuda: cannot copy a cuda tensor to device {dev}")
 
 
@@ -649,7 +660,7 @@ def _copy_(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
         src = d.upload(src.to(dst.dtype) if src.dtype != dst.dtype else src, dst._s,
                        {"non_blocking": non_blocking})
     elif src._s is not dst._s:
-        src = d.upload(d.download(src), dst._s)
+        src = d.between(src, dst._dev, {})
     return d.run(m, (dst, src), {})
 
 

@@ -24,12 +24,17 @@ class GatewayProtocolError(RemoteCUDAError):
     """The gateway rejected a message as malformed."""
 
 
+class TransferError(RemoteCUDAError):
+    """A copy between two virtual devices failed on its way from one gateway worker to the other
+    (the source's gateway stopped answering, or refused the copy's token)."""
+
+
 _TYPES: dict[str, type[BaseException]] = {
     "RuntimeError": RuntimeError, "IndexError": IndexError, "ValueError": ValueError,
     "TypeError": TypeError, "NotImplementedError": NotImplementedError,
     "UnknownOpError": NotImplementedError, "ZeroDivisionError": ZeroDivisionError,
     "OverflowError": OverflowError, "KeyError": KeyError, "AssertionError": AssertionError,
-    "ProtocolError": GatewayProtocolError, "AcceleratorError": RuntimeError,
+    "ProtocolError": GatewayProtocolError, "AcceleratorError": RuntimeError, "TransferError": TransferError,
 }  # (and torch.OutOfMemoryError: this module does not import torch, so a kernel starts without it)
 #: what the gateway says of a tensor whose op an interrupt cancelled (remotecuda_server/executor.py)
 _CANCELLED = "cancelled by an interrupt"

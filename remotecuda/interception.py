@@ -33,7 +33,18 @@ from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _device as device_context
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from . import accelerator_api, autocast, cuda_api, downloads, flags, rnn, runtime, serialization
+from . import (
+    accelerator_api,
+    autocast,
+    cuda_api,
+    data_parallel,
+    downloads,
+    flags,
+    rnn,
+    runtime,
+    serialization,
+    transfer,
+)
 from .dispatch import Dispatcher, meta_stand_in
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
@@ -145,7 +156,7 @@ def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
                 return self
             return _TO(self, dtype=dtype or self.dtype, non_blocking=non_blocking, copy=copy,
                                    memory_format=memory_format or torch.preserve_format)
-        return func(self, device, dtype=dtype or self.dtype, non_blocking=non_blocking, copy=copy)
+        return transfer.to_device(self, index, dtype, memory_format)
     return to_cuda(self, index, dtype, non_blocking, memory_format)
 
 
@@ -490,11 +501,6 @@ def _group_by_device(original: Callable) -> Callable:
     return grouped
 
 
-def _data_parallel_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
-    """All virtual devices of a session run in order anyway: DataParallel runs the module once."""
-    return self.module(*inputs, **kwargs)
-
-
 def _first_only(fn: Callable, first: torch.Tensor, applied: torch.Tensor) -> Callable:
     """``fn``, answering ``applied`` (already computed) for ``first`` the first time."""
     done: list[bool] = []
@@ -595,7 +601,7 @@ def install(rt: Runtime) -> Interception:
     for mod in (foreach_utils, clip_grad, optimizer):
         p.set(mod, "_group_tensors_by_device_and_dtype", grouped)
     p.set(optimizer.Optimizer, "_group_tensors_by_device_and_dtype", staticmethod(grouped))
-    p.set(torch.nn.DataParallel, "forward", _data_parallel_forward)
+    data_parallel.install(p)
     serialization.install(p)
     downloads.install(p)
     foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)

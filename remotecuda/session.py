@@ -66,6 +66,8 @@ class Session:
         self.codecs = protocol.common_codecs(self.info.get("codecs"), self.offered)
         self.direct_failure: str | None = None
         self.bulk_failure: str | None = None
+        #: the worker's data port, when this client reaches it: where another worker pulls copies from
+        self.data_endpoint: str | None = None
         self.sock, self.bulk = self._open_connections(ctx)  # the op stream's, and large transfers'
         self._poller = zmq.Poller()
         for sock in {self.sock, self.front, self.bulk}:
@@ -141,6 +143,7 @@ class Session:
                 greetings.append((connect(ctx, endpoint, routing_id=os.urandom(16)), {"token": token, "bulk": True}))
             answers = greet(greetings, DIRECT_TIMEOUT, endpoint)
             if isinstance(answers[0], dict):
+                self.data_endpoint = endpoint
                 bulk = self._bulk_or_none(greetings[-1][0], answers[-1]) if token is not None else None
                 return greetings[0][0], bulk or greetings[0][0]
             self.direct_failure = str(answers[0])  # why this session took the forwarded path

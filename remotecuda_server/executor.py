@@ -23,7 +23,7 @@ from remotecuda_wire.cache import ContentCache, content_key
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import GeneratorRef, Handle, ProtocolError
 
-from . import rnn
+from . import peer, rnn
 from .memory_account import MemoryAccount
 from .ops import OpResolver, UnknownOpError
 
@@ -256,6 +256,9 @@ class Executor:
         self.account = account  # a simulated GPU's memory, shared with the other sessions on it
         self.cache = upload_cache
         self.parts = PartedUploads(device, copy_stream)
+        self.offers = peer.Offers()  # tensors other workers pull from this session (rc::offer)
+        self.receipts = peer.Receipts(lambda n: Assembly(n, device), copy_stream)  # ... and ours (rc::receive)
+        self.offered: Callable[[], None] = lambda: None  # wakes the worker's I/O thread to serve PULLs
         self.pending: dict[int, tuple] = {}  # handle → (last PART, dtype, shape, key): bytes on the way
         self.dropped: set[int] = set()  # pending handles released before they landed
         self._cancelled: Callable[[], bool] = lambda: False  # the running message's: whether an interrupt dropped it
@@ -271,7 +274,8 @@ class Executor:
         self.out_parts: list[tuple[int, int, list]] = []  # the running message's downloads in parts
         self.codecs: tuple[str, ...] = ()  # what the client decodes, set when the session is attached
         self.stats = dict.fromkeys(("ops", "messages", "uploads", "downloads", "cache_hits",
-                                    "cache_misses", "cache_bytes_saved", "errors"), 0)
+                                    "cache_misses", "cache_bytes_saved", "errors",
+                                    "transfer_bytes_in", "transfer_bytes_out"), 0)
 
     # ------------------------------------------------------------------ arguments
     def _arg(self, a: Any) -> Any:
@@ -356,7 +360,7 @@ class Executor:
                        if self.failed else "remotecuda: this tensor was never computed: its op was "
                                            "cancelled by an interrupt")
                 self._poison(outs, why)
-                self._skipped(name, args)
+                self._skipped(name, args, why)
                 continue
             try:
                 r = self._execute(name, args or [], kwargs or {}, outs)
@@ -592,6 +596,32 @@ class Executor:
     def _rnn_backward(self, args: list) -> Any:
         return rnn.backward(*[self._arg(a) for a in args])
 
+    @internal_op("offer", "[handle, token]")
+    def _offer(self, args: list) -> None:
+        """Offer a copy of a tensor, as it is now, to the one worker that pulls it with ``token``."""
+        h, token = args
+        if not (isinstance(token, bytes) and len(token) == peer.TOKEN_BYTES):
+            raise ProtocolError("malformed rc::offer: expected [handle, 16-byte token]")
+        try:
+            t = self._arg(Handle(h)).detach()
+            host = torch.empty(t.shape, dtype=t.dtype).copy_(t)  # ops after this one may change t
+        except Exception as e:
+            self.offers.fail(token, f"its source tensor could not be read: {e}")
+            self.offered()
+            raise
+        self.offers.offer(token, host)
+        self.offered()
+
+    @internal_op("receive", "[handle, token, peer, dtype, shape]")
+    def _receive(self, args: list) -> None:
+        """The tensor ``rc::offer`` offered under ``token`` on the worker at ``peer``, pulled by the
+        I/O thread when this op arrived: ``handle`` (contiguous) on this device."""
+        h, token, _, dtype, shape = args
+        t = self.receipts.take(token, dtype, shape, self._cancelled, self.device)
+        self.handles[h] = t
+        self.invalid.pop(h, None)
+        self.stats["transfer_bytes_in"] += t.nbytes
+
     def _fetch(self, h: int, index: int) -> dict:
         """Tensor h's bytes for the client: a reply payload, or over DOWNLOAD_PARTS_ABOVE parts
         that the worker sends as PART messages (tagged with ``index``, the tensor's place in its
@@ -609,10 +639,16 @@ class Executor:
         self._out_payloads.append(protocol.encode_payload(buf, codec))
         return {"pl": len(self._out_payloads) - 1, "shape": list(cpu.shape), "dtype": cpu.dtype}
 
-    def _skipped(self, name: str, args: list) -> None:
+    def _skipped(self, name: str, args: list, why: str) -> None:
         """A skipped upload still keeps the content cache in step with the client's mirror, and
-        its parts, on their way, are still taken in (and let go), as are an abandoned one's."""
-        if name == "rc::upload_abandon" and isinstance(args, list) and len(args) == 2:
+        its parts, on their way, are still taken in (and let go), as are an abandoned one's. A
+        skipped copy tells its puller why, or lets its bytes go."""
+        if name == "rc::offer" and isinstance(args, list) and len(args) == 2:
+            self.offers.fail(args[1], f"the source session skipped it ({why})")
+            self.offered()
+        elif name == "rc::receive" and isinstance(args, list) and len(args) == 5:
+            self.receipts.drop(args[1])
+        elif name == "rc::upload_abandon" and isinstance(args, list) and len(args) == 2:
             try:
                 self.parts.abandon(*args)
             except ProtocolError:

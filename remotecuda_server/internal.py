@@ -30,3 +30,5 @@ CLOSE = b"CLOSE"
 # inside a worker: executor thread → I/O thread (over the worker's inproc outbox)
 DONE = b"DONE"
 """The executor thread has finished; nothing follows: the I/O thread answers CLOSED."""
+OFFERED = b"OFFERED"
+"""The executor ran an ``rc::offer``; nothing follows: the I/O thread serves the PULLs waiting for it."""

@@ -35,7 +35,7 @@ from remotecuda_wire.cache import ContentCache
 from remotecuda_wire.lifetime import die_with_parent
 from remotecuda_wire.protocol import ProtocolError
 
-from . import internal
+from . import internal, peer
 from .executor import Assembly, Executor, Upload
 from .memory_account import MemoryAccount
 
@@ -102,6 +102,9 @@ class Worker:
         self.direct_counts = {"direct_messages_in": 0, "direct_bytes_in": 0, "direct_bytes_out": 0}
         self.outbox = self.ctx.socket(zmq.PULL)
         self.outbox.bind(f"inproc://out-{id(self)}")
+        self.poller = zmq.Poller()
+        self.max_frame = max_frame
+        self.peers: dict[str, zmq.Socket] = {}  # source workers this session pulls copies from, by endpoint
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.client: bytes | None = None
         self.cancel_upto = -1  # messages with seq <= this are dropped
@@ -115,7 +118,7 @@ class Worker:
         self.sock.send_multipart([internal.READY, str(self.data_port).encode()])
         exec_thread = threading.Thread(target=self._execute_loop, daemon=True)
         exec_thread.start()
-        poller = zmq.Poller()
+        poller = self.poller
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.outbox, zmq.POLLIN)
         if self.data is not None:
@@ -130,10 +133,17 @@ class Worker:
                         frames = self.outbox.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    if frames[0].bytes == internal.DONE:
+                    kind = frames[0].bytes
+                    if kind == internal.DONE:
                         self.sock.send_multipart([internal.CLOSED])
                         return
-                    self._to_client(frames)
+                    if kind != internal.OFFERED:
+                        self._to_client(frames)
+            if self.executor.offers.has_waiting():
+                self._serve_pulls()
+            for endpoint, sock in self.peers.items():
+                if sock in events:
+                    self._on_peer(endpoint, sock)
             if self.data in events:
                 for _ in range(64):
                     try:
@@ -159,6 +169,7 @@ class Worker:
                 elif kind == internal.CLOSE:
                     self.closing = True
                     self.executor.parts.close()
+                    self.executor.receipts.close()
                     self.inbox.put(None)
 
     def _to_client(self, frames: list) -> None:
@@ -172,7 +183,15 @@ class Worker:
             pass
 
     def _on_direct(self, frames: list) -> None:
-        """A message on the data port: the session's own client after its HELLO, else refused."""
+        """A message on the data port: the session's own client after its HELLO, another
+        gateway worker's PULL of a copy, else refused."""
+        if len(frames) > 1 and frames[0].bytes not in (self.direct_client, self.bulk_client):
+            try:
+                if protocol.decode_header(frames[1])[0] == protocol.PULL:
+                    self._on_pull(frames[0].bytes, frames[1:])
+                    return
+            except ProtocolError:
+                pass  # answered below
         if self.client is None:  # a HELLO may overtake the supervisor's ATTACH: keep it for then
             if len(self.early) < 8:  # (a spare's port has no business with anyone else)
                 self.early.append(frames)
@@ -213,6 +232,72 @@ class Worker:
             self._reply_direct(ident, protocol.ERROR, {
                 "msg": f"unexpected message type {protocol.TYPE_NAMES[msg_type]} in a session",
                 "kind": "protocol"})
+
+    # ------------------------------------------------------------------ copies between workers
+    def _on_pull(self, ident: bytes, frames: list) -> None:
+        """Another worker pulls a tensor this session offers (peer.py): served when offered."""
+        try:
+            p = peer.parse_pull(ident, protocol.decode(frames).body, time.monotonic())
+        except ProtocolError as e:
+            self._reply_direct(ident, protocol.ERROR, {"msg": str(e), "kind": "protocol"})
+            return
+        why = self.executor.offers.pull(p)
+        if why is not None:
+            self._send_peer(ident, peer.refusal(p, why))
+        self._serve_pulls()
+
+    def _serve_pulls(self) -> None:
+        serve, refuse, alive = self.executor.offers.due(time.monotonic())
+        for p, host in serve:
+            for frames in peer.answer(p, host):
+                self._send_peer(p.ident, frames)
+            self.executor.stats["transfer_bytes_out"] += host.nbytes
+        for p, why in refuse:
+            self._send_peer(p.ident, peer.refusal(p, why))
+        for p in alive:
+            self._send_peer(p.ident, peer.keepalive(p))
+
+    def _send_peer(self, ident: bytes, frames: list) -> None:
+        try:
+            self.data.send_multipart([ident, *frames], copy=False)
+        except zmq.ZMQError:  # the puller is gone; its copy fails there
+            pass
+
+    def _start_pull(self, args: Any) -> None:
+        """An ``rc::receive`` arrived: ask its source for the bytes now, so that they cross while
+        the executor runs the ops before it."""
+        started = self.executor.receipts.start(args)
+        if started is None:
+            return
+        r, token = started
+        sock = self.peers.get(r.peer)
+        if sock is None:
+            sock = self.peers[r.peer] = self.ctx.socket(zmq.DEALER)
+            for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
+                           (zmq.MAXMSGSIZE, self.max_frame + 64)):
+                sock.setsockopt(opt, v)
+            sock.connect(r.peer)
+            self.poller.register(sock, zmq.POLLIN)
+        sock.send_multipart(protocol.encode(protocol.PULL, {"token": token, "rid": r.rid,
+                                                            "codecs": list(protocol.CODECS)}))
+
+    def _on_peer(self, endpoint: str, sock: zmq.Socket) -> None:
+        """Messages from a source worker: the parts of our copies, their REPLYs, keep-alives."""
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = protocol.decode(frames)
+            except ProtocolError as e:
+                self.executor.receipts.fail_peer(endpoint, f"a damaged message from the source: {e}")
+                continue
+            if msg.type == protocol.ERROR:
+                self.executor.receipts.fail_peer(endpoint, f"the source refused: {msg.body.get('msg')}")
+                continue
+            with self._on_copy_stream():
+                self.executor.receipts.on_message(msg)
 
     def _reply_direct(self, ident: bytes, msg_type: int, body: dict) -> None:
         frames = protocol.encode(msg_type, body)
@@ -293,6 +378,8 @@ class Worker:
     def _prepare(self, msg: protocol.Message) -> dict:
         """Check and decompress payloads, and copy uploads to the device, while earlier ops run;
         return the prepared uploads (handle → ``Upload``, or the error the executor raises in order).
+        Copies from other workers start here too: ``rc::receive`` sends its PULL, ``rc::offer``
+        tells PULLs that come before the executor reaches it to wait (peer.py).
 
         Each payload's digest is checked once, here; the executor finds the verified
         digests (and so the content key) in the ``Upload`` it gets."""
@@ -303,8 +390,13 @@ class Worker:
             return prepared
         ops = msg.body.get("ops")
         for op in ops if isinstance(ops, list) else ():  # the executor reports a malformed list
-            if not (isinstance(op, list) and len(op) == 4 and op[0] == "rc::upload"
-                    and isinstance(op[1], list) and len(op[1]) >= 2 and op[1][1] is not None):
+            if not (isinstance(op, list) and len(op) == 4 and isinstance(op[1], list) and len(op[1]) >= 2):
+                continue
+            if op[0] == "rc::receive":
+                self._start_pull(op[1])
+            elif op[0] == "rc::offer":
+                self.executor.offers.announce(op[1][1])
+            if op[0] != "rc::upload" or op[1][1] is None:
                 continue  # (an upload in parts is taken by the executor from executor.parts)
             try:
                 with self._on_copy_stream():
@@ -335,6 +427,7 @@ class Worker:
         autograd layers of the dispatcher cuts the gateway's cost per op by ~20%."""
         out = self.ctx.socket(zmq.PUSH)
         out.connect(f"inproc://out-{id(self)}")
+        self.executor.offered = lambda: out.send(internal.OFFERED)  # wakes the I/O thread to serve PULLs
         try:
             with torch.inference_mode():
                 self._serve_inbox(out)

@@ -40,12 +40,13 @@ except ImportError:  # lz4 is optional: zstd alone then
     lz4 = None
 
 MAGIC = b"RCDA"
-VERSION = 3
+VERSION = 4
 
 # message types
-HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL, STATUS, PART = range(1, 12)
+HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL, STATUS, PART, PULL = range(1, 13)
 TYPE_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", OPS: "OPS", REPLY: "REPLY", ERROR: "ERROR",
-              PING: "PING", PONG: "PONG", BYE: "BYE", CANCEL: "CANCEL", STATUS: "STATUS", PART: "PART"}
+              PING: "PING", PONG: "PONG", BYE: "BYE", CANCEL: "CANCEL", STATUS: "STATUS", PART: "PART",
+              PULL: "PULL"}
 
 _HEADER = struct.Struct("<4sBBHQIIQ")
 HEADER_SIZE = _HEADER.size + 4
