@@ -147,8 +147,9 @@ class Offers:
             self.waiting = still
         return serve, refuse, alive
 
-    def has_waiting(self) -> bool:
-        return bool(self.waiting)
+    def busy(self) -> bool:
+        """Whether ``due`` has anything to do: PULLs waiting, or offers to serve or drop in time."""
+        return bool(self.waiting or self.ready or self.failed)
 
 
 def parse_pull(ident: bytes, body: dict, now: float) -> Pull:

@@ -139,7 +139,7 @@ class Worker:
                         return
                     if kind != internal.OFFERED:
                         self._to_client(frames)
-            if self.executor.offers.has_waiting():
+            if self.executor.offers.busy():
                 self._serve_pulls()
             for endpoint, sock in self.peers.items():
                 if sock in events:
@@ -185,18 +185,15 @@ class Worker:
     def _on_direct(self, frames: list) -> None:
         """A message on the data port: the session's own client after its HELLO, another
         gateway worker's PULL of a copy, else refused."""
-        if len(frames) > 1 and frames[0].bytes not in (self.direct_client, self.bulk_client):
-            try:
-                if protocol.decode_header(frames[1])[0] == protocol.PULL:
-                    self._on_pull(frames[0].bytes, frames[1:])
-                    return
-            except ProtocolError:
-                pass  # answered below
+        ident = frames[0].bytes
+        if ident not in (self.direct_client, self.bulk_client) and self._is_pull(frames):
+            self._on_pull(ident, frames[1:])
+            return
         if self.client is None:  # a HELLO may overtake the supervisor's ATTACH: keep it for then
             if len(self.early) < 8:  # (a spare's port has no business with anyone else)
                 self.early.append(frames)
             return
-        ident, frames = frames[0].bytes, frames[1:]
+        frames = frames[1:]
         self.direct_counts["direct_messages_in"] += 1
         self.direct_counts["direct_bytes_in"] += sum(len(f) for f in frames)
         try:
@@ -246,7 +243,15 @@ class Worker:
             self._send_peer(ident, peer.refusal(p, why))
         self._serve_pulls()
 
+    @staticmethod
+    def _is_pull(frames: list) -> bool:
+        try:
+            return len(frames) > 1 and protocol.decode_header(frames[1])[0] == protocol.PULL
+        except ProtocolError:
+            return False  # answered as any stranger's message
+
     def _serve_pulls(self) -> None:
+        """Serve, refuse or keep alive the waiting PULLs, as their offers stand now."""
         serve, refuse, alive = self.executor.offers.due(time.monotonic())
         for p, host in serve:
             for frames in peer.answer(p, host):
@@ -272,11 +277,17 @@ class Worker:
         r, token = started
         sock = self.peers.get(r.peer)
         if sock is None:
-            sock = self.peers[r.peer] = self.ctx.socket(zmq.DEALER)
+            sock = self.ctx.socket(zmq.DEALER)
             for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
                            (zmq.MAXMSGSIZE, self.max_frame + 64)):
                 sock.setsockopt(opt, v)
-            sock.connect(r.peer)
+            try:
+                sock.connect(r.peer)
+            except zmq.ZMQError as e:  # (an address that does not resolve): the op fails in its turn
+                sock.close()
+                r.error = f"cannot reach {r.peer}: {e}"
+                return
+            self.peers[r.peer] = sock
             self.poller.register(sock, zmq.POLLIN)
         sock.send_multipart(protocol.encode(protocol.PULL, {"token": token, "rid": r.rid,
                                                             "codecs": list(protocol.CODECS)}))

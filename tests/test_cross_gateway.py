@@ -125,6 +125,24 @@ def test_copy_between_two_workers_of_one_gateway(pool):
     assert wait_for(lambda: _transfer_bytes_in(a) - before >= x.nbytes, timeout=5)
 
 
+def test_copy_through_the_client_where_the_source_port_is_unreachable(pool):
+    """A session whose client does not reach its worker's data port (a tunnel, --no-direct) has no
+    address to give the destination: its copies go through the client, as before."""
+    x = torch.randn(200, 100)
+    xc = x.cuda(0)
+    xc.sum().item()
+    src = xc._s
+    endpoint, src.data_endpoint = src.data_endpoint, None
+    try:
+        remotecuda.stats(reset=True)
+        y = xc.to("cuda:1")
+        assert torch.equal(y.cpu(), x)
+        st = remotecuda.stats()
+        assert st["bytes_up"] > x.nbytes and st["bytes_down"] > 2 * x.nbytes  # down once, up once, down to check
+    finally:
+        src.data_endpoint = endpoint
+
+
 @pytest.mark.skipif("--gpus" not in subprocess.run([sys.executable, "-m", "remotecuda", "start", "--help"],
                                                     capture_output=True, text=True, cwd=ROOT).stdout,
                     reason="simulated GPUs (remotecuda start --gpus N --device cpu) are not there yet")
