@@ -603,8 +603,7 @@ class Executor:
         if not (isinstance(token, bytes) and len(token) == peer.TOKEN_BYTES):
             raise ProtocolError("malformed rc::offer: expected [handle, 16-byte token]")
         try:
-            t = self._arg(Handle(h)).detach()
-            host = torch.empty(t.shape, dtype=t.dtype).copy_(t)  # ops after this one may change t
+            host = _host_copy(self._arg(Handle(h)).detach())  # ops after this one may change the tensor
         except Exception as e:
             self.offers.fail(token, f"its source tensor could not be read: {e}")
             self.offered()
@@ -749,6 +748,19 @@ class Executor:
             free, total = vm.available, vm.total
         return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": counted.peak,
                 "free": free, "total": total}
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in host memory: pinned from a GPU; on the CPU device a byte copy
+    into a recycled block (a fresh block's page faults, and on a busy machine torch's OpenMP
+    hand-off, cost more than the copy itself), as uploads are placed."""
+    if t.device.type != "cpu":
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+    if t.is_contiguous() and t.numel() and not (t.is_conj() or t.is_neg() or t._is_zerotensor()):
+        block = HOST_BLOCKS.take(t.numel() * t.element_size())
+        np.copyto(block, np.frombuffer(protocol.tensor_bytes(t), dtype=np.uint8))
+        return torch.from_numpy(block).view(t.dtype).view(t.shape)
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
 
 def _sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,

@@ -86,6 +86,9 @@ def test_copy_keeps_layout_and_converts(pool):
     dst.copy_(xc)  # copy_ across devices (with a dtype conversion on the destination)
     assert torch.equal(dst.cpu(), x.double())
     assert remotecuda.stats()["bytes_up"] < x.nbytes / 4  # commands only; the checks downloaded results
+    for other in (torch.tensor([[True, False, True]]), torch.arange(7), torch.empty(0, 3),
+                  torch.randn(2, 3, dtype=torch.complex64)):
+        assert torch.equal(other.cuda(0).to("cuda:1").cpu(), other)
 
 
 def test_large_copy_goes_in_parts(pool):
