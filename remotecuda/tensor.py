@@ -62,9 +62,9 @@ def _not_active(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 class RemoteTensor(torch.Tensor):
-    # Set by wrap(), and read by the dispatcher, downloads, rnn and attention: the wrapper's own
-    # fields, underscored to stay out of torch.Tensor's namespace; changed only here (wrap,
-    # refresh_key, follow).
+    # Set by wrap(), and read by the dispatcher, downloads, rnn, attention and transfer: the
+    # wrapper's own fields, underscored to stay out of torch.Tensor's namespace; changed only here
+    # (wrap, refresh_key, follow).
     _h: int  # the gateway handle
     _s: Any  # the Session
     _dev: int  # virtual device index
