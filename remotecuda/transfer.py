@@ -50,7 +50,10 @@ def move(src: RemoteTensor, dst: Any) -> torch.Tensor | None:
 
 def _peer(src: Any, dst: Any) -> str | None:
     """Where the destination's worker pulls from: the source worker's data port as this client
-    reaches it, or None."""
+    reaches it, or None. Both sessions are placed first (a device is placed at its first need)."""
+    for s in (src, dst):
+        with s.lock:
+            s.open("flush")
     peer = src.data_endpoint
     if peer is None or (_loopback(peer) and not _loopback(dst.endpoint)):
         return None
