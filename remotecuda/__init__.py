@@ -1,7 +1,8 @@
 """RemoteCUDA: unchanged PyTorch 'cuda' code, run on GPU gateways over the network.
 
     import remotecuda
-    remotecuda.activate()            # or REMOTECUDA_SERVERS=host:port, `remotecuda run`, %load_ext
+    remotecuda.activate()            # gateways found by multicast, or REMOTECUDA_SERVERS=host:port;
+                                     # also `remotecuda run`, %load_ext remotecuda
     model.cuda(); loss.backward()    # runs on the gateway
     remotecuda.deactivate()          # torch is exactly as before
 """
@@ -37,23 +38,29 @@ def fetch(tensors: Any) -> list:
 
 
 __all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "prefetch", "fetch",
-           "gateway_status",
+           "gateway_status", "set_strategy",
            "RemoteCUDAError", "GatewayUnavailableError", "GatewayLostError", "GatewayProtocolError",
            "TransferError"]
 
 
 def activate(servers: str | list[str] | None = None, *, fallback: str | None = None,
-             sync: bool | None = None) -> Any:
-    """Turn interception on: 'cuda' now means the gateways in ``servers``. Returns the runtime
-    (runtime.py), or the active one when remotecuda is active already.
+             sync: bool | None = None, strategy: str | None = None, devices: str | None = None) -> Any:
+    """Turn interception on: 'cuda' now means the GPU pool. Returns the runtime (runtime.py), or
+    the active one when remotecuda is active already.
 
-    ``servers``: "host:port[,host:port]" or a list; default ``REMOTECUDA_SERVERS``, else
-    127.0.0.1:55555. ``fallback``: "cpu" (default; warn once and run on a local CPU
-    gateway when none answers) or "error" (``REMOTECUDA_FALLBACK``). ``sync``: make every
-    op synchronous for debugging (``REMOTECUDA_SYNC=1``).
+    ``servers``: "host:port[,host:port]" or a list, asked directly (no multicast); default
+    ``REMOTECUDA_SERVERS``, else the gateways that announce themselves on multicast (else one at
+    127.0.0.1:55555). ``devices``: how many devices the program sees and where each may go
+    (``REMOTECUDA_DEVICES`` syntax: "2", "host1:55555/0,any", "any/A100"); default: all the named
+    servers' GPUs in order, or one device from a discovered pool. ``strategy``: how devices are
+    placed (``REMOTECUDA_STRATEGY``; adaptive, load-balancing, memory-aware, latency-optimized).
+    ``fallback``: "cpu" (default; warn once and run on a local CPU gateway when none answers) or
+    "error" (``REMOTECUDA_FALLBACK``). ``sync``: make every op synchronous for debugging
+    (``REMOTECUDA_SYNC=1``). docs/POOL.md says more.
     """
     from . import interception, lazydynamo, runtime
-    from .pool import servers_from_env
+    from .discovery import servers_from_env
+    from .scheduler import check_strategy, devices_from_env, parse_devices, strategy_from_env
     active = runtime.active()
     if active is not None:
         return active
@@ -63,8 +70,26 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
         raise ValueError(f"REMOTECUDA_FALLBACK must be 'cpu' or 'error', not {fallback!r}")
     if sync is None:
         sync = os.environ.get("REMOTECUDA_SYNC", "") not in ("", "0")
+    strategy = strategy_from_env() if strategy is None else check_strategy(strategy)
+    pins = devices_from_env() if devices is None else parse_devices(devices, "devices")
     lazydynamo.install()  # the first op on 'cuda' must not wait ~1 s for torch._dynamo
-    return runtime.start(servers_from_env(servers), interception.install, fallback=fallback, sync=sync)
+    return runtime.start(servers_from_env(servers), interception.install, fallback=fallback, sync=sync,
+                         strategy=strategy, devices=pins)
+
+
+def set_strategy(name: str) -> None:
+    """Place the devices placed from now on by strategy ``name`` (adaptive, load-balancing,
+    memory-aware, latency-optimized; case ignored; ValueError for others). Devices placed
+    already stay where they are. Before ``activate()``: pass ``strategy=`` or set
+    ``REMOTECUDA_STRATEGY``."""
+    from .scheduler import check_strategy
+    strategy = check_strategy(name)
+    rt = _active()
+    if rt is None:
+        from .runtime import NotActiveError
+        raise NotActiveError("remotecuda is not active: activate(strategy=...) or REMOTECUDA_STRATEGY "
+                             "chooses the strategy before activation")
+    rt.pool.strategy = strategy
 
 
 def deactivate() -> None:
@@ -130,11 +155,19 @@ def stats(reset: bool = False) -> dict:
 
 
 def gateway_status(server: str | None = None, timeout: float = 5.0) -> dict:
-    """A gateway's inventory and per-session / total counters (default: the first in use)."""
+    """A gateway's inventory and per-session / total counters (default: that of cuda:0 once placed,
+    else the first named server, else 127.0.0.1:55555)."""
     import zmq
 
-    from .pool import endpoint, servers_from_env
+    from .discovery import servers_from_env
+    from .pool import DEFAULT_SERVER, endpoint
     from .session import gateway_status as ask
     rt = _active()
-    ep = endpoint(server or servers_from_env(None)[0]) if server or rt is None else rt.pool.devices[0].endpoint
+    if server is None and rt is not None:
+        pool = rt.pool
+        known = ([d.endpoint for d in pool.devices if d.placed] or pool.named
+                 or [g.address for g in (pool.discovery.snapshot() if pool.discovery is not None else [])])
+        ep = (known or [endpoint(DEFAULT_SERVER)])[0]
+    else:
+        ep = endpoint(server or (servers_from_env(None) or [DEFAULT_SERVER])[0])
     return ask(zmq.Context.instance(), ep, timeout)

@@ -2,7 +2,8 @@
 
 On a CPU-only build these functions raise "Torch not compiled with CUDA enabled"; while
 remotecuda is active they are replaced by the ones here (and restored on deactivation).
-Device facts come from the gateways' inventories; memory figures, synchronisation and
+Device facts come from the gateways' inventories (asking for them places a device not placed
+yet: ``device_count`` does not, see pool.py); memory figures, synchronisation and
 event timings are requests to the session's worker, measured where the work runs. The
 state torch.cuda keeps (the current device, streams, the seed for devices not used yet)
 is the active runtime's (runtime.py), so it ends with it.
@@ -90,7 +91,7 @@ def set_device(device: Any) -> None:
     i = device_index(device)
     if i >= 0:
         rt = _rt()
-        rt.device(i)  # (an invalid index raises)
+        rt.pool.check(i)  # (an invalid index raises; the device is placed at its first need, not here)
         rt.current_device = i
 
 
@@ -319,7 +320,8 @@ def reset_accumulated_memory_stats(device: Any = None) -> None:
 
 def empty_cache() -> None:
     for s in list(_rt().pool.sessions.values()):
-        s.request("rc::empty_cache", [])
+        if s.connected:  # (a session not placed yet holds no memory)
+            s.request("rc::empty_cache", [])
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:

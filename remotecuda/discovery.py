@@ -164,46 +164,54 @@ class ServerListSource:
             return []
         self._next = time.monotonic() + beacon.INTERVAL
         self.rounds += 1
-        answers = _ask(self.ctx, self.endpoints, ASK_TIMEOUT)
+        answers = ask(self.ctx, self.endpoints, ASK_TIMEOUT)
         now = time.monotonic()
-        return [Heard(GatewayInfo(ep, ep, _as_beacon_info(a), now, self.rounds))
-                for ep, a in zip(self.endpoints, answers) if isinstance(a, dict)]
+        return [Heard(GatewayInfo(ep, ep, _as_beacon_info(a.status), now, self.rounds))
+                for ep, a in zip(self.endpoints, answers) if a is not None]
 
     def close(self) -> None:
         self.ctx.term()
 
 
-def _ask(ctx: Any, endpoints: list[str], timeout: float) -> list[dict | None]:
+class Answer(NamedTuple):
+    status: dict  # the gateway's STATUS: its inventory, its GPUs' figures, its sessions
+    rtt_ms: float  # from sending the question to reading the answer
+
+
+def ask(ctx: Any, endpoints: list[str], timeout: float) -> list[Answer | None]:
     """The one place discovery talks to a gateway: a STATUS to each, all at once; each answer
-    (the gateway's inventory with its GPUs' load, and its sessions), or None where none came."""
+    with its round trip (what latency-optimized placement weighs), or None where none came
+    within ``timeout`` seconds."""
     import zmq
 
     from remotecuda_wire import protocol
 
     from .session import connect
     socks = [connect(ctx, ep) for ep in endpoints]
-    answers: dict[Any, dict] = {}
+    sent: dict[Any, float] = {}
+    answers: dict[Any, Answer] = {}
     try:
-        unsent = list(socks)
         deadline = time.monotonic() + timeout
         while len(answers) < len(socks) and time.monotonic() < deadline:
-            for sock in list(unsent):
+            for sock in socks:
+                if sock in sent:
+                    continue
                 try:  # (IMMEDIATE: a send fails, rather than queueing, until the TCP link is up)
                     sock.send_multipart(protocol.encode(protocol.STATUS, {}), zmq.NOBLOCK)
-                    unsent.remove(sock)
+                    sent[sock] = time.perf_counter()
                 except zmq.Again:
                     pass
-            waiting = [s for s in socks if s not in unsent and s not in answers]
+            waiting = [s for s in sent if s not in answers]
             if not waiting:
-                time.sleep(0.02)
+                time.sleep(0.005)
                 continue
-            for sock in zmq.select(waiting, [], [], 0.05)[0]:
+            for sock in zmq.select(waiting, [], [], 0.02)[0]:
                 try:
                     msg = protocol.decode(sock.recv_multipart())
                 except protocol.ProtocolError:
                     continue
                 if msg.type == protocol.STATUS and isinstance(msg.body, dict):
-                    answers[sock] = msg.body
+                    answers[sock] = Answer(msg.body, (time.perf_counter() - sent[sock]) * 1000)
         return [answers.get(s) for s in socks]
     finally:
         for sock in socks:

@@ -519,13 +519,21 @@ def _module_apply(original: Callable) -> Callable:
     same, now remote, parameters) only when the conversion crosses between here and the gateway,
     as a GPU's ``param.data = ...`` does; every other conversion is exactly torch's own. A live
     autograd graph holding a parameter forbids the swap: that module is then converted as torch
-    does without it (new Parameter objects), not refused."""
+    does without it (new Parameter objects), not refused.
+
+    While the outermost module converts, the pool holds its footprint as a hint: a device placed
+    meanwhile (at the first parameter's upload) is placed knowing the whole model's size and dtypes."""
     def _apply(self: torch.nn.Module, fn: Callable, recurse: bool = True) -> torch.nn.Module:
         if not _active_here() or torch.__future__.get_swap_module_params_on_conversion():
             return original(self, fn, recurse)  # another thread, or the user's own choice of swap
-        if recurse:
+        if not recurse:
+            return convert(self, fn)
+        with runtime.current().pool.hint(lambda: _footprint(self)):
             for module in self.children():
                 module._apply(fn)
+            return convert(self, fn)
+
+    def convert(self: torch.nn.Module, fn: Callable) -> torch.nn.Module:
         first = next((p for p in self._parameters.values() if p is not None), None)
         if first is None:
             return original(self, fn, False)
@@ -544,6 +552,12 @@ def _module_apply(original: Callable) -> Callable:
             torch.__future__.set_swap_module_params_on_conversion(False)
         return original(self, fn, False)  # parameters swapped already convert to themselves
     return _apply
+
+
+def _footprint(module: torch.nn.Module) -> tuple[int, set[str]]:
+    """The bytes and dtypes of a module's local parameters and buffers (those a move to 'cuda' uploads)."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, RemoteTensor)]
+    return sum(t.nelement() * t.element_size() for t in tensors), {str(t.dtype) for t in tensors}
 
 
 def _cudnn_is_acceptable(tensor: torch.Tensor) -> bool:

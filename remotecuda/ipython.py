@@ -15,9 +15,10 @@ for every cell:
 ``%unload_ext remotecuda`` deactivates: torch is exactly as before.
 
 Configuration (``c.RemoteCUDA.<trait>`` in ipython/ipython_kernel config), each
-overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS),
-``strategy`` (REMOTECUDA_STRATEGY; not used yet), ``cache_bytes`` (REMOTECUDA_CACHE_BYTES),
-``fallback`` (REMOTECUDA_FALLBACK, ``cpu``|``error``), ``sync`` (REMOTECUDA_SYNC).
+overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS; empty: discovery),
+``devices`` (REMOTECUDA_DEVICES), ``strategy`` (REMOTECUDA_STRATEGY), ``cache_bytes``
+(REMOTECUDA_CACHE_BYTES), ``fallback`` (REMOTECUDA_FALLBACK, ``cpu``|``error``), ``sync``
+(REMOTECUDA_SYNC).
 """
 from __future__ import annotations
 
@@ -32,11 +33,9 @@ from traitlets.config import Configurable
 
 from remotecuda_wire.limits import CACHE_BYTES
 
+from .scheduler import STRATEGIES, check_strategy, parse_devices
+
 COMM_TARGET = "remotecuda"
-STRATEGIES = ("adaptive", "load-balancing", "memory-aware", "latency-optimized")
-#: what ``%remotecuda strategy`` and status say until the GPU pool places sessions
-NO_STRATEGIES = ("not available yet: scheduling strategies arrive with the GPU pool; "
-                 "cuda:N are the configured gateways' GPUs, in order")
 #: per-cell counters published for each cell (differences of remotecuda.stats())
 CELL_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "wait_seconds")
@@ -45,11 +44,15 @@ CELL_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips"
 class RemoteCUDA(Configurable):
     """RemoteCUDA settings for IPython / Jupyter (``c.RemoteCUDA.servers = "host:port"``)."""
 
-    servers = Unicode("", help="Gateways, 'host:port[,host:port...]'. Empty: REMOTECUDA_SERVERS, "
-                               "else 127.0.0.1:55555.").tag(config=True)
+    servers = Unicode("", help="Gateways, 'host:port[,host:port...]', asked directly (all their GPUs "
+                               "as cuda:0..N-1). Empty: the gateways that announce themselves on "
+                               "multicast (else 127.0.0.1:55555).").tag(config=True)
+    devices = Unicode("", help="How many devices and where each may go (REMOTECUDA_DEVICES syntax: "
+                               "'2', 'host1:55555/0,any', 'any/A100'). Empty: all the named servers' "
+                               "GPUs, or one device from a discovered pool.").tag(config=True)
     strategy = CaselessStrEnum(STRATEGIES, default_value="adaptive",
-                               help="Not used yet: placement strategies arrive with the GPU pool; "
-                                    "setting one changes nothing.").tag(config=True)
+                               help="How devices are placed on the pool's GPUs: adaptive, load-balancing, "
+                                    "memory-aware, latency-optimized.").tag(config=True)
     cache_bytes = Int(CACHE_BYTES, help="Bound of the content-addressed upload cache, in bytes."
                       ).tag(config=True)
     fallback = CaselessStrEnum(("cpu", "error"), default_value="cpu",
@@ -63,6 +66,7 @@ class RemoteCUDA(Configurable):
         values that were ignored (a bad variable must not keep a kernel from starting)."""
         env = os.environ if env is None else env
         conv = {"REMOTECUDA_SERVERS": ("servers", str.strip),
+                "REMOTECUDA_DEVICES": ("devices", lambda v: parse_devices(v) and v.strip()),
                 "REMOTECUDA_STRATEGY": ("strategy", lambda v: v.strip().lower()),
                 "REMOTECUDA_CACHE_BYTES": ("cache_bytes", lambda v: int(v.strip())),
                 "REMOTECUDA_FALLBACK": ("fallback", lambda v: v.strip().lower()),
@@ -95,10 +99,14 @@ def _per_session_ops(rt: Any) -> dict[int, int]:
 
 
 def _device_info(rt: Any, d: Any) -> dict:
+    """A virtual device: the GPU it is placed on (all None until placed), by which strategy, why."""
     props = d.props or {}
-    return {"device": f"cuda:{d.index}", "name": props.get("name"), "gateway": d.endpoint,
-            "gpu": d.gpu, "total_memory": props.get("total_memory"), "kind": props.get("kind"),
-            "session_open": d.index in rt.pool.sessions}
+    s = rt.pool.sessions.get(d.index)
+    return {"device": f"cuda:{d.index}", "name": props.get("name"), "gateway": d.endpoint or None,
+            "gpu": d.gpu if d.placed else None, "total_memory": props.get("total_memory"),
+            "kind": props.get("kind"), "simulated": bool(props.get("simulated", False)),
+            "session_open": s is not None and s.connected, "placed": d.placed, "pin": str(d.pin),
+            "strategy": d.strategy or None, "reason": d.reason or None}
 
 
 def _rate(hits: int, misses: int) -> float | None:
@@ -140,7 +148,8 @@ class Extension:
             warnings.simplefilter("always")
             try:
                 rt = remotecuda.activate(self.config.servers or None, fallback=self.config.fallback,
-                                         sync=self.config.sync)
+                                         sync=self.config.sync, strategy=self.config.strategy,
+                                         devices=self.config.devices or None)
             except Exception as e:  # no gateway: say so in the notebook, keep the magics usable
                 self.activation_error = f"{type(e).__name__}: {e}"
                 rt = None
@@ -151,7 +160,7 @@ class Extension:
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         if rt is None:
             self.notices.append(f"remotecuda: not active ({self.activation_error}); "
-                                "use %remotecuda use HOST:PORT")
+                                "%remotecuda use HOST:PORT names a gateway")
             return False
         rt.pool.cache_bytes = int(self.config.cache_bytes)  # sessions open lazily, so this still applies
         return True
@@ -351,18 +360,23 @@ class Extension:
         cfg = self.config
         st: dict = {"type": "status", "version": remotecuda.__version__, "active": rt is not None,
                     "error": self.activation_error, "servers": cfg.servers or
-                    os.environ.get("REMOTECUDA_SERVERS") or "127.0.0.1:55555",
-                    "strategy": cfg.strategy, "fallback": cfg.fallback, "sync": cfg.sync,
+                    os.environ.get("REMOTECUDA_SERVERS") or "discovery (multicast)",
+                    "devices_wanted": cfg.devices or None,
+                    "strategy": rt.pool.strategy if rt is not None else cfg.strategy,
+                    "fallback": cfg.fallback, "sync": cfg.sync,
                     "cache_bytes": cfg.cache_bytes, "gateways": [], "devices": [],
-                    "fallback_gateway": rt is not None and rt.pool.is_fallback}
+                    "fallback_gateway": rt is not None and rt.pool.is_fallback,
+                    "found_via": rt.pool.found_via if rt is not None else None}
         if rt is not None:
             gws: dict = {}
             for d in rt.pool.devices:
+                st["devices"].append(_device_info(rt, d))
+                if not d.placed:
+                    continue
                 g = gws.setdefault(d.endpoint, {"endpoint": d.endpoint, "devices": [],
                                                 "gateway_version": (d.gateway or {}).get("gateway"),
                                                 "torch": (d.gateway or {}).get("torch")})
                 g["devices"].append(f"cuda:{d.index}")
-                st["devices"].append(_device_info(rt, d))
             st["gateways"] = list(gws.values())
         from .session import STAT_KEYS
         # (without waiting for a session blocked in a request: a status asked for from another
@@ -444,7 +458,7 @@ def _magics_class() -> type:
 
     @magics_class
     class _RemoteCUDAMagics(Magics):
-        """``%remotecuda status|servers|use HOST:PORT|strategy|last|fallback on|off``"""
+        """``%remotecuda status|servers|use DEVICES|strategy [NAME]|last|fallback on|off``"""
 
         def __init__(self, shell: Any, ext: Extension):
             super().__init__(shell)
@@ -453,7 +467,8 @@ def _magics_class() -> type:
         @line_magic
         def remotecuda(self, line: str) -> None:
             """RemoteCUDA: %remotecuda status | servers | use HOST:PORT[,HOST:PORT] |
-            strategy (not available yet) | last |
+            use DEVICES (REMOTECUDA_DEVICES syntax: 2, host1:55555/0,any, any/A100) |
+            strategy [adaptive|load-balancing|memory-aware|latency-optimized] | last |
             fallback on|off"""
             parts = line.split()
             cmd, args = (parts[0].lower(), parts[1:]) if parts else ("status", [])
@@ -470,14 +485,21 @@ def _magics_class() -> type:
                       f"servers: {st['servers']}")
                 return
             print(f"remotecuda {st['version']}: active{' on the LOCAL CPU FALLBACK' if st['fallback_gateway'] else ''}")
+            print(f"  gateways found via {st['found_via']}")
             for g in st["gateways"]:
                 print(f"  gateway {g['endpoint'].replace('tcp://', '')}  (gateway {g['gateway_version']}, "
                       f"torch {g['torch']}): {', '.join(g['devices'])}")
             for d in st["devices"]:
+                if not d["placed"]:
+                    print(f"  {d['device']}: not placed yet (pin {d['pin']}; placed by {st['strategy']} "
+                          "at its first use)")
+                    continue
                 mem = f", {d['total_memory'] / 2**30:.1f} GiB" if d.get("total_memory") else ""
-                print(f"  {d['device']}: {d['name']}{mem} (gateway GPU {d['gpu']}"
-                      f"{', session open' if d['session_open'] else ''})")
-            print(f"  fallback: {st['fallback']}; sync: {st['sync']}; strategy: {NO_STRATEGIES}")
+                print(f"  {d['device']}: {d['name']}{' [simulated]' if d['simulated'] else ''}{mem} "
+                      f"(gateway {d['gateway'].replace('tcp://', '')} GPU {d['gpu']}"
+                      f"{', session open' if d['session_open'] else ''})\n      {d['reason']}")
+            print(f"  fallback: {st['fallback']}; sync: {st['sync']}; strategy: {st['strategy']} "
+                  "(for devices placed from now on)")
             hr, mr = st["cache_hit_rate"], st["metadata_cache_hit_rate"]
             print(f"  upload cache: {'n/a' if hr is None else f'{hr:.0%}'} hit rate "
                   f"({_fmt_bytes(st['session']['cache_bytes_saved'])} not re-sent, bound "
@@ -496,36 +518,59 @@ def _magics_class() -> type:
 
         def _cmd_servers(self, args: list) -> None:
             st = self.ext.status()
-            print(f"configured: {st['servers']}")
+            print(f"configured: {st['servers']}" + (f"; found via {st['found_via']}" if st["found_via"] else ""))
+            rt = _rt()
+            if rt is not None and rt.pool.discovery is not None:
+                from .discovery import table
+                heard = rt.pool.discovery.snapshot()
+                print(table(heard) if heard else "  no gateway is announcing itself now")
             if not st["gateways"]:
                 print("  no gateway in use")
             for g in st["gateways"]:
-                print(f"  {g['endpoint'].replace('tcp://', '')}: {len(g['devices'])} GPU(s) "
+                print(f"  in use: {g['endpoint'].replace('tcp://', '')}: {len(g['devices'])} device(s) "
                       f"({', '.join(g['devices'])})")
 
         def _cmd_use(self, args: list) -> None:
+            """HOST:PORT[,HOST:PORT]: these gateways, all their GPUs (as REMOTECUDA_SERVERS); anything
+            else is REMOTECUDA_DEVICES syntax over the pool (a pin's HOST:PORT is asked directly)."""
             import remotecuda
             if len(args) != 1:
-                print("usage: %remotecuda use HOST:PORT[,HOST:PORT...]")
+                print("usage: %remotecuda use HOST:PORT[,HOST:PORT...] | use DEVICES "
+                      "(e.g. 2, host1:55555/0,any, any/A100)")
                 return
-            from .pool import endpoint
-            for s in args[0].split(","):
-                endpoint(s)  # validates, raises ValueError
+            pins = parse_devices(args[0], "%remotecuda use")  # a mistake raises ValueError with the syntax
+            named = all(p.host is not None and p.port is not None and p.gpu is None for p in pins)
             if remotecuda.is_active():
                 print("remotecuda: deactivating; tensors on the previous gateway(s) are gone")
             remotecuda.deactivate()
-            self.ext.config.servers = args[0]
+            if named:
+                self.ext.config.servers, self.ext.config.devices = args[0], ""
+            else:
+                self.ext.config.devices = args[0]
             ok = self.ext.activate()
             self.ext.show_notices()
             if ok:
                 pool = remotecuda.runtime.current().pool
                 print(f"remotecuda: using {args[0]} ({len(pool.devices)} GPU(s)"
-                      f"{', LOCAL CPU FALLBACK' if pool.is_fallback else ''})")
+                      f"{', LOCAL CPU FALLBACK' if pool.is_fallback else ''}; found via {pool.found_via})")
             else:
                 raise RuntimeError(f"remotecuda: not active ({self.ext.activation_error})")
 
         def _cmd_strategy(self, args: list) -> None:
-            print(f"strategy: {NO_STRATEGIES}; nothing changed")
+            import remotecuda
+            rt = _rt()
+            if not args:
+                current = rt.pool.strategy if rt is not None else self.ext.config.strategy
+                print(f"strategy: {current} (one of {', '.join(STRATEGIES)})")
+                return
+            name = check_strategy(args[0])  # an unknown one raises ValueError listing the valid ones
+            self.ext.config.strategy = name
+            if rt is not None:
+                remotecuda.set_strategy(name)
+            placed = [d for d in rt.pool.devices if d.placed] if rt is not None else []
+            print(f"strategy: {name} (for devices placed from now on"
+                  + ("; placed already: " + ", ".join(f"cuda:{d.index} on {d.endpoint[6:]} GPU {d.gpu}"
+                                                       for d in placed) if placed else "") + ")")
 
         def _cmd_last(self, args: list) -> None:
             rec = self.ext.last

@@ -1,49 +1,103 @@
-"""The pool: which gateways are in use, the virtual devices they provide, and
-one session per virtual device, opened on first use.
+"""The pool: the gateways this client may use, the virtual devices its program sees, where
+each device is placed, and one session per device.
 
-Virtual device ``cuda:N`` is the N-th GPU over the gateways in the order given. When
-no gateway answers, the pool starts a gateway on the local CPU (after one warning)
-unless ``fallback="error"``, so unchanged code still runs.
+**Gateways** come from discovery (discovery.py). An explicit list (``REMOTECUDA_SERVERS``,
+``activate(servers=...)``, ``remotecuda run --server``) is asked directly, and no multicast is
+used. Otherwise the pool listens for beacons: activation waits for the first one for up to
+``LISTEN`` seconds (one beacon interval and a margin), and when none comes it asks
+``DEFAULT_SERVER`` (127.0.0.1:55555, where ``remotecuda start`` listens by default: a gateway on
+this machine is found even where multicast is not heard). When nothing answers, the pool starts
+a gateway on the local CPU (after one warning) unless ``fallback="error"``, so unchanged code
+still runs. The pool keeps listening: gateways that join later are candidates for devices
+placed later.
 
-The pool knows gateways, devices and sessions only; what a session must be told when it
-opens (the seed, backend flags) is the runtime's, handed in as ``prime`` (runtime.py).
+**Virtual devices**: ``REMOTECUDA_DEVICES`` (scheduler.parse_devices: a count, or one pin per
+device) says how many a program sees as ``cuda:0..N-1``. Unset, an explicit list gives all its
+gateways' GPUs in order (cuda:N is the N-th GPU over the listed gateways, fixed at activation),
+and a discovered pool gives one device. ``torch.cuda.device_count()`` is their number, known
+without placing any.
+
+**Placement**: a device not placed yet is placed when its session first needs it (its first
+upload, value read or full batch of ops; ``Session.open``) or when its properties are asked for,
+by the strategy (scheduler.place) over the candidates' STATUS, asked at that moment in one
+parallel round trip (whose time is the round trip latency-optimized weighs). The session's
+profile is what is known then: what it queued and why it needs the device now, the module being
+moved to it (``hint``, from ``Module.cuda()``/``.to()``), and what this process did on its other
+devices. One log line (logger "remotecuda") says where each device went and why; ``placements``
+gives the same for ``remotecuda.stats()`` and ``%remotecuda status``.
+
+The pool knows gateways, devices and sessions only; what a session must be told when it opens
+(the seed, backend flags) is the runtime's, handed in as ``prime`` (runtime.py).
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import os
+import random
 import subprocess
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from remotecuda_wire import cache, protocol
+from remotecuda_wire import beacon, cache, protocol
 from remotecuda_wire.lifetime import die_with_parent
 
+from .discovery import Answer, Discovery, MulticastSource, ask
 from .errors import GatewayUnavailableError, RemoteCUDAError
-from .session import BATCH_WINDOW, PING_EVERY, STAT_KEYS, Session, connect, hello
+from .scheduler import ANY, DEFAULT_STRATEGY, GpuState, Pin, PlacementError, SessionProfile, check_strategy, place
+from .session import BATCH_WINDOW, PING_EVERY, STAT_KEYS, Session
 
 DEFAULT_SERVER = "127.0.0.1:55555"
+#: how long activation listens for a first beacon: one beacon interval and a margin
+LISTEN = beacon.INTERVAL + 0.5
+#: how long placement lets a new listener hear every gateway's beacon once
+HEAR_ALL = beacon.INTERVAL + 0.2
+#: how long a gateway has to answer the STATUS asked at placement
+STATUS_TIMEOUT = 1.0
+#: more gateways than this: STATUS is asked of the best this many by their beacons' figures
+FRESH_MAX = 16
+
+log = logging.getLogger("remotecuda")
 
 
 @dataclass
 class VirtualDevice:
+    """``cuda:index``: what it is pinned to, and once placed, where it went and why."""
+
     index: int
-    endpoint: str
-    gpu: int
-    props: dict  # the gateway's description of the GPU
-    gateway: dict  # the gateway's WELCOME (versions)
+    pin: Pin = ANY
+    endpoint: str = ""  # the gateway's "tcp://host:port"; "" until placed
+    gpu: int = -1  # the GPU's index on its gateway
+    props: dict = field(default_factory=dict)  # the gateway's description of the GPU
+    gateway: dict = field(default_factory=dict)  # the gateway's inventory (versions, id)
+    strategy: str = ""  # the strategy that placed it ("listed": an explicit list, in order; "fallback")
+    requested: str = ""  # the strategy asked for (adaptive names the one it chose in ``strategy``)
+    reason: str = ""  # one line: why there
+
+    @property
+    def placed(self) -> bool:
+        return bool(self.endpoint)
 
     @property
     def kind(self) -> str:
         """"cuda" or "cpu": which device's kernels the gateway runs (the client picks fused ops by it)."""
         return self.props.get("kind", "cuda")
+
+    def describe(self) -> dict:
+        """Where it is and why, as ``remotecuda.stats()["devices"]`` lists it."""
+        return {"device": f"cuda:{self.index}", "placed": self.placed, "pin": str(self.pin),
+                "gateway": self.endpoint or None, "gpu": self.gpu if self.placed else None,
+                "name": self.props.get("name"), "simulated": bool(self.props.get("simulated", False)),
+                "strategy": self.strategy or None, "requested": self.requested or None,
+                "reason": self.reason or None}
 
 
 def endpoint(server: str) -> str:
@@ -58,33 +112,51 @@ def endpoint(server: str) -> str:
 
 
 class Pool:
-    """The gateways in use, their GPUs as virtual devices, and a session per device.
+    """The gateways, the virtual devices, their placement and a session per device (see the
+    module's docstring).
 
-    ``codecs``: the payload codecs sessions offer; ``prime``: called with each session as it
-    opens, before any other op is queued on it.
+    ``servers``: an explicit list (empty: discovery); ``devices``: one pin per device
+    (REMOTECUDA_DEVICES; None: the default above); ``strategy``: for devices placed from now on
+    (``set_strategy``); ``codecs``: the payload codecs sessions offer; ``prime``: called with
+    each session as it opens, before any other op is queued on it.
     """
 
-    def __init__(self, servers: list[str], fallback: str = "cpu", sync: bool = False,
+    def __init__(self, servers: Sequence[str] = (), devices: Sequence[Pin] | None = None,
+                 strategy: str = DEFAULT_STRATEGY, fallback: str = "cpu", sync: bool = False,
                  connect_timeout: float = 3.0, codecs: Sequence[str] = protocol.CODECS,
                  prime: Callable[[Session], Any] | None = None):
         self.ctx = zmq.Context()
         self.sync = sync
         self.codecs = tuple(codecs)
         self.prime = prime
+        self.strategy = check_strategy(strategy)
+        #: rotates this client's choice among exactly equal GPUs (clients reading the same figures do not herd)
+        self.spread = random.SystemRandom().randrange(1 << 30)
         #: the upload cache bound that sessions opened from now on ask the gateway for
         self.cache_bytes = int(os.environ.get("REMOTECUDA_CACHE_BYTES", cache.DEFAULT_BYTES))
         self.cache_policy = os.environ.get("REMOTECUDA_CACHE_POLICY", "lru").lower()
         self.devices: list[VirtualDevice] = []
         self.sessions: dict[int, Session] = {}
         self.fallback_gateway: subprocess.Popen | None = None
-        self._lock = threading.Lock()
-        unreachable = []
-        for server in servers:
-            ep = endpoint(server)
-            try:
-                self._add_gateway(ep, connect_timeout)
-            except GatewayUnavailableError as e:
-                unreachable.append(str(e))
+        #: the gateways asked directly (an explicit list, or DEFAULT_SERVER), in order
+        self.named: list[str] = [endpoint(s) for s in servers]
+        #: the multicast listener, while the pool follows it
+        self.discovery: Discovery | None = None
+        #: where gateways were looked for, for messages
+        self.found_via = "the named servers " + ", ".join(self.named) if self.named else ""
+        self._lock = threading.Lock()  # opening sessions
+        self._placing = threading.Lock()  # one placement at a time: each counts the ones before
+        self._hints = threading.local()  # per thread: the module being moved to 'cuda' (``hint``)
+        self._listening_since = 0.0
+        pins = list(devices) if devices is not None else None
+        if self.named:
+            answers = ask(self.ctx, self.named, connect_timeout)
+            unreachable = [f"no RemoteCUDA gateway answered at {ep} within {connect_timeout:.1f} s"
+                           for ep, a in zip(self.named, answers) if a is None]
+            if any(answers):
+                self._listed(answers, pins)
+        else:
+            unreachable = self._discover(pins)
         if not self.devices:
             if fallback == "error":
                 raise GatewayUnavailableError(
@@ -92,7 +164,7 @@ class Pool:
                     "REMOTECUDA_FALLBACK=error forbids running on the local CPU")
             warnings.warn("remotecuda: no gateway is reachable (" + "; ".join(unreachable) + "); "
                           "running 'cuda' work on the local CPU instead", RuntimeWarning, stacklevel=3)
-            self._start_local_gateway()
+            self._start_local_gateway(pins)
         self._stop = threading.Event()
         self._pending = threading.Event()
         self._flusher = threading.Thread(target=self._background, name="remotecuda-flush", daemon=True)
@@ -103,16 +175,52 @@ class Pool:
     def is_fallback(self) -> bool:
         return self.fallback_gateway is not None
 
-    def _add_gateway(self, ep: str, timeout: float) -> None:
-        sock = connect(self.ctx, ep)
-        try:
-            info = hello(sock, {"device": None}, timeout, ep)
-        finally:
-            sock.close(linger=0)
-        for d in info["devices"]:
-            self.devices.append(VirtualDevice(len(self.devices), ep, d["index"], d, info))
+    # ------------------------------------------------------------------ finding gateways
+    def _listed(self, answers: list[Answer | None], pins: list[Pin] | None) -> None:
+        """An explicit list: with no pins, cuda:N are its gateways' GPUs in order, placed now."""
+        if pins is not None:
+            self.devices = [VirtualDevice(i, pin) for i, pin in enumerate(pins)]
+            return
+        for ep, a in zip(self.named, answers):
+            if a is None:
+                continue
+            for d in a.status.get("devices", []):
+                i = len(self.devices)
+                self.devices.append(VirtualDevice(
+                    i, ANY, ep, d["index"], d, _inventory(a.status), "listed", "listed",
+                    f"the named servers' GPUs in order: GPU {d['index']} of {ep[6:]}"))
 
-    def _start_local_gateway(self) -> None:
+    def _discover(self, pins: list[Pin] | None) -> list[str]:
+        """Listen for beacons (and ask DEFAULT_SERVER meanwhile); what was not found, for messages."""
+        try:
+            source = MulticastSource.from_env()
+        except OSError as e:  # no multicast here (no interface to join the group on)
+            warnings.warn(f"remotecuda: cannot listen for gateways' beacons ({e})", RuntimeWarning, stacklevel=4)
+            source = None
+        if source is not None:
+            self.discovery = Discovery(source)
+            self._listening_since = time.monotonic()
+        local = ask(self.ctx, [endpoint(DEFAULT_SERVER)], min(0.5, LISTEN))[0]
+        heard = (self.discovery.wait(1, self._listening_since + LISTEN - time.monotonic())
+                 if self.discovery is not None else [])
+        where = source.describe() if source is not None else "no multicast"
+        if heard:
+            self.found_via = where
+            self.devices = [VirtualDevice(i, pin) for i, pin in enumerate(pins or [ANY])]
+            return []
+        if self.discovery is not None:
+            self.discovery.close()
+            self.discovery = None
+        missed = [f"no beacon heard on {where} within {LISTEN:.1f} s"]
+        if local is None:
+            return [*missed, f"none answered at {DEFAULT_SERVER}"]
+        log.info("no gateway announced itself on %s; using the one at %s", where, DEFAULT_SERVER)
+        self.named = [endpoint(DEFAULT_SERVER)]
+        self.found_via = f"{DEFAULT_SERVER} (no beacon heard on {where})"
+        self._listed([local], pins)
+        return []
+
+    def _start_local_gateway(self, pins: list[Pin] | None) -> None:
         cmd = [sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--port", "0",
                "--no-discovery", "--quiet"]
         # its own session: Jupyter's "Interrupt kernel" signals the kernel's whole process group,
@@ -124,33 +232,157 @@ class Pool:
             proc.kill()
             raise GatewayUnavailableError("could not start a local CPU gateway for the fallback")
         self.fallback_gateway = proc
-        self._add_gateway(line.split()[1], 60.0)
-        for d in self.devices:
-            d.props = dict(d.props, name=d.props["name"] + " [local fallback]")
+        ep = line.split()[1]
+        a = ask(self.ctx, [ep], 60.0)[0]
+        if a is None:
+            raise GatewayUnavailableError("the local CPU gateway started for the fallback does not answer")
+        gpus = a.status.get("devices", [])
+        for i in range(len(gpus) if pins is None else len(pins)):  # (pins cannot apply: all on it)
+            d = gpus[i % len(gpus)]
+            self.devices.append(VirtualDevice(i, ANY, ep, d["index"], dict(d, name=d["name"] + " [local fallback]"),
+                                              _inventory(a.status), "fallback", "fallback",
+                                              "no gateway found: a gateway on this machine's CPU"))
 
-    # ------------------------------------------------------------------ sessions
-    def device(self, index: int) -> VirtualDevice:
-        """Virtual device ``cuda:index``; an invalid index raises as CUDA does."""
+    # ------------------------------------------------------------------ devices and placement
+    def check(self, index: int) -> VirtualDevice:
+        """Virtual device ``cuda:index``, placed or not; an invalid index raises as CUDA does."""
         if not 0 <= index < len(self.devices):
             raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index}; remotecuda has "
                                f"{len(self.devices)} device(s))")
         return self.devices[index]
 
+    def device(self, index: int, why: str = "properties") -> VirtualDevice:
+        """Virtual device ``cuda:index``, placed now if it is not yet (its properties are asked for)."""
+        d = self.check(index)
+        if not d.placed:
+            s = self.sessions.get(index)
+            own = s.first_need(why) if s is not None and not s.connected else SessionProfile()
+            self.place(index, own, why)
+        return d
+
+    @contextlib.contextmanager
+    def hint(self, footprint: Callable[[], tuple[int, Iterable[str]]]) -> Iterator[None]:
+        """While a module is moved to 'cuda' on this thread, a device placed meanwhile counts it as
+        held: ``footprint()`` gives its bytes and dtypes, asked only if a placement happens
+        (interception's ``Module._apply``). Nested: the outermost module's."""
+        if getattr(self._hints, "footprint", None) is not None:
+            yield
+            return
+        self._hints.footprint = footprint
+        try:
+            yield
+        finally:
+            self._hints.footprint = None
+
+    def place(self, index: int, own: SessionProfile | None = None, why: str = "") -> VirtualDevice:
+        """Place ``cuda:index`` by the strategy, if it is not placed yet; ``own``: what its session
+        showed at its first need, ``why`` what it needs the device for (for the log line)."""
+        d = self.check(index)
+        with self._placing:
+            if d.placed:
+                return d
+            profile = self._profile(own or SessionProfile())
+            states, statuses = self._states(d.pin, profile)
+            try:
+                p = place(states, profile, self.strategy, devices=[d.pin], spread=self.spread)
+            except PlacementError as e:
+                raise PlacementError(f"cannot place cuda:{index}: {e} (gateways found via {self.found_via})") from None
+            g = p.gpus[0]
+            status = statuses[g.address]
+            props: dict = next((x for x in status.get("devices", []) if x.get("index") == g.index), {})
+            d.endpoint, d.gpu, d.props, d.gateway = g.address, g.index, props, _inventory(status)
+            d.strategy, d.requested, d.reason = p.strategy, p.requested, p.reason
+        log.info("cuda:%d placed at %s: %s", index, _need(why, own), p.reason)
+        return d
+
+    def _profile(self, own: SessionProfile) -> SessionProfile:
+        """The session's own first batch, the module being moved to it, and this process's history:
+        the ops and value reads of the sessions opened before it."""
+        footprint = getattr(self._hints, "footprint", None)
+        held, dtypes = footprint() if footprint is not None else (0, ())
+        ops, syncs = own.ops, own.syncs
+        for s in list(self.sessions.values()):
+            if s.connected:
+                c = s.counters(wait=False)
+                ops += int(c["ops"])
+                syncs += int(c["blocking_round_trips"])
+        return SessionProfile(allocated_bytes=max(own.allocated_bytes, held), ops=ops, syncs=syncs,
+                              dtypes=own.dtypes | frozenset(dtypes))
+
+    def _states(self, pin: Pin, profile: SessionProfile) -> tuple[list[GpuState], dict[str, dict]]:
+        """Every candidate GPU as the scheduler reads it, from STATUS asked now (the figures of
+        this moment, and its round trip), and each gateway's STATUS by address."""
+        addresses = self._candidates(pin, profile)
+        answers = ask(self.ctx, addresses, STATUS_TIMEOUT)
+        states, statuses = [], {}
+        placed: dict[tuple[str, int], int] = {}
+        for d in self.devices:  # placed, not opened yet: the gateway does not count them
+            s = self.sessions.get(d.index)
+            if d.placed and (s is None or not s.connected):
+                placed[(d.endpoint, d.gpu)] = placed.get((d.endpoint, d.gpu), 0) + 1
+        for address, a in zip(addresses, answers):
+            if a is None:
+                continue
+            statuses[address] = a.status
+            rtt = a.rtt_ms
+            gid = str(a.status.get("id") or address)
+            for gpu in a.status.get("gpus") or a.status.get("devices", []):
+                states.append(GpuState.from_report(gid, address, gpu, rtt, placed.get((address, gpu["index"]), 0)))
+        if addresses and not statuses:
+            raise GatewayUnavailableError(f"no gateway answered STATUS within {STATUS_TIMEOUT:.1f} s: "
+                                          + ", ".join(a[6:] for a in addresses))
+        return states, statuses
+
+    def _candidates(self, pin: Pin, profile: SessionProfile) -> list[str]:
+        """The gateways to ask: the named ones, or those discovery heard of (waiting until each had
+        time to be heard once), and the one a pin names by HOST:PORT. Of many, the best by their
+        beacons' figures."""
+        pinned = [endpoint(f"{pin.host}:{pin.port}")] if pin.host and pin.port else []
+        if self.discovery is None:
+            return list(dict.fromkeys(self.named + pinned))
+        wait = self._listening_since + HEAR_ALL - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        heard = self.discovery.snapshot()
+        if len(heard) > FRESH_MAX:
+            stale = [GpuState.from_report(g.id, g.address, gpu) for g in heard for gpu in g.gpus]
+            try:
+                best = place(stale, profile, self.strategy, devices=[pin] * FRESH_MAX, spread=self.spread).gpus
+                keep = {g.address for g in best}
+                heard = [g for g in heard if g.address in keep]
+            except PlacementError:
+                pass
+        return list(dict.fromkeys([g.address for g in heard] + pinned))
+
+    def placements(self) -> list[dict]:
+        """Each device: where it is placed (or not yet), by which strategy and why, and whether its
+        session is open."""
+        return [dict(d.describe(), open=d.index in self.sessions and self.sessions[d.index].connected)
+                for d in self.devices]
+
+    # ------------------------------------------------------------------ sessions
     def session(self, index: int) -> Session:
-        """The session of ``cuda:index``, opened (and primed) on first use."""
+        """The session of ``cuda:index``, made (and primed) on first use: greeted at once where the
+        device is placed already, else at its first need (``Session.open`` → ``_locate``)."""
         s = self.sessions.get(index)
         if s is None:
             with self._lock:
                 s = self.sessions.get(index)
                 if s is None:
-                    d = self.device(index)
-                    s = Session(self.ctx, d.endpoint, d.gpu, index, connect_timeout=60.0, sync=self.sync,
-                                cache_bytes=self.cache_bytes, cache_policy=self.cache_policy,
-                                codecs=self.codecs, wake=self._pending.set)
+                    d = self.check(index)
+                    s = Session(self.ctx, d.endpoint or None, d.gpu if d.placed else None, index,
+                                connect_timeout=60.0, sync=self.sync, cache_bytes=self.cache_bytes,
+                                cache_policy=self.cache_policy, codecs=self.codecs, wake=self._pending.set,
+                                locate=self._locate)
                     if self.prime is not None:
                         self.prime(s)
                     self.sessions[index] = s
         return s
+
+    def _locate(self, s: Session, own: SessionProfile, why: str) -> tuple[str, int]:
+        """Where session ``s`` goes, at its first need: its device, placed now if not yet."""
+        d = self.place(s.vdev, own, why) if not self.devices[s.vdev].placed else self.devices[s.vdev]
+        return d.endpoint, d.gpu
 
     def _background(self) -> None:
         """Flush ops that waited a batch window while the user's code did something else, and
@@ -170,6 +402,11 @@ class Pool:
     def synchronize(self) -> None:
         """Wait for every session's queued work; raise the first pending remote error."""
         for s in list(self.sessions.values()):
+            if not s.connected and not s.closed:
+                if not s.queued:
+                    continue  # never placed, nothing asked of it
+                with s.lock:
+                    s.open("synchronize")  # (placed for its queued work: not a value read)
             if not s.closed:
                 s.request("rc::sync", [])
 
@@ -195,6 +432,8 @@ class Pool:
         self._pending.set()  # wake the flusher, which then ends
         if self._flusher is not threading.current_thread():
             self._flusher.join(timeout=1.0)  # (a send to a gone gateway may hold it; it ends after)
+        if self.discovery is not None:
+            self.discovery.close()
         for s in list(self.sessions.values()):
             try:
                 s.close()
@@ -215,9 +454,16 @@ class Pool:
         self.sessions = {}
 
 
-def servers_from_env(servers: str | list[str] | None) -> list[str]:
-    if servers is None:
-        servers = os.environ.get("REMOTECUDA_SERVERS") or DEFAULT_SERVER
-    if isinstance(servers, str):
-        servers = [s for s in servers.split(",") if s.strip()]
-    return list(servers)
+def _inventory(status: dict) -> dict:
+    """A gateway's description of itself from its STATUS (versions, id), without its figures."""
+    return {k: v for k, v in status.items() if k not in ("sessions", "totals", "gpus", "devices")}
+
+
+def _need(why: str, own: SessionProfile | None) -> str:
+    """'its first value read (rc::fetch) after 3 op(s)', for the placement's log line."""
+    ops = f" after {own.ops} op(s)" if own is not None and own.ops else ""
+    if why in ("upload", "flush", "synchronize"):
+        return f"its first {why}{ops}"
+    if why.startswith(("rc::", "aten::")):
+        return f"its first value read ({why}){ops}"
+    return f"a question about its {why}" if why else "its first use"

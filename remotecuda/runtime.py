@@ -4,8 +4,8 @@
 (``stop``): it closes its sessions, undoes interception and is dropped, so nothing it held
 outlives it, and the next ``activate()`` begins afresh. What it owns:
 
-- ``pool``: the gateways, the virtual devices they provide, one session per device and the
-  background flusher (pool.py);
+- ``pool``: the gateways, the virtual devices, where each is placed, one session per device
+  and the background flusher (pool.py);
 - ``dispatcher``: the op dispatcher, with its op table, its metadata cache and counters, and
   its per-thread state (dispatch.py);
 - ``interception``: torch's patched functions and the dispatch mode, undone by ``close``
@@ -15,7 +15,9 @@ outlives it, and the next ``activate()`` begins afresh. What it owns:
   session opened later must start with (``seed``, the backend ``flags``; see ``prime``);
 - ``sdpa_choices``: the attention backend each device picks, per input signature
   (attention.py), which depends on the gateways' GPUs;
-- ``codecs``: the payload codecs this client offers (``REMOTECUDA_CODECS``, read at start).
+- ``codecs``: the payload codecs this client offers (``REMOTECUDA_CODECS``, read at start);
+- ``log_handler``: where the "remotecuda" logger's lines (a device's placement) go while no
+  logging is configured (``log_to_stderr``).
 
 Modules keep no state of their own that belongs to it. Code that runs only while remotecuda
 is active (the ``torch.cuda`` replacements, the patched torch functions) reaches it with
@@ -25,8 +27,10 @@ the runtime's ``Dispatcher.dispatch`` while it is installed.
 """
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from remotecuda_wire import protocol
@@ -35,6 +39,7 @@ from .dispatch import Dispatcher
 from .dispatch_cache import DispatchCache
 from .errors import RemoteCUDAError
 from .pool import Pool, VirtualDevice
+from .scheduler import DEFAULT_STRATEGY, Pin
 from .session import Session
 
 
@@ -51,7 +56,8 @@ class Installed(Protocol):
 class Runtime:
     """One activation of remotecuda (see the module's docstring for what it owns)."""
 
-    def __init__(self, servers: list[str], *, fallback: str = "cpu", sync: bool = False) -> None:
+    def __init__(self, servers: list[str], *, fallback: str = "cpu", sync: bool = False,
+                 strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None) -> None:
         self.current_device = 0
         #: the last ``manual_seed``/``manual_seed_all``, for sessions opened later
         self.seed: int | None = None
@@ -65,11 +71,18 @@ class Runtime:
         self.codecs = protocol.enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))
         check = os.environ.get("REMOTECUDA_CHECK_CACHE", "") not in ("", "0")
         self.dispatcher = Dispatcher(self.session, DispatchCache(check=check))
-        self.pool = Pool(servers, fallback=fallback, sync=sync, codecs=self.codecs, prime=self.prime)
+        self.log_handler = log_to_stderr()
+        try:
+            self.pool = Pool(servers, devices, strategy, fallback=fallback, sync=sync, codecs=self.codecs,
+                             prime=self.prime)
+        except BaseException:
+            self._unlog()
+            raise
         self.interception: Installed | None = None
 
     def device(self, index: int | None = None) -> VirtualDevice:
-        """Virtual device ``cuda:index`` (default: the current one); an invalid index raises as CUDA does."""
+        """Virtual device ``cuda:index`` (default: the current one), placed if it is not yet (its
+        properties are the placed GPU's); an invalid index raises as CUDA does."""
         return self.pool.device(self.current_device if index is None else index)
 
     def session(self, index: int | None = None) -> Session:
@@ -95,6 +108,7 @@ class Runtime:
         total.update(self.dispatcher.cache.info().as_stats())
         if reset:
             self.dispatcher.cache.reset_counters()
+        total["devices"] = self.pool.placements()
         return total
 
     def close(self) -> None:
@@ -103,6 +117,43 @@ class Runtime:
             self.interception.remove()
             self.interception = None
         self.pool.close()
+        self._unlog()
+
+    def _unlog(self) -> None:
+        if self.log_handler is not None:
+            logging.getLogger("remotecuda").removeHandler(self.log_handler)
+            self.log_handler = None
+
+
+class _UntilConfigured(logging.StreamHandler):
+    """stderr, while the program has configured no logging of its own (then its handlers have the lines)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def log_to_stderr() -> logging.Handler | None:
+    """The "remotecuda" logger's level and output: ``REMOTECUDA_LOG`` (a level name: DEBUG, INFO,
+    WARNING...) sets its level; where the program configured no logging (the root logger has no
+    handler) its lines from INFO (or that level) go to stderr, as "remotecuda: ...", through the
+    handler returned (the runtime removes it when it stops); else the program's configuration
+    decides, as for any library."""
+    logger = logging.getLogger("remotecuda")
+    name = os.environ.get("REMOTECUDA_LOG", "").strip().upper()
+    if name:
+        level = logging.getLevelName(name)
+        if not isinstance(level, int):
+            raise ValueError(f"REMOTECUDA_LOG={name!r}: a logging level is DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        logger.setLevel(level)
+    if logging.getLogger().handlers or any(isinstance(h, _UntilConfigured) for h in logger.handlers):
+        return None
+    if not name and logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    handler = _UntilConfigured(sys.stderr)
+    handler.setFormatter(logging.Formatter("remotecuda: %(message)s"))
+    logger.addHandler(handler)
+    return handler
 
 
 _current: Runtime | None = None
@@ -122,13 +173,13 @@ def active() -> Runtime | None:
 
 
 def start(servers: list[str], install: Callable[[Runtime], Installed], *, fallback: str = "cpu",
-          sync: bool = False) -> Runtime:
-    """Make a runtime for ``servers``, make it current, and install interception with ``install``;
-    the active runtime, if there is one already."""
+          sync: bool = False, strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None) -> Runtime:
+    """Make a runtime for ``servers`` (empty: discovery), make it current, and install interception
+    with ``install``; the active runtime, if there is one already."""
     global _current
     if _current is not None:
         return _current
-    rt = Runtime(servers, fallback=fallback, sync=sync)
+    rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices)
     _current = rt
     try:
         rt.interception = install(rt)

@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import ProtocolError
 
 from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, remote_exception
+from .scheduler import SessionProfile
 
 #: flush when this many ops are queued
 BATCH_OPS = 256
@@ -47,34 +48,29 @@ STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips"
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved",
              "wait_seconds")  # wait_seconds: wall time spent blocked in request()
 
+#: places a session not placed yet (the pool's): (the session, what it shows at its first need,
+#: why it needs its device now) → the gateway endpoint and its GPU index
+Locate = Callable[["Session", SessionProfile, str], tuple[str, int]]
+
 
 class Session:
-    def __init__(self, ctx: zmq.Context, endpoint: str, gpu: int, vdev: int,
+    def __init__(self, ctx: zmq.Context, endpoint: str | None, gpu: int | None, vdev: int,
                  connect_timeout: float = 5.0, sync: bool = False,
                  cache_bytes: int = cache.DEFAULT_BYTES, cache_policy: str = "lru",
-                 codecs: Sequence[str] = protocol.CODECS, wake: Any = None):
-        self.endpoint, self.gpu, self.vdev, self.sync = endpoint, gpu, vdev, sync
+                 codecs: Sequence[str] = protocol.CODECS, wake: Any = None,
+                 locate: Locate | None = None):
+        """``endpoint`` and ``gpu``: where the session goes, greeted now. None (with ``locate``): not
+        placed yet; ops queue here, and at the session's first need (a value read, an upload, a
+        full batch; see ``open``) ``locate`` places it, knowing what it queued and why."""
+        self.endpoint, self.gpu, self.vdev, self.sync = endpoint or "", gpu, vdev, sync
         self.wake = wake  # tells the background flusher that ops are waiting
         self.lock = threading.RLock()
-        self.front = connect(ctx, endpoint)  # the gateway's port: placement, and word of a lost worker
-        want = {"bytes": cache_bytes, "policy": cache_policy}
+        self.ctx, self.connect_timeout, self.locate = ctx, connect_timeout, locate
+        self.want_cache = {"bytes": cache_bytes, "policy": cache_policy}
         #: the codecs this session offers: what downloads may come in
         self.offered = tuple(codecs)
-        self.info = hello(self.front, {"device": gpu, "cache": want, "codecs": list(self.offered)},
-                          connect_timeout, endpoint)
-        #: the codecs uploads may use: ours that the gateway decodes
-        self.codecs = protocol.common_codecs(self.info.get("codecs"), self.offered)
-        self.direct_failure: str | None = None
-        self.bulk_failure: str | None = None
         #: the worker's data port, when this client reaches it: where another worker pulls copies from
         self.data_endpoint: str | None = None
-        self.sock, self.bulk = self._open_connections(ctx)  # the op stream's, and large transfers'
-        self._poller = zmq.Poller()
-        for sock in {self.sock, self.front, self.bulk}:
-            self._poller.register(sock, zmq.POLLIN)
-        granted = self.info.get("cache") or {}
-        self.cache = (cache.CacheMirror(granted["bytes"], granted["policy"])
-                      if granted.get("bytes") else None)  # the mirror of the gateway's
         self.link = LinkModel()
         self._handles = itertools.count(1)
         self._ops: list = []
@@ -90,6 +86,61 @@ class Session:
         self._last_send = time.monotonic()
         self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # counts, and wait_seconds (counters())
         self.closed = False
+        #: whether the session is greeted and connected (else it is not placed yet, see ``open``)
+        self.connected = False
+        if endpoint is not None and gpu is not None:
+            self._connect(endpoint, gpu)
+        elif locate is None:
+            raise ValueError("Session: an endpoint and GPU, or locate")
+
+    def _connect(self, endpoint: str, gpu: int) -> None:
+        """Greet the gateway's GPU ``gpu`` (HELLO → WELCOME) and open the op stream's connections."""
+        ctx = self.ctx
+        self.endpoint, self.gpu = endpoint, gpu
+        self.front = connect(ctx, endpoint)  # the gateway's port: placement, and word of a lost worker
+        try:
+            self.info = hello(self.front, {"device": gpu, "cache": self.want_cache, "codecs": list(self.offered)},
+                              self.connect_timeout, endpoint)
+        except BaseException:
+            self.front.close(linger=0)
+            raise
+        #: the codecs uploads may use: ours that the gateway decodes
+        self.codecs = protocol.common_codecs(self.info.get("codecs"), self.offered)
+        self.direct_failure: str | None = None
+        self.bulk_failure: str | None = None
+        self.sock, self.bulk = self._open_connections(ctx)  # the op stream's, and large transfers'
+        self._poller = zmq.Poller()
+        for sock in {self.sock, self.front, self.bulk}:
+            self._poller.register(sock, zmq.POLLIN)
+        granted = self.info.get("cache") or {}
+        self.cache = (cache.CacheMirror(granted["bytes"], granted["policy"])
+                      if granted.get("bytes") else None)  # the mirror of the gateway's
+        self._last_send = time.monotonic()
+        self.connected = True
+
+    def open(self, why: str = "open", upload: torch.Tensor | None = None) -> None:
+        """Place and greet a session not placed yet, now that it needs its device: ``why`` says
+        what for ("rc::fetch" and other requests are value reads; "upload" with ``upload``, the
+        tensor; "flush", "synchronize"). Called under the lock, at the first flush, upload or
+        request; a failure (no GPU, the gateway refused) leaves it unplaced, to try again."""
+        if self.connected or self.closed:
+            return
+        assert self.locate is not None
+        endpoint, gpu = self.locate(self, self.first_need(why, upload), why)
+        self._connect(endpoint, gpu)
+
+    def first_need(self, why: str, upload: torch.Tensor | None = None) -> SessionProfile:
+        """What this unplaced session shows of itself at its first need: the ops queued, a sync
+        when it needs a value (any request but the pool's own synchronize), the dtypes its ops
+        name (``dtype=`` of factories and casts) and the tensor it uploads."""
+        dtypes = {str(a) for op in self._ops for a in (*op[1], *(op[2] or {}).values())
+                  if isinstance(a, torch.dtype)}
+        nbytes = 0
+        if upload is not None:
+            dtypes.add(str(upload.dtype))
+            nbytes = upload.nelement() * upload.element_size()
+        syncs = 0 if why in ("upload", "flush", "synchronize", "properties") else 1
+        return SessionProfile(allocated_bytes=nbytes, ops=len(self._ops), syncs=syncs, dtypes=frozenset(dtypes))
 
     def counters(self, reset: bool = False, wait: bool = True) -> dict[str, float]:
         """This session's counters (STAT_KEYS), "ops" counting the ops still queued too.
@@ -121,7 +172,7 @@ class Session:
     @property
     def direct(self) -> bool:
         """Whether the op stream goes straight to the session's worker (else through the gateway's port)."""
-        return self.sock is not self.front
+        return self.connected and self.sock is not self.front
 
     def _open_connections(self, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
         """The op stream's socket and the bulk one, greeted together (one round trip, not two).
@@ -206,6 +257,7 @@ class Session:
         n = buf.nbytes
         dtype, shape = t.dtype, list(t.shape)
         with self.lock:
+            self.open("upload", t)
             if not self._ops:
                 self._first_pending = time.monotonic()
                 if self.wake is not None:
@@ -307,6 +359,10 @@ class Session:
         with self.lock:
             if not self._ops and not self._release and req is None:
                 return
+            if not self.connected:
+                self.open("flush")
+                if not self.connected:
+                    raise GatewayLostError("this remotecuda session is closed")
             body: dict = {"ops": self._ops, "n0": self._op_index}
             if self._release:
                 rel, self._release = self._release, []
@@ -345,7 +401,7 @@ class Session:
         if not self.lock.acquire(blocking=False):
             return bool(self._ops)
         try:
-            if self.closed:
+            if self.closed or not self.connected:  # (not placed: its ops wait for its first need)
                 return False
             if ((self._ops and now - self._first_pending >= BATCH_WINDOW)
                     or (self._release and len(self._release) > 1024)):
@@ -368,6 +424,7 @@ class Session:
         with self.lock:
             if self.closed:
                 raise GatewayLostError("this remotecuda session is closed")
+            self.open(name)
             index = self._op_index + len(self._ops)  # this op's number in the session's stream
             self._ops.append([name, args, kwargs, {"base": base}])
             self._rid += 1
@@ -450,7 +507,7 @@ class Session:
         """Drop this session's queued work, as an interrupt inside ``request`` does: ops the
         gateway has not run yet are skipped (their outputs marked never computed)."""
         with self.lock:
-            if self.closed:
+            if self.closed or not self.connected:  # (not placed: nothing of it runs yet)
                 return
             try:
                 self.flush()
@@ -468,6 +525,9 @@ class Session:
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         with self.lock:
+            if not self.connected:  # never placed: its queued ops never ran, nothing to say BYE to
+                self.closed = True
+                return
             if not self.closed:
                 try:
                     self.sock.setsockopt(zmq.SNDTIMEO, 1000)  # a gone gateway must not hang the exit

@@ -252,17 +252,21 @@ def test_cell_display_value_kept(rc):
 def test_status_and_last_magics(rc, jgw):
     r = rc.ok("%remotecuda status")
     assert jgw.address in r["stdout"], r["stdout"]
-    assert "cuda:0" in r["stdout"] and "strategy: not available yet" in r["stdout"]
+    assert "cuda:0" in r["stdout"] and "strategy: adaptive (for devices placed from now on)" in r["stdout"]
     rc.ok("w = torch.randn(64, 64).cuda() @ torch.randn(64, 64).cuda()")
     r = rc.ok("%remotecuda last")
     m = re.search(r"(\d+) ops, (\d+) messages", r["stdout"])
     assert m and int(m.group(1)) >= 3 and int(m.group(2)) >= 1, r["stdout"]
     assert "cuda:0" in r["stdout"]
-    # strategies arrive with the pool: until then the magic says so and changes nothing
+    # the strategy places devices placed from now on (cuda:0 is the named gateway's, placed already)
     r = rc.ok("%remotecuda strategy memory-aware")
-    assert r["stdout"].strip() == ("strategy: not available yet: scheduling strategies arrive with the GPU pool; "
-                                   "cuda:N are the configured gateways' GPUs, in order; nothing changed"), r
-    assert "memory-aware" not in rc.ok("%remotecuda status")["stdout"]
+    assert r["stdout"].strip() == (f"strategy: memory-aware (for devices placed from now on; placed already: "
+                                   f"cuda:0 on {jgw.address} GPU 0)"), r
+    assert "strategy: memory-aware" in rc.ok("%remotecuda status")["stdout"]
+    assert rc.ok("import remotecuda; print(remotecuda.runtime.active().pool.strategy)")["stdout"].strip() == \
+        "memory-aware"
+    r = rc.run("%remotecuda strategy fastest")
+    assert r["reply"]["status"] == "error" and "valid: adaptive, load-balancing" in r["reply"]["evalue"], r["reply"]
     r = rc.ok("%remotecuda servers")
     assert jgw.address in r["stdout"]
     # use: a failing address with the fallback off leaves it inactive; the right one works again
