@@ -20,6 +20,12 @@ class GatewayLostError(RemoteCUDAError):
     """The gateway or this session's worker stopped answering; the session's tensors are gone."""
 
 
+class GatewayDownError(GatewayUnavailableError, GatewayLostError):
+    """A gateway in use stopped answering heartbeats, left the pool or restarted (liveness.py):
+    its sessions' tensors are gone. Both kinds at once: the gateway is unavailable, and each
+    session on it is lost (code that catches either keeps working)."""
+
+
 class GatewayProtocolError(RemoteCUDAError):
     """The gateway rejected a message as malformed."""
 
