@@ -52,6 +52,7 @@ from remotecuda_wire.lifetime import die_with_parent
 
 from .discovery import Answer, Discovery, MulticastSource, ask
 from .errors import GatewayUnavailableError, RemoteCUDAError
+from .liveness import Liveness
 from .scheduler import ANY, DEFAULT_STRATEGY, GpuState, Pin, PlacementError, SessionProfile, check_strategy, place
 from .session import BATCH_WINDOW, PING_EVERY, STAT_KEYS, Session
 
@@ -169,6 +170,11 @@ class Pool:
         self._pending = threading.Event()
         self._flusher = threading.Thread(target=self._background, name="remotecuda-flush", daemon=True)
         self._flusher.start()
+        #: heartbeats to the gateways in use: marks a silent one down and its sessions lost (liveness.py)
+        self.liveness = Liveness(self.ctx, lambda: list(self.sessions.values()),
+                                 lambda: {d.endpoint for d in self.devices if d.placed}).start()
+        if self.discovery is not None:
+            self.discovery.subscribe(self.liveness.on_discovery)
         atexit.register(self.close)
 
     @property
@@ -211,7 +217,7 @@ class Pool:
         if self.discovery is not None:
             self.discovery.close()
             self.discovery = None
-        missed = [f"no beacon heard on {where} within {LISTEN:.1f} s"]
+        missed = [f"no beacon heard on {where} within {LISTEN:.1f} s" if source is not None else where]
         if local is None:
             return [*missed, f"none answered at {DEFAULT_SERVER}"]
         log.info("no gateway announced itself on %s; using the one at %s", where, DEFAULT_SERVER)
@@ -325,6 +331,9 @@ class Pool:
                 continue
             statuses[address] = a.status
             rtt = a.rtt_ms
+            seen = self.liveness.rtt_ms(address)
+            if seen is not None:  # (queueing only ever adds to a round trip: the least is the link's)
+                rtt = min(rtt, seen)
             gid = str(a.status.get("id") or address)
             for gpu in a.status.get("gpus") or a.status.get("devices", []):
                 states.append(GpuState.from_report(gid, address, gpu, rtt, placed.get((address, gpu["index"]), 0)))
@@ -370,6 +379,8 @@ class Pool:
                 s = self.sessions.get(index)
                 if s is None:
                     d = self.check(index)
+                    if d.placed:
+                        self.liveness.check(d.endpoint)  # a gateway found down: say so now, not after a timeout
                     s = Session(self.ctx, d.endpoint or None, d.gpu if d.placed else None, index,
                                 connect_timeout=60.0, sync=self.sync, cache_bytes=self.cache_bytes,
                                 cache_policy=self.cache_policy, codecs=self.codecs, wake=self._pending.set,
@@ -382,6 +393,7 @@ class Pool:
     def _locate(self, s: Session, own: SessionProfile, why: str) -> tuple[str, int]:
         """Where session ``s`` goes, at its first need: its device, placed now if not yet."""
         d = self.place(s.vdev, own, why) if not self.devices[s.vdev].placed else self.devices[s.vdev]
+        self.liveness.check(d.endpoint)
         return d.endpoint, d.gpu
 
     def _background(self) -> None:
@@ -407,7 +419,7 @@ class Pool:
                     continue  # never placed, nothing asked of it
                 with s.lock:
                     s.open("synchronize")  # (placed for its queued work: not a value read)
-            if not s.closed:
+            if not s.closed or s.lost is not None:  # (a gateway found down: its error, as CUDA's sticky one)
                 s.request("rc::sync", [])
 
     def cancel(self) -> None:
@@ -432,6 +444,7 @@ class Pool:
         self._pending.set()  # wake the flusher, which then ends
         if self._flusher is not threading.current_thread():
             self._flusher.join(timeout=1.0)  # (a send to a gone gateway may hold it; it ends after)
+        self.liveness.close()
         if self.discovery is not None:
             self.discovery.close()
         for s in list(self.sessions.values()):

@@ -26,7 +26,7 @@ from remotecuda_wire import cache, protocol
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import ProtocolError
 
-from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, remote_exception
+from .errors import GatewayDownError, GatewayLostError, GatewayProtocolError, GatewayUnavailableError, remote_exception
 from .scheduler import SessionProfile
 
 #: flush when this many ops are queued
@@ -37,7 +37,8 @@ BATCH_BYTES = 1 << 20
 #: flush ops that have waited this long (seconds), so the GPU is not kept idle
 BATCH_WINDOW = 0.002
 PING_EVERY = 2.0
-#: a gateway that answers nothing (not even a ping) for this long is gone
+#: a gateway that answers nothing (not even a ping) for this long while a request waits is gone; the
+#: pool's heartbeats (liveness.py) find a silent gateway sooner (DOWN_AFTER) and wake the wait
 LIVENESS = 20.0
 #: with no connection to the gateway at all, a send gives up after this long
 SEND_TIMEOUT = 5.0
@@ -54,6 +55,9 @@ Locate = Callable[["Session", SessionProfile, str], tuple[str, int]]
 
 
 class Session:
+    #: why the gateway is gone, once liveness.py found it down or restarted (``mark_lost``)
+    lost: str | None = None
+
     def __init__(self, ctx: zmq.Context, endpoint: str | None, gpu: int | None, vdev: int,
                  connect_timeout: float = 5.0, sync: bool = False,
                  cache_bytes: int = cache.DEFAULT_BYTES, cache_policy: str = "lru",
@@ -350,7 +354,13 @@ class Session:
             self._inflight.extend((tr, t) for tr in trackers)
             return
         for tr in trackers:
-            tr.wait()
+            while not tr.done:  # (a gateway that stops reading never lets go: liveness wakes this)
+                if self.lost is not None:
+                    raise GatewayDownError(self.lost)
+                try:
+                    tr.wait(0.1)
+                except zmq.NotDone:
+                    pass
         if trackers:
             self.link.observe(sent, time.perf_counter() - t0)
 
@@ -386,6 +396,8 @@ class Session:
     def _send_frames(self, sock: zmq.Socket, frames: list, track: bool = False) -> Any:
         """Send without copying; the MessageTracker when ``track``. A send that waited out
         SEND_TIMEOUT means the gateway is gone."""
+        if self.lost is not None:  # nothing more goes to a gateway found down
+            raise GatewayDownError(self.lost)
         try:  # (callers hold interrupts: half a message must never stay queued)
             return sock.send_multipart(frames, copy=False, track=track)
         except zmq.Again:
@@ -423,6 +435,8 @@ class Session:
         """Run an op whose result the client needs, after everything queued; block for it."""
         with self.lock:
             if self.closed:
+                if self.lost is not None:
+                    raise GatewayDownError(self.lost)
                 raise GatewayLostError("this remotecuda session is closed")
             self.open(name)
             index = self._op_index + len(self._ops)  # this op's number in the session's stream
@@ -491,6 +505,8 @@ class Session:
                     if msg.type == protocol.ERROR:
                         self._raise_error(msg.body)
                     # else PONG, or the reply to a request abandoned by an interrupt
+                if self.lost is not None:  # liveness.py found the gateway down, or restarted
+                    raise GatewayDownError(self.lost)
                 now = time.monotonic()
                 if now - last_heard > LIVENESS:
                     self.closed = True
@@ -523,6 +539,13 @@ class Session:
         raise GatewayProtocolError(f"gateway {self.endpoint} rejected a message: {text}")
 
     # ------------------------------------------------------------------ lifetime
+    def mark_lost(self, why: str) -> None:
+        """The gateway is down or restarted (liveness.py, from its own thread, without the lock):
+        a wait blocked on it raises GatewayDownError(why) within a poll, and so does every later
+        request, as a CUDA sticky error does; nothing more is sent to it."""
+        self.lost = why
+        self.closed = True
+
     def close(self) -> None:
         with self.lock:
             if not self.connected:  # never placed: its queued ops never ran, nothing to say BYE to
