@@ -6,8 +6,9 @@ Runs benchmarks/bench_core.py (per-op cost, MLP step, core transfers),
 benchmarks/bench_transfer.py (round trips through a delay proxy, latency hiding, throughput
 4 KB-256 MB, epoch-2 bytes, compression, pipelining), benchmarks/bench_instructions.py and
 benchmarks/bench_programs.py (LSTM LM, checkpoint, GPT-2 step and generate),
-benchmarks/bench_discovery.py (200 gateways' beacons: time to the full list, listening's CPU cost) and
-benchmarks/bench_placement.py (the scheduler's time per decision in a 200-gateway pool), each in a fresh
+benchmarks/bench_discovery.py (200 gateways' beacons: time to the full list, listening's CPU cost),
+benchmarks/bench_placement.py (the scheduler's time per decision in a 200-gateway pool) and
+benchmarks/bench_liveness.py (how soon a killed or frozen gateway is marked down), each in a fresh
 Python process with its own gateway on 127.0.0.1, then writes one report with the machine, the
 figures, the issue's targets and a short reading of each, and the GPU figures kept in
 benchmarks/gpu_results.md. About 8-12 minutes on a 2-CPU machine.
@@ -28,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_core  # noqa: E402
 import bench_discovery  # noqa: E402
+import bench_liveness  # noqa: E402
 import bench_placement  # noqa: E402
 import bench_programs  # noqa: E402
 import bench_transfer  # noqa: E402
@@ -92,6 +94,7 @@ def main() -> None:
     programs = run("bench_programs.py", quick, timeout=900)
     discovery = run("bench_discovery.py", quick, timeout=300)
     placement = run("bench_placement.py", quick, timeout=300)
+    liveness = run("bench_liveness.py", quick, timeout=300)
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - t0
 
@@ -174,7 +177,10 @@ gateway op; `torch.save` fetches all its tensors in one round trip.
 {bench_discovery.markdown(discovery)}
 {bench_placement.SECTION}
 
-{bench_placement.markdown(placement)}"""
+{bench_placement.markdown(placement)}
+{bench_liveness.SECTION}
+
+{bench_liveness.markdown(liveness)}"""
     path = os.path.join(HERE, "RESULTS.md")
     with open(path, "w") as f:
         f.write(report)

@@ -47,7 +47,8 @@ PING_EVERY = 1.0
 DOWN_AFTER = 3.0
 #: round trips kept per gateway; ``rtt_ms`` is their median (one slow PONG does not move it)
 RTT_SAMPLES = 7
-#: how often the thread looks at the clock when nothing arrives (also how late a verdict can be)
+#: the longest the thread sleeps: how soon it follows new targets and stops (pings and verdicts are
+#: timed to their own moments)
 TICK = 0.1
 
 
@@ -68,6 +69,11 @@ class _Watch:
         self.rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
         self.id: str | None = None
         self.down: str | None = None  # why it is down, while it is
+
+    def verdict_due(self, now: float) -> float:
+        """When silence makes it down: DOWN_AFTER after its last answer, and no sooner than
+        PING_EVERY after the first PING since (a client thread stalled, sending none, blames no gateway)."""
+        return max(self.last_answer + DOWN_AFTER, (now if self.unanswered is None else self.unanswered) + PING_EVERY)
 
 
 class Liveness:
@@ -140,12 +146,14 @@ class Liveness:
                 for w in list(by_sock.values()):
                     if now >= w.next_ping:
                         self._ping(w, now)
-                for sock, _ in poller.poll(int(TICK * 1000)):
+                due = [w.next_ping for w in by_sock.values()]
+                due += [w.verdict_due(now) for w in by_sock.values() if w.down is None]
+                wait = min([TICK, *(d - now for d in due)])
+                for sock, _ in poller.poll(max(1, int(wait * 1000) + 1)):
                     self._drain(by_sock[sock])
                 now = time.monotonic()
                 for w in list(by_sock.values()):
-                    if (w.down is None and w.unanswered is not None and now - w.unanswered >= PING_EVERY
-                            and now - w.last_answer >= DOWN_AFTER):
+                    if w.down is None and w.unanswered is not None and now >= w.verdict_due(now):
                         self._go_down(w.endpoint, f"it has not answered a heartbeat for {now - w.last_answer:.1f} s "
                                       f"(down after {DOWN_AFTER:.0f} s)", now)
         finally:
