@@ -145,13 +145,14 @@ def unload_ipython_extension(ip: Any) -> None:
 def stats(reset: bool = False) -> dict:
     """Cumulative counters of this process's sessions (ops, messages, bytes, round trips...) and of
     the dispatch cache (``metadata_cache_*``: hits, misses, bypasses by reason; see dispatch_cache.py),
-    since activation (or the last ``reset``); all zero while not active."""
+    since activation (or the last ``reset``); all zero while not active. ``devices``: each virtual
+    device, where it is placed (gateway, GPU, name), by which strategy and why (pool.py)."""
     from .dispatch_cache import CacheInfo
     from .session import STAT_KEYS
     rt = _active()
     if rt is not None:
         return rt.stats(reset=reset)
-    return {**dict.fromkeys(STAT_KEYS, 0), **CacheInfo(0, 0).as_stats()}
+    return {**dict.fromkeys(STAT_KEYS, 0), **CacheInfo(0, 0).as_stats(), "devices": []}
 
 
 def gateway_status(server: str | None = None, timeout: float = 5.0) -> dict:

@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="carry all session traffic through the one port (no per-session data ports)")
     s.add_argument("--quiet", action="store_true", help="print only the READY line")
     r = sub.add_parser("run", help="run a Python script with 'cuda' on the gateways")
-    r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT] (default REMOTECUDA_SERVERS)")
+    r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT], all their GPUs as cuda:0..N-1 "
+                   "(default REMOTECUDA_SERVERS, else the gateways found on multicast)")
     r.add_argument("command", nargs=argparse.REMAINDER,
                    help="python SCRIPT.py [ARGS...] | python -m MODULE [ARGS...] | python -c CODE [ARGS...]")
     v = sub.add_parser("servers", help="list the gateways found (multicast beacons, or --server)")

@@ -200,16 +200,15 @@ class Pool:
         """Listen for beacons (and ask DEFAULT_SERVER meanwhile); what was not found, for messages."""
         try:
             source = MulticastSource.from_env()
+            where = source.describe()
         except OSError as e:  # no multicast here (no interface to join the group on)
-            warnings.warn(f"remotecuda: cannot listen for gateways' beacons ({e})", RuntimeWarning, stacklevel=4)
-            source = None
+            source, where = None, f"no multicast (cannot join the beacons' group: {e})"
         if source is not None:
             self.discovery = Discovery(source)
             self._listening_since = time.monotonic()
         local = ask(self.ctx, [endpoint(DEFAULT_SERVER)], min(0.5, LISTEN))[0]
         heard = (self.discovery.wait(1, self._listening_since + LISTEN - time.monotonic())
                  if self.discovery is not None else [])
-        where = source.describe() if source is not None else "no multicast"
         if heard:
             self.found_via = where
             self.devices = [VirtualDevice(i, pin) for i, pin in enumerate(pins or [ANY])]
