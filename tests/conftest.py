@@ -62,12 +62,20 @@ def gateway():
 
 
 @pytest.fixture(scope="session")
-def remote(gateway):
+def _activation(gateway):
     """remotecuda activated against the session's gateway for the whole test run (in this process)."""
     import remotecuda
-    rt = remotecuda.activate(gateway.address, fallback="error")
-    yield rt
+    remotecuda.activate(gateway.address, fallback="error")
+    yield
     remotecuda.deactivate()
+
+
+@pytest.fixture
+def remote(_activation, gateway):
+    """The active runtime: a test module that activates over gateways of its own (and deactivates
+    the run's activation meanwhile) activates anew after it, so ask each time."""
+    import remotecuda
+    return remotecuda.runtime.active() or remotecuda.activate(gateway.address, fallback="error")
 
 
 @contextmanager
