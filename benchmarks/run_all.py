@@ -7,8 +7,9 @@ benchmarks/bench_transfer.py (round trips through a delay proxy, latency hiding,
 4 KB-256 MB, epoch-2 bytes, compression, pipelining), benchmarks/bench_instructions.py and
 benchmarks/bench_programs.py (LSTM LM, checkpoint, GPT-2 step and generate),
 benchmarks/bench_discovery.py (200 gateways' beacons: time to the full list, listening's CPU cost),
-benchmarks/bench_placement.py (the scheduler's time per decision in a 200-gateway pool) and
-benchmarks/bench_liveness.py (how soon a killed or frozen gateway is marked down), each in a fresh
+benchmarks/bench_placement.py (the scheduler's time per decision in a 200-gateway pool),
+benchmarks/bench_liveness.py (how soon a killed or frozen gateway is marked down) and
+benchmarks/bench_auth.py (what a token costs: small round trips, 64 MB uploads, sealed vs not), each in a fresh
 Python process with its own gateway on 127.0.0.1, then writes one report with the machine, the
 figures, the issue's targets and a short reading of each, and the GPU figures kept in
 benchmarks/gpu_results.md. About 8-12 minutes on a 2-CPU machine.
@@ -27,6 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import bench_auth  # noqa: E402
 import bench_core  # noqa: E402
 import bench_discovery  # noqa: E402
 import bench_liveness  # noqa: E402
@@ -95,6 +97,7 @@ def main() -> None:
     discovery = run("bench_discovery.py", quick, timeout=300)
     placement = run("bench_placement.py", quick, timeout=300)
     liveness = run("bench_liveness.py", quick, timeout=300)
+    auth = run("bench_auth.py", quick, timeout=600)
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - t0
 
@@ -180,7 +183,10 @@ gateway op; `torch.save` fetches all its tensors in one round trip.
 {bench_placement.markdown(placement)}
 {bench_liveness.SECTION}
 
-{bench_liveness.markdown(liveness)}"""
+{bench_liveness.markdown(liveness)}
+{bench_auth.SECTION}
+
+{bench_auth.markdown(auth)}"""
     path = os.path.join(HERE, "RESULTS.md")
     with open(path, "w") as f:
         f.write(report)

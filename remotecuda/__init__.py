@@ -15,7 +15,14 @@ from typing import Any
 
 from remotecuda_wire._version import __version__ as __version__  # the one definition (pyproject.toml reads it)
 
-from .errors import GatewayLostError, GatewayProtocolError, GatewayUnavailableError, RemoteCUDAError, TransferError
+from .errors import (
+    GatewayAuthError,
+    GatewayLostError,
+    GatewayProtocolError,
+    GatewayUnavailableError,
+    RemoteCUDAError,
+    TransferError,
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -39,8 +46,8 @@ def fetch(tensors: Any) -> list:
 
 __all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "prefetch", "fetch",
            "gateway_status", "set_strategy",
-           "RemoteCUDAError", "GatewayUnavailableError", "GatewayLostError", "GatewayProtocolError",
-           "TransferError"]
+           "RemoteCUDAError", "GatewayUnavailableError", "GatewayAuthError", "GatewayLostError",
+           "GatewayProtocolError", "TransferError"]
 
 
 def activate(servers: str | list[str] | None = None, *, fallback: str | None = None,

@@ -1,4 +1,5 @@
-"""The ``remotecuda`` command: ``start`` a gateway, ``run`` a script with interception on, list ``servers``."""
+"""The ``remotecuda`` command: ``start`` a gateway, ``run`` a script with interception on, list ``servers``,
+make a ``token``."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,37 @@ import zipfile
 from remotecuda_wire.limits import CACHE_BYTES
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
+    import ipaddress
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _gateway_token(a: argparse.Namespace) -> tuple[bytes | None, str | None]:
+    """The gateway's token, or None; and why the gateway must not start, or None."""
+    from remotecuda_wire import auth
+    try:
+        token = auth.read_token(a.token, a.token_file)
+    except (OSError, ValueError) as e:
+        return None, f"remotecuda start: {e}"
+    if token is None and not a.insecure and not _is_loopback(a.host):
+        return None, (f"remotecuda start: --host {a.host} is reachable from other machines, and no token is set: "
+                      "anyone who reaches the port could run code on this machine's GPUs. Give a token "
+                      "(--token-file FILE, REMOTECUDA_TOKEN or REMOTECUDA_TOKEN_FILE; make one with "
+                      "`remotecuda token`), or --insecure on a network you trust entirely.")
+    return token, None
+
+
 def _start(a: argparse.Namespace, argv: list[str]) -> int:
+    token, refusal = _gateway_token(a)
+    if refusal:
+        print(refusal, file=sys.stderr, flush=True)
+        return 2
     from remotecuda_server.gateway import worker_env
     env = worker_env()
     if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES") and sys.platform.startswith("linux"):
@@ -24,12 +55,22 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
         # receive buffers (same pid, same stdout), as the session workers get them
         os.execve(sys.executable, [sys.executable, "-m", "remotecuda", *argv], env)
     from remotecuda_server.devices import detect
-    from remotecuda_server.gateway import VERSION, Gateway
+    from remotecuda_server.gateway import VERSION, Gateway, raise_open_file_limit
+    if not _is_loopback(a.host):
+        if token is None:
+            print(f"remotecuda start: WARNING: --insecure: serving {a.host} without authentication or "
+                  "encryption; anyone who reaches the port runs code here", file=sys.stderr, flush=True)
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            print("remotecuda start: WARNING: running as root off loopback; a gateway needs no privileges "
+                  "(run it as an unprivileged user)", file=sys.stderr, flush=True)
+    raise_open_file_limit()
     try:
         devices, note = detect(a.device, a.gpus, a.gpu_memory, a.gpu_name, a.gpu_capability)
         gw = Gateway(devices, host=a.host, port=a.port, spare=a.spare, session_timeout=a.session_timeout,
                      cache_bytes=a.cache_bytes, direct=not a.no_direct, discovery=not a.no_discovery,
-                     advertise=a.advertise, discovery_iface=a.discovery_iface)
+                     advertise=a.advertise, discovery_iface=a.discovery_iface, token=token,
+                     max_sessions=a.max_sessions, max_sessions_per_peer=a.max_sessions_per_peer,
+                     idle_timeout=a.idle_timeout)
     except ValueError as e:
         raise SystemExit(f"remotecuda start: {e}") from None
     if not a.quiet:
@@ -40,6 +81,7 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
                   + (" (simulated)" if d.simulated else ""), flush=True)
         where = gw.announcer.describe() if gw.announcer is not None else "off (--no-discovery)"
         print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {where}", flush=True)
+        print("  authentication: " + ("token (every message sealed)" if token is not None else "none"), flush=True)
         print("  status: ready (Ctrl-C to stop)", flush=True)
     print(f"READY tcp://{gw.host}:{gw.port}", flush=True)
 
@@ -230,6 +272,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--no-direct", action="store_true",
                    help="carry all session traffic through the one port (no per-session data ports)")
     s.add_argument("--quiet", action="store_true", help="print only the READY line")
+    s.add_argument("--token-file", default=None,
+                   help="a file holding the token clients must prove they hold (default REMOTECUDA_TOKEN, "
+                        "REMOTECUDA_TOKEN_FILE); required off loopback unless --insecure")
+    s.add_argument("--token", default=None,
+                   help="the token itself (other users may read a command line: prefer --token-file)")
+    s.add_argument("--insecure", action="store_true",
+                   help="serve a non-loopback --host without a token: anyone who reaches the port runs code here")
+    s.add_argument("--max-sessions", type=int, default=64, help="sessions at once, in all (default 64)")
+    s.add_argument("--max-sessions-per-peer", type=int, default=16,
+                   help="sessions at once from one IP address (default 16)")
+    s.add_argument("--idle-timeout", type=float, default=30.0,
+                   help="seconds a connection may stay without authenticating, or without a session and "
+                        "silent, before it is closed (default 30)")
     r = sub.add_parser("run", help="run a Python script with 'cuda' on the gateways")
     r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT], all their GPUs as cuda:0..N-1 "
                    "(default REMOTECUDA_SERVERS, else the gateways found on multicast)")
@@ -240,10 +295,15 @@ def main(argv: list[str] | None = None) -> int:
                    "(default REMOTECUDA_SERVERS; unset: listen for beacons)")
     v.add_argument("--wait", type=float, default=1.5, help="seconds to listen (default 1.5: one beacon round)")
     v.add_argument("--json", action="store_true", help="print the list as JSON")
+    sub.add_parser("token", help="print a new random token (for --token-file / REMOTECUDA_TOKEN_FILE)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     if a.cmd == "servers":
         return _servers(a)
+    if a.cmd == "token":
+        import secrets
+        print(secrets.token_urlsafe(32))
+        return 0
     return _start(a, argv) if a.cmd == "start" else _run(a)
 
 

@@ -16,6 +16,11 @@ class GatewayUnavailableError(RemoteCUDAError):
     """No gateway answered, and fallback to the local CPU is off."""
 
 
+class GatewayAuthError(GatewayUnavailableError):
+    """The gateway and this client do not share a token: the gateway wants one this client lacks
+    or refused this client's, or this client holds one and the gateway did not prove it has it."""
+
+
 class GatewayLostError(RemoteCUDAError):
     """The gateway or this session's worker stopped answering; the session's tensors are gone."""
 

@@ -22,11 +22,18 @@ import numpy as np
 import torch
 import zmq
 
-from remotecuda_wire import cache, protocol
+from remotecuda_wire import auth, cache, protocol
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import ProtocolError
 
-from .errors import GatewayDownError, GatewayLostError, GatewayProtocolError, GatewayUnavailableError, remote_exception
+from .errors import (
+    GatewayAuthError,
+    GatewayDownError,
+    GatewayLostError,
+    GatewayProtocolError,
+    GatewayUnavailableError,
+    remote_exception,
+)
 from .scheduler import SessionProfile
 
 #: flush when this many ops are queued
@@ -75,6 +82,9 @@ class Session:
         self.offered = tuple(codecs)
         #: the worker's data port, when this client reaches it: where another worker pulls copies from
         self.data_endpoint: str | None = None
+        #: the session's keys when the gateway authenticates (a token): every message sealed
+        self.peer: auth.Peer | None = None
+        self._channels: dict[zmq.Socket, tuple[int, frozenset]] = {}  # socket → (its channel, channels it receives)
         self.link = LinkModel()
         self._handles = itertools.count(1)
         self._ops: list = []
@@ -83,7 +93,7 @@ class Session:
         self._first_pending = 0.0
         self._release: list[tuple[int, int]] = []  # (ops queued before it, handle)
         self._inflight: list = []  # (tracker, tensor): zero-copy uploads zmq has not sent yet
-        self._seq = 0
+        self._seq = 0  # the last sequence number sent
         self._parts_sent = 0  # PART messages so far: an upload's op names how many precede it
         self._rid = 0
         self._op_index = 0
@@ -103,16 +113,19 @@ class Session:
         self.endpoint, self.gpu = endpoint, gpu
         self.front = connect(ctx, endpoint)  # the gateway's port: placement, and word of a lost worker
         try:
-            self.info = hello(self.front, {"device": gpu, "cache": self.want_cache, "codecs": list(self.offered)},
-                              self.connect_timeout, endpoint)
+            self.info, self.peer = handshake(self.front, {"device": gpu, "cache": self.want_cache,
+                                                          "codecs": list(self.offered)}, self.connect_timeout, endpoint)
         except BaseException:
             self.front.close(linger=0)
             raise
+        self._channels = {self.front: (auth.FRONT, _FROM_GATEWAY[auth.FRONT])}
         #: the codecs uploads may use: ours that the gateway decodes
         self.codecs = protocol.common_codecs(self.info.get("codecs"), self.offered)
         self.direct_failure: str | None = None
         self.bulk_failure: str | None = None
         self.sock, self.bulk = self._open_connections(ctx)  # the op stream's, and large transfers'
+        if self.peer is not None:
+            self._seq = self.peer.seq  # (the greetings used the first numbers)
         self._poller = zmq.Poller()
         for sock in {self.sock, self.front, self.bulk}:
             self._poller.register(sock, zmq.POLLIN)
@@ -193,29 +206,54 @@ class Session:
             token = None
         if isinstance(offer, dict) and os.environ.get("REMOTECUDA_DIRECT", "1") != "0":
             endpoint = f"{self.endpoint.rsplit(':', 1)[0]}:{offer.get('port')}"
-            greetings = [(connect(ctx, endpoint, routing_id=os.urandom(16)), {"token": offer.get("token")})]
+            greetings = [(self._open(ctx, endpoint, auth.DIRECT), {"token": offer.get("token")})]
             if token is not None:
-                greetings.append((connect(ctx, endpoint, routing_id=os.urandom(16)), {"token": token, "bulk": True}))
-            answers = greet(greetings, DIRECT_TIMEOUT, endpoint)
-            if isinstance(answers[0], dict):
+                greetings.append((self._open(ctx, endpoint, auth.BULK), {"token": token, "bulk": True}))
+            answers = greet(greetings, DIRECT_TIMEOUT, endpoint, self._sealer, self._opener)
+            if isinstance(answers[0], protocol.Message):
                 self.data_endpoint = endpoint
                 bulk = self._bulk_or_none(greetings[-1][0], answers[-1]) if token is not None else None
                 return greetings[0][0], bulk or greetings[0][0]
             self.direct_failure = str(answers[0])  # why this session took the forwarded path
             for sock, _ in greetings:
-                sock.close(linger=0)
+                self._forget(sock)
         if token is None:
             return self.front, self.front
-        sock = connect(ctx, self.endpoint)
-        answer = greet([(sock, {"token": token, "bulk": True})], DIRECT_TIMEOUT, self.endpoint)[0]
+        sock = self._open(ctx, self.endpoint, auth.BULK, via_supervisor=True)
+        answer = greet([(sock, {"token": token, "bulk": True})], DIRECT_TIMEOUT, self.endpoint,
+                       self._sealer, self._opener)[0]
         return self.front, self._bulk_or_none(sock, answer) or self.front
 
-    def _bulk_or_none(self, sock: zmq.Socket, answer: dict | Exception) -> zmq.Socket | None:
-        if isinstance(answer, dict):
+    def _open(self, ctx: zmq.Context, endpoint: str, channel: int, via_supervisor: bool = False) -> zmq.Socket:
+        """A further connection of the session: to the worker's data port (a fixed routing id, so a
+        reconnect keeps it), or for the bulk connection on the gateway's port."""
+        sock = connect(ctx, endpoint, routing_id=None if via_supervisor else os.urandom(16))
+        self._channels[sock] = (channel, frozenset({channel | (auth.SUPERVISOR if via_supervisor else auth.WORKER)}))
+        return sock
+
+    def _forget(self, sock: zmq.Socket) -> None:
+        self._channels.pop(sock, None)
+        sock.close(linger=0)
+
+    def _bulk_or_none(self, sock: zmq.Socket, answer: protocol.Message | Exception) -> zmq.Socket | None:
+        if isinstance(answer, protocol.Message):
             return sock
         self.bulk_failure = str(answer)
-        sock.close(linger=0)
+        self._forget(sock)
         return None
+
+    def _sealer(self, frames: list, sock: zmq.Socket) -> list:
+        """Frames as they go out on ``sock``: sealed, with the session's next sequence number,
+        when the session is authenticated (callers hold the lock, or are the constructor)."""
+        if self.peer is None:
+            return frames
+        self.peer.seq += 1
+        return self.peer.seal(frames, self._channels[sock][0], self.peer.seq)
+
+    def _opener(self, frames: list, sock: zmq.Socket) -> None:
+        """Check a received message's MAC and sequence number (authenticated sessions only)."""
+        if self.peer is not None:
+            self.peer.open(frames, self._channels[sock][1])
 
     # ------------------------------------------------------------------ hot path
     def new_handle(self) -> int:
@@ -324,8 +362,9 @@ class Session:
                 if i == len(digests):
                     digests.append(protocol.payload_digest(part))
                 desc, frame = protocol.encode_payload(part, codec, digests[i])
-                frames = protocol.encode(protocol.PART, {"h": h, "off": i * protocol.PART_BYTES, "total": n},
-                                         [(desc, frame)])
+                self._seq += 1
+                frames = self._seal(protocol.encode(protocol.PART, {"h": h, "off": i * protocol.PART_BYTES,
+                                                                    "total": n}, [(desc, frame)], self._seq), self.bulk)
                 with HeldInterrupts():  # a part handed to ZeroMQ is counted
                     trackers.append(self._send_frames(self.bulk, frames, track=frame is part))
                     self._parts_sent += 1
@@ -382,7 +421,7 @@ class Session:
                 body["req"] = req
             with HeldInterrupts():  # the queue is cleared and sent as one step
                 self._seq += 1
-                frames = protocol.encode(protocol.OPS, body, self._payloads, self._seq)
+                frames = self._seal(protocol.encode(protocol.OPS, body, self._payloads, self._seq), self.sock)
                 self._op_index += len(self._ops)
                 self._stats["ops"] += len(self._ops)
                 self._stats["messages"] += 1
@@ -427,8 +466,14 @@ class Session:
     def _send(self, msg_type: int, body: dict) -> None:
         with HeldInterrupts():
             self._seq += 1
-            self._send_frames(self.sock, protocol.encode(msg_type, body, (), self._seq))
+            self._send_frames(self.sock, self._seal(protocol.encode(msg_type, body, (), self._seq), self.sock))
             self._last_send = time.monotonic()
+
+    def _seal(self, frames: list, sock: zmq.Socket) -> list:
+        """Seal with the message's own sequence number (``_seq``, one counter for all connections)."""
+        if self.peer is None:
+            return frames
+        return self.peer.seal(frames, self._channels[sock][0], self._seq)
 
     # ------------------------------------------------------------------ sync points
     def request(self, name: str, args: list, kwargs: dict | None = None, base: int | None = None) -> Any:
@@ -497,7 +542,12 @@ class Session:
                     frames = sock.recv_multipart(copy=False)
                     last_heard = time.monotonic()
                     self._stats["bytes_down"] += sum(len(f) for f in frames)
-                    msg = protocol.decode(frames)
+                    try:
+                        self._opener(frames, sock)
+                        msg = protocol.decode(frames)
+                    except ProtocolError as e:
+                        raise GatewayProtocolError(f"gateway {self.endpoint} sent a message this client "
+                                                   f"refuses: {e}") from None
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
                         return msg, downloads
                     if msg.type == protocol.PART and msg.body.get("rid") == rid:
@@ -654,39 +704,72 @@ def connect(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) ->
     return sock
 
 
+#: the channels a client accepts on the gateway's port: the supervisor's messages and its worker's, forwarded
+_FROM_GATEWAY = {auth.FRONT: frozenset({auth.FRONT | auth.SUPERVISOR, auth.FRONT | auth.WORKER})}
+
+
 def hello(sock: zmq.Socket, body: dict, timeout: float, endpoint: str) -> dict:
     """Greet a gateway; the WELCOME body (inventory) or GatewayUnavailableError."""
-    answer = greet([(sock, body)], timeout, endpoint)[0]
-    if isinstance(answer, dict):
-        return answer
-    raise answer
+    return handshake(sock, body, timeout, endpoint)[0]
 
 
-def gateway_status(ctx: zmq.Context, endpoint: str, timeout: float) -> dict:
-    """A gateway's STATUS answer (its inventory, per-session and total counters), asked on a
-    connection of its own; GatewayUnavailableError when none comes within ``timeout``."""
-    sock = connect(ctx, endpoint)
+def handshake(sock: zmq.Socket, body: dict, timeout: float, endpoint: str) -> tuple[dict, auth.Peer | None]:
+    """Greet a gateway on a new connection: the WELCOME body, and the connection's keys when this
+    client holds a token (``REMOTECUDA_TOKEN`` / ``REMOTECUDA_TOKEN_FILE``). The token is proven
+    by answering the gateway's challenge, never sent; the gateway proves it holds it too (its
+    WELCOME is sealed with the key both derive), so a client with a token uses no gateway without."""
+    token = auth.read_token()
+    if token is None:
+        msg = _answer(greet([(sock, body)], timeout, endpoint)[0])
+        if msg.type != protocol.WELCOME:
+            raise GatewayUnavailableError(f"gateway {endpoint} answered HELLO with {protocol.TYPE_NAMES[msg.type]}")
+        return msg.body, None
+    deadline = time.monotonic() + timeout
+    mine = auth.nonce()
+    msg = _answer(greet([(sock, dict(body, auth=mine))], timeout, endpoint)[0])
+    theirs = msg.body.get("nonce")
+    if msg.type != protocol.CHALLENGE or not (isinstance(theirs, bytes) and len(theirs) == auth.NONCE_BYTES):
+        raise GatewayAuthError(f"gateway {endpoint} does not authenticate (it runs without a token), and this "
+                               "client holds one (REMOTECUDA_TOKEN / REMOTECUDA_TOKEN_FILE): it uses only "
+                               "gateways that prove they share it")
+    peer = auth.Peer(auth.session_key(auth.token_key(token), mine, theirs), auth.C2G)
     try:
-        sock.send_multipart(protocol.encode(protocol.STATUS, {}))
-        if not sock.poll(int(timeout * 1000)):
-            raise GatewayUnavailableError(f"no RemoteCUDA gateway answered at {endpoint}")
-        return protocol.decode(sock.recv_multipart()).body
-    finally:
-        sock.close(linger=0)
+        msg = _answer(greet([(sock, body)], max(deadline - time.monotonic(), 0.5), endpoint,
+                            lambda frames, _: peer.seal(frames, auth.FRONT),
+                            lambda frames, _: peer.open(frames, _FROM_GATEWAY[auth.FRONT]))[0])
+    except auth.AuthError as e:
+        raise GatewayAuthError(f"gateway {endpoint} did not prove it holds this client's token ({e})") from None
+    if msg.type != protocol.WELCOME:
+        raise GatewayUnavailableError(f"gateway {endpoint} answered HELLO with {protocol.TYPE_NAMES[msg.type]}")
+    return msg.body, peer
 
 
-def greet(greetings: list[tuple[zmq.Socket, dict]], timeout: float, endpoint: str) -> list[dict | Exception]:
-    """Send each socket its HELLO and wait for all the answers at once; for each, the WELCOME
-    body or the error saying why none came (GatewayUnavailableError, ProtocolError)."""
+def _answer(answer: protocol.Message | Exception) -> protocol.Message:
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
+Sealer = Callable[[list, zmq.Socket], list]
+Checker = Callable[[list, zmq.Socket], Any]
+
+
+def greet(greetings: list[tuple[zmq.Socket, dict]], timeout: float, endpoint: str,
+          seal: Sealer | None = None, check: Checker | None = None) -> list[protocol.Message | Exception]:
+    """Send each socket its HELLO and wait for all the answers at once; for each, the WELCOME (or
+    CHALLENGE) message or the error saying why none came (GatewayUnavailableError,
+    GatewayAuthError, ProtocolError). ``seal`` and ``check``, an authenticated session's, seal each
+    HELLO for its socket and check each answer (an unsealed ERROR still counts as a refusal)."""
     client = {"host": socket.gethostname(), "pid": os.getpid(), "torch": torch.__version__,
               "protocol": protocol.VERSION}
     deadline = time.monotonic() + timeout
     unsent = {sock: dict(body, client=client) for sock, body in greetings}
-    answers: dict[zmq.Socket, dict | Exception] = {}
+    answers: dict[zmq.Socket, protocol.Message | Exception] = {}
     while len(answers) < len(greetings) and time.monotonic() < deadline:
         for sock, body in list(unsent.items()):
+            frames = protocol.encode(protocol.HELLO, body)
             try:  # with IMMEDIATE, a send fails (rather than queueing) until the TCP link is up
-                sock.send_multipart(protocol.encode(protocol.HELLO, body), zmq.NOBLOCK)
+                sock.send_multipart(seal(frames, sock) if seal is not None else frames, zmq.NOBLOCK)
                 del unsent[sock]
             except zmq.Again:
                 pass
@@ -696,15 +779,44 @@ def greet(greetings: list[tuple[zmq.Socket, dict]], timeout: float, endpoint: st
             continue
         ready, _, _ = zmq.select(waiting, [], [], 0.05)
         for sock in ready:
+            frames = sock.recv_multipart()
             try:
-                msg = protocol.decode(sock.recv_multipart())
+                head = protocol.decode_header(frames[0]) if frames else None
+                if check is not None and not (head is not None and head.type == protocol.ERROR
+                                              and not head.flags & protocol.SEALED):
+                    check(frames, sock)
+                msg = protocol.decode(frames)
             except protocol.ProtocolError as e:
                 answers[sock] = e
                 continue
-            if msg.type == protocol.WELCOME:
-                answers[sock] = msg.body
+            if msg.type in (protocol.WELCOME, protocol.CHALLENGE):
+                answers[sock] = msg
             elif msg.type == protocol.ERROR:
-                answers[sock] = GatewayUnavailableError(
-                    f"gateway {endpoint} refused the session: {msg.body.get('msg')}")
+                error = GatewayAuthError if msg.body.get("kind") == "auth" else GatewayUnavailableError
+                answers[sock] = error(f"gateway {endpoint} refused the session: {msg.body.get('msg')}")
     return [answers[sock] if sock in answers else GatewayUnavailableError(
         f"no RemoteCUDA gateway answered at {endpoint} within {timeout:.1f} s") for sock, _ in greetings]
+
+
+def gateway_status(ctx: zmq.Context, endpoint: str, timeout: float) -> dict:
+    """A gateway's STATUS answer (its inventory, per-session and total counters), asked on a
+    connection of its own; GatewayUnavailableError when none comes within ``timeout``. With a
+    token the connection authenticates first (HELLO without a device) and the exchange is sealed;
+    without one, a gateway that has a token answers with its public inventory only."""
+    sock = connect(ctx, endpoint)
+    try:
+        peer = handshake(sock, {"device": None}, timeout, endpoint)[1] if auth.read_token() else None
+        frames = protocol.encode(protocol.STATUS, {}, seq=2 if peer is not None else 0)
+        sock.send_multipart(peer.seal(frames, auth.FRONT) if peer is not None else frames)
+        if not sock.poll(int(timeout * 1000)):
+            raise GatewayUnavailableError(f"no RemoteCUDA gateway answered at {endpoint}")
+        frames = sock.recv_multipart()
+        if peer is not None:
+            peer.open(frames, _FROM_GATEWAY[auth.FRONT])
+        msg = protocol.decode(frames)
+        if msg.type == protocol.ERROR:
+            error = GatewayAuthError if msg.body.get("kind") == "auth" else GatewayUnavailableError
+            raise error(f"gateway {endpoint} refused STATUS: {msg.body.get('msg')}")
+        return msg.body
+    finally:
+        sock.close(linger=0)

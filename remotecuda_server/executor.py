@@ -140,6 +140,7 @@ class PartedUploads:
         self.device, self.copy_stream = device, copy_stream
         self.cv = threading.Condition()
         self.received = 0  # PART messages seen, well-formed or not
+        self.refused = 0  # the session's messages refused before their type could be trusted (maybe PARTs)
         self.building: dict[int, tuple] = {}  # handle → (Assembly, parts, digests, ready event)
         self.failed: dict[int, BaseException] = {}  # handle → why its upload cannot finish
         self.abandoned: dict[int, int] = {}  # handle → last PART number: its parts still coming are dropped
@@ -198,6 +199,14 @@ class PartedUploads:
                 self.abandoned = {h: last for h, last in self.abandoned.items() if last > self.received}
             self.cv.notify_all()
 
+    def lost(self) -> None:
+        """A message of the session was refused before its type could be trusted: it may have
+        been a PART, so an upload still short of its parts fails (after LOST_GRACE) instead of
+        waiting for one that will never come."""
+        with self.cv:
+            self.refused += 1
+            self.cv.notify_all()
+
     def close(self) -> None:
         with self.cv:
             self.closed = True
@@ -208,9 +217,15 @@ class PartedUploads:
         """Upload h, once PART messages up to number ``last`` are in; None if the session is
         cancelled or closed meanwhile."""
         with self.cv:
+            short_since = None
             while self.received < last:
                 if self.closed or cancelled():
                     return None
+                if self.received + self.refused >= last:  # the missing parts may be among the refused
+                    short_since = short_since or time.monotonic()
+                    if time.monotonic() - short_since > LOST_GRACE:
+                        raise ProtocolError(f"upload of tensor {h}: {last - self.received} of its PART messages "
+                                            "did not arrive (a message of this session was refused)")
                 self.cv.wait(0.1)
             err, entry = self.failed.pop(h, None), self.building.pop(h, None)
         if err is not None:
@@ -224,6 +239,10 @@ class PartedUploads:
         if ready is not None:
             t.record_stream(torch.cuda.current_stream(self.device))
         return Upload(t, ready, digests, parts)
+
+
+#: how long an upload short of parts still waits once refused messages could account for them
+LOST_GRACE = 1.0
 
 
 class InternalOp(NamedTuple):
@@ -415,7 +434,7 @@ class Executor:
                 self._store(outs, result)
                 return None
             return result
-        func = self.resolver.resolve(name)._op  # what OpOverload.__call__ forwards to, one frame less
+        func = self.resolver.callable(name)  # (OpOverload._op, one frame less than calling it; or its guard)
         args = [self._arg(a) for a in args]
         result = func(*args, **{k: self._arg(v) for k, v in kwargs.items()}) if kwargs else func(*args)
         if isinstance(outs, dict):

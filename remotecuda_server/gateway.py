@@ -7,12 +7,21 @@ them) to the worker process that owns the session — or, when the client reache
 worker's own data port (the direct path, see worker.py), only places the session and keeps
 its accounts. Workers are started ahead of time, one spare per device, so a new session
 does not wait for ``import torch``. A session ends on BYE, after ``session_timeout``
-seconds without a message (the client pings every few seconds while alive), or when its
-worker dies; its worker then exits, which frees all of its memory.
+seconds without a message (the client pings every few seconds while alive), a few seconds
+after its client's connection closes (a killed client), or when its worker dies; its worker
+then exits, which frees all of its memory.
 
 It also keeps each GPU's figures (memory, utilization, queued work, sessions, op latency;
 load.py) from its workers' reports, and announces the gateway with them on multicast about
 once a second (announcer.py) unless discovery is off.
+
+With a token (auth.py) every connection authenticates before anything but its first HELLO
+is read, and every message is sealed; the supervisor checks the messages it acts on itself
+(HELLO, PING, BYE, STATUS) and forwards a session's OPS, CANCEL and PART, unread, to its
+worker, which checks them. Everything a peer can make the supervisor hold is bounded:
+sessions (in all, and per peer address), one session per connection, challenges and
+session-less connections, the size of what it parses, and the life of connections that
+do not authenticate or serve a session (connections.py). docs/SECURITY.md has the model.
 """
 from __future__ import annotations
 
@@ -26,18 +35,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from remotecuda_wire import beacon, protocol
+from remotecuda_wire import auth, beacon, protocol
 from remotecuda_wire._version import __version__ as VERSION
 from remotecuda_wire.cache import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
 from remotecuda_wire.cache import POLICIES
 from remotecuda_wire.protocol import ProtocolError
 
 from . import announcer, internal, memory_account
+from .connections import Connections
 from .devices import DeviceInfo
 from .load import GpuLoad
 
@@ -48,6 +59,21 @@ _EXIT_GRACE = 30.0
 #: a worker's counts of direct-path traffic, and the session counters they add to
 _DIRECT_KEYS = {"direct_messages_in": "messages_in", "direct_bytes_in": "bytes_in",
                 "direct_bytes_out": "bytes_out"}
+#: the largest body of a message the supervisor parses itself (HELLO, PING, BYE, STATUS)
+SMALL_BODY = 4096
+#: the largest frame a client sends: a body (MAX_BODY_BYTES), or a payload, which is under 1 MiB
+#: in an OPS message and at most PART_BYTES in a PART
+MAX_FRAME = max(protocol.MAX_BODY_BYTES, protocol.PART_BYTES) + 64
+#: messages queued per connection on the front socket before ZeroMQ stops reading that peer
+FRONT_RCVHWM = 64
+#: challenges and authenticated connections without a session kept at once (oldest dropped first)
+MAX_STRANGERS = 1024
+#: a session whose client's connection closed ends this long after its last message
+DISCONNECT_GRACE = 3.0
+#: ZeroMQ heartbeats on the gateway's sockets: a peer that answers nothing this long is gone
+HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 2000, 10000
+#: after a worker could not start, the next try waits this long, doubling up to the maximum
+SPAWN_BACKOFF, SPAWN_BACKOFF_MAX = 1.0, 30.0
 
 
 @dataclass
@@ -73,29 +99,50 @@ class SessionState:
     bytes_out: int = 0
     worker_stats: dict = field(default_factory=dict)
     token: bytes = b""  # proves a second connection (the bulk one, or the direct path) is the session's
+    peer: auth.Peer | None = None  # the session's keys (with a token)
+    address: str = ""  # the client's IP address, for the per-peer limit
+    disconnected: bool = False  # its client's connection to this port has closed
+
+
+@dataclass
+class Waiting:
+    """A HELLO waiting for a worker."""
+
+    client: bytes
+    device: int
+    address: str
+    peer: auth.Peer | None
 
 
 class Gateway:
     def __init__(self, devices: list[DeviceInfo], host: str = "127.0.0.1", port: int = 55555,
-                 spare: int = 1, session_timeout: float = 60.0, max_frame: int = protocol.MAX_PAYLOAD_BYTES,
+                 spare: int = 1, session_timeout: float = 60.0, max_frame: int = MAX_FRAME,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, direct: bool = True, discovery: bool = False,
-                 advertise: str | None = None, discovery_iface: str | None = None):
+                 advertise: str | None = None, discovery_iface: str | None = None, token: bytes | None = None,
+                 max_sessions: int = 64, max_sessions_per_peer: int = 16, idle_timeout: float = 30.0):
         """``discovery``: announce on multicast (group from REMOTECUDA_DISCOVERY), from
         ``discovery_iface`` (else REMOTECUDA_DISCOVERY_IFACE, else announcer.interface's choice),
-        giving ``advertise`` (HOST:PORT) as the address, else the bound one."""
+        giving ``advertise`` (HOST:PORT) as the address, else the bound one. ``token``: clients must
+        prove they hold it (auth.py); the limits are those of ``remotecuda start``."""
         self.devices = devices
         self.id = secrets.token_hex(8)  # this start's: a restarted gateway is another one
         self.direct = direct
         self.max_frame = max_frame
         self.spare = spare
         self.session_timeout = session_timeout
+        self.token_key = auth.token_key(token) if token is not None else None
+        self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
+        self.idle_timeout = idle_timeout
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.front.setsockopt(zmq.LINGER, 0)
-        self.front.setsockopt(zmq.MAXMSGSIZE, max_frame + 64)
+        self.front.setsockopt(zmq.MAXMSGSIZE, max_frame)
         self.front.setsockopt(zmq.SNDHWM, 0)
-        self.front.setsockopt(zmq.RCVHWM, 0)
+        self.front.setsockopt(zmq.RCVHWM, FRONT_RCVHWM)
+        self.front.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self.front.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.conns = Connections(self.front, idle_timeout)
         if port == 0:
             self.port = self.front.bind_to_random_port(f"tcp://{host}")
         else:
@@ -112,7 +159,13 @@ class Gateway:
         self.back.bind(self.backend)
         self.workers: dict[bytes, WorkerProc] = {}
         self.sessions: dict[bytes, SessionState] = {}
-        self.waiting: list[tuple[bytes, int]] = []  # (client, device) HELLOs waiting for a worker
+        self.waiting: list[Waiting] = []  # HELLOs waiting for a worker
+        #: with a token: challenges sent (connection → (its nonce, ours)), authenticated connections without a session
+        self.challenges: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        self.peers: OrderedDict[bytes, auth.Peer] = OrderedDict()
+        self.refused: dict[str, int] = {}  # rejections by reason, in STATUS's totals
+        self._spawn_after = 0.0  # no worker is started before this (monotonic), after a failure
+        self._spawn_backoff = SPAWN_BACKOFF
         self.cache_requests: dict[bytes, Any] = {}
         self.client_codecs: dict[bytes, tuple[str, ...]] = {}  # what each waiting client decodes
         self.bulk_links: dict[bytes, bytes] = {}  # a session's bulk connection → the session's client
@@ -139,26 +192,37 @@ class Gateway:
             self.announcer = announcer.Announcer(self.id, addr, group, gport, iface)
 
     # ------------------------------------------------------------------ workers
-    def _spawn(self, device: int) -> None:
+    def _spawn(self, device: int) -> bool:
+        """Start a worker for ``device``; False (and the waiting clients told) if it cannot start."""
+        if time.monotonic() < self._spawn_after:
+            return False
         self._n += 1
         ident = f"w{self._n}".encode()
         cmd = [sys.executable, "-m", "remotecuda_server.worker", "--backend", self.backend,
                "--ident", ident.decode(), "--device", self.devices[device].torch_device,
-               "--max-frame", str(self.max_frame), "--parent", str(os.getpid())]
+               "--max-frame", str(self.max_frame), "--idle-timeout", str(self.idle_timeout),
+               "--parent", str(os.getpid())]
         if self.direct:
             cmd += ["--host", self.host]
         slot = None
         account = self.accounts.get(device)
         if account is not None:
             if not self.free_slots[device]:
-                return  # (every slot taken: the HELLO waits for a worker to end)
+                return False  # (every slot taken: the HELLO waits for a worker to end)
             slot = self.free_slots[device].pop(0)
             d = self.devices[device]
             cmd += ["--account-fd", str(account.fd), "--slot", str(slot),
                     "--gpu", json.dumps({"index": d.index, "name": d.name, "total_memory": d.total_memory})]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env(),
-                                pass_fds=(account.fd,) if account is not None else ())
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env(),
+                                    pass_fds=(account.fd,) if account is not None else ())
+        except OSError as e:  # (too many open files, out of memory, ...): this HELLO fails, not the gateway
+            if slot is not None:
+                self.free_slots[device].append(slot)
+            self._spawn_failed(device, f"{type(e).__name__}: {e}")
+            return False
         self.workers[ident] = WorkerProc(ident, device, proc, slot=slot)
+        return True
 
     def _retire(self, w: WorkerProc) -> None:
         """A worker is gone, or will run no more ops: its share of a simulated GPU is free."""
@@ -168,12 +232,25 @@ class Gateway:
             self.free_slots[w.device].append(w.slot)
             w.slot = None
 
+    def _spawn_failed(self, device: int, why: str) -> None:
+        """Back off, and answer the HELLOs that waited for a worker of ``device`` with an error."""
+        print(f"remotecuda gateway: a session worker could not start ({why}); retrying in "
+              f"{self._spawn_backoff:.0f} s", file=sys.stderr, flush=True)
+        self._spawn_after = time.monotonic() + self._spawn_backoff
+        self._spawn_backoff = min(self._spawn_backoff * 2, SPAWN_BACKOFF_MAX)
+        idle = sum(1 for w in self.workers.values() if w.device == device and w.client is None)
+        waiting = [h for h in self.waiting if h.device == device]
+        for h in waiting[idle:]:
+            self.waiting.remove(h)
+            self._refuse(h.client, f"the gateway could not start a session worker ({why})", "internal", h.peer)
+
     def _maintain_spares(self) -> None:
         for dev in range(len(self.devices)):
             idle = sum(1 for w in self.workers.values() if w.device == dev and w.client is None)
-            wanted = self.spare + sum(1 for _, d in self.waiting if d == dev)
+            wanted = self.spare + sum(1 for h in self.waiting if h.device == dev)
             for _ in range(wanted - idle):
-                self._spawn(dev)
+                if not self._spawn(dev):
+                    break
 
     def _reap(self) -> None:
         for w in list(self.workers.values()):
@@ -183,6 +260,8 @@ class Gateway:
             self._retire(w)
             if w.client is not None and w.client in self.sessions:
                 self._lose_session(w.client, f"the gateway's session worker exited (code {code})")
+            elif not w.ready:
+                self._spawn_failed(w.device, f"it exited with code {code} before it was ready")
         now = time.monotonic()
         still = []
         for proc, deadline in self.exiting:
@@ -194,23 +273,26 @@ class Gateway:
 
     def _assign(self) -> None:
         still = []
-        for client, dev in self.waiting:
+        for h in self.waiting:
             w = next((w for w in self.workers.values()
-                      if w.device == dev and w.ready and w.client is None), None)
+                      if w.device == h.device and w.ready and w.client is None), None)
             if w is None:
-                still.append((client, dev))
+                still.append(h)
                 continue
+            client = h.client
             w.client = client
             token = secrets.token_bytes(16)
-            self.sessions[client] = SessionState(client, w.ident, dev, token=token)
+            self.sessions[client] = SessionState(client, w.ident, h.device, token=token, peer=h.peer,
+                                                 address=h.address)
+            self._spawn_backoff = SPAWN_BACKOFF  # workers start again
             conf = self._cache_conf(self.cache_requests.pop(client, None))
             codecs = list(self.client_codecs.pop(client, ()))
-            self.back.send_multipart([w.ident, internal.ATTACH, client,
-                                      protocol.pack_body({"cache": conf, "token": token, "codecs": codecs})])
+            self.back.send_multipart([w.ident, internal.ATTACH, client, protocol.pack_body(
+                {"cache": conf, "token": token, "codecs": codecs, "key": h.peer.key if h.peer else None})])
             welcome = dict(self._inventory(session=True), cache=conf, token=token)
             if w.data_port:
                 welcome["direct"] = {"port": w.data_port, "token": token}
-            self._send_client(client, protocol.encode(protocol.WELCOME, welcome))
+            self._say(client, protocol.WELCOME, welcome)
         self.waiting = still
 
     def _cache_conf(self, asked: Any) -> dict:
@@ -225,7 +307,8 @@ class Gateway:
     def _inventory(self, session: bool = False) -> dict:
         return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(), "id": self.id,
                 "devices": [d.as_dict() for d in self.devices], "session": session,
-                "sessions": len(self.sessions), "codecs": list(protocol.CODECS)}
+                "sessions": len(self.sessions), "codecs": list(protocol.CODECS),
+                "auth": "token" if self.token_key is not None else None}
 
     def gpus(self) -> list[dict]:
         """Each GPU's facts and current figures (STATUS's and the beacon's ``gpus``)."""
@@ -255,9 +338,12 @@ class Gateway:
         return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(),
                 "host": socket.gethostname(), "sessions": len(self.sessions), "gpus": self.gpus()}
 
-    def status(self) -> dict:
+    def status(self, full: bool = True) -> dict:
         """Per-session and gateway-wide counters, and each GPU's figures: what the pool's
-        scheduler and panel read."""
+        scheduler and panel read. Not ``full`` (a peer that has not authenticated, with a token):
+        the inventory and the GPUs' figures alone, which beacons announce anyway."""
+        if not full:
+            return dict(self._inventory(), gpus=self.gpus())
         sessions = []
         total = dict(self.totals)
         for st in self.sessions.values():
@@ -272,7 +358,9 @@ class Gateway:
             sessions.append(row)
         for k, v in self.finished.items():
             total[k] = total.get(k, 0) + v
-        return dict(self._inventory(), sessions=sessions, totals=total, gpus=self.gpus())
+        total["connections_closed"] = self.conns.shut_count
+        return dict(self._inventory(), sessions=sessions, totals=dict(total, refused=dict(self.refused)),
+                    gpus=self.gpus())
 
     def _send_client(self, client: bytes, frames: list) -> None:
         try:
@@ -280,60 +368,198 @@ class Gateway:
         except zmq.ZMQError:  # the client is gone (ROUTER_MANDATORY says so rather than dropping)
             pass
 
-    def _error(self, client: bytes, msg: str, kind: str = "protocol") -> None:
-        self._send_client(client, protocol.encode(protocol.ERROR, {"msg": msg, "kind": kind}))
+    def _keys_for(self, ident: bytes) -> tuple[auth.Peer | None, int]:
+        """The keys a connection's messages are sealed with, and its channel (None: not authenticated)."""
+        link = self.bulk_links.get(ident)
+        if link is not None:
+            st = self.sessions.get(link)
+            return (st.peer if st else None), auth.BULK
+        st = self.sessions.get(ident)
+        if st is not None:
+            return st.peer, auth.FRONT
+        h = next((h for h in self.waiting if h.client == ident), None)
+        return (h.peer if h is not None else self.peers.get(ident)), auth.FRONT
+
+    def _say(self, ident: bytes, msg_type: int, body: dict, peer: Any = False) -> None:
+        """Send one message of the supervisor's, sealed with the connection's keys when it has any."""
+        frames = protocol.encode(msg_type, body)
+        keys, channel = self._keys_for(ident) if peer is False else (peer, auth.FRONT)
+        if keys is not None:
+            frames = keys.seal(frames, channel | auth.SUPERVISOR)
+        self._send_client(ident, frames)
+
+    def _error(self, client: bytes, msg: str, kind: str = "protocol", peer: Any = False) -> None:
+        self._say(client, protocol.ERROR, {"msg": msg, "kind": kind}, peer)
+
+    def _refuse(self, client: bytes, msg: str, kind: str, peer: Any = False) -> None:
+        """Refuse a request before any work: counted by kind, answered with a clear error."""
+        self.refused[kind] = self.refused.get(kind, 0) + 1
+        self._error(client, msg, kind, peer)
 
     def _on_front(self, frames: list) -> None:
-        client, frames = frames[0].bytes, frames[1:]
+        first, client, frames = frames[0], frames[0].bytes, frames[1:]
         try:
             if not frames:
                 raise ProtocolError("empty message")
-            msg_type = protocol.decode_header(frames[0])[0]
+            head = protocol.decode_header(frames[0])
         except ProtocolError as e:
+            self.conns.seen(first, client, False)
+            self._lost(client)
             self._error(client, str(e))
             return
         bulk = client in self.bulk_links
         state = self.sessions.get(self.bulk_links[client] if bulk else client)
         n = sum(len(f) for f in frames)
-        if state is not None:
-            state.last_seen = time.monotonic()
-            state.messages_in += 1
-            state.bytes_in += n
         self.totals["messages_in"] += 1
         self.totals["bytes_in"] += n
+        if state is not None:
+            state.messages_in += 1
+            state.bytes_in += n
+        if self.token_key is None:  # no token: every well-formed message counts
+            self.conns.seen(first, client, True)
+            if state is not None:
+                state.last_seen = time.monotonic()
+        elif state is not None and head.type in (protocol.OPS, protocol.CANCEL, protocol.PART):
+            if head.channel != (auth.BULK if bulk else auth.FRONT):  # (its MAC is the worker's to check)
+                self._error(client, "message sealed for another connection", "auth")
+                return
+        else:  # the supervisor's own messages are checked here, and only they count as activity
+            keys = self._keys_for(client)[0]
+            if keys is None:
+                self.conns.seen(first, client, False)
+                self._on_stranger(client, first, head, frames)
+                return
+            try:
+                keys.open(frames, (auth.BULK if bulk else auth.FRONT,), head)
+            except ProtocolError as e:
+                self.conns.seen(first, client, False)
+                self._lost(client)
+                self._refuse(client, str(e), "auth")
+                return
+            self.conns.seen(first, client, True)
+            if state is not None:
+                state.last_seen = time.monotonic()
+            elif client in self.peers:
+                self.peers.move_to_end(client)
         if bulk:
-            self._on_bulk(client, msg_type, frames, state)
+            self._on_bulk(client, head.type, frames, state)
             return
-        if msg_type in (protocol.OPS, protocol.CANCEL, protocol.PART):
+        if head.type in (protocol.OPS, protocol.CANCEL, protocol.PART):
             if state is None:
                 self._error(client, "no session: send HELLO first", "no_session")
                 return
             self._forward(state, frames)
             return
         try:
-            msg = protocol.decode(frames)
+            msg = protocol.decode(frames, SMALL_BODY)
         except ProtocolError as e:
+            self._lost(client)
             self._error(client, str(e))
             return
-        if msg_type == protocol.PING:
-            self._send_client(client, protocol.encode(protocol.PONG, {"t": msg.body.get("t"), "id": self.id}))
-        elif msg_type == protocol.HELLO:
-            self._on_hello(client, msg.body)
-        elif msg_type == protocol.STATUS:
-            self._send_client(client, protocol.encode(protocol.STATUS, self.status()))
-        elif msg_type == protocol.BYE:
+        self._on_message(client, first, msg, state)
+
+    def _on_message(self, client: bytes, first: zmq.Frame, msg: protocol.Message, state: SessionState | None) -> None:
+        """A checked message the supervisor answers itself."""
+        if msg.type == protocol.PING:
+            self._say(client, protocol.PONG, {"t": msg.body.get("t"), "id": self.id})
+        elif msg.type == protocol.HELLO:
+            self._on_hello(client, first, msg.body)
+        elif msg.type == protocol.STATUS:
+            self._say(client, protocol.STATUS, self.status())
+        elif msg.type == protocol.BYE:
             self._close_session(client)
         else:
-            self._error(client, f"unexpected message type {protocol.TYPE_NAMES[msg_type]}")
+            self._error(client, f"unexpected message type {protocol.TYPE_NAMES[msg.type]}")
+
+    def _on_stranger(self, client: bytes, first: zmq.Frame, head: protocol.Header, frames: list) -> None:
+        """A message from a connection that has not authenticated (with a token): a HELLO that
+        starts the handshake (answered by a challenge) or ends it (sealed with the key both ends
+        derive), a session's bulk connection (sealed with its session's key), or a STATUS or PING,
+        answered with what is public (the inventory and GPU figures; the gateway's id, for a liveness
+        check). Nothing else is read."""
+        if head.type not in (protocol.HELLO, protocol.STATUS, protocol.PING):
+            self._refuse(client, "this gateway requires a token: the client sets REMOTECUDA_TOKEN or "
+                                 "REMOTECUDA_TOKEN_FILE (see docs/SECURITY.md)", "auth")
+            return
+        if head.n_payloads or head.body_len > SMALL_BODY:
+            self._refuse(client, "a greeting over the size limit", "limit")
+            return
+        if head.type == protocol.STATUS:
+            self._say(client, protocol.STATUS, self.status(full=False), None)
+            return
+        if head.type == protocol.PING:
+            try:
+                t = protocol.decode(frames, SMALL_BODY).body.get("t")
+            except ProtocolError as e:
+                self._error(client, str(e), peer=None)
+                return
+            self._say(client, protocol.PONG, {"t": t if isinstance(t, (int, float)) else None, "id": self.id}, None)
+            return
+        if not head.flags & protocol.SEALED:  # the handshake's first step
+            try:
+                mine = protocol.decode(frames, SMALL_BODY).body.get("auth")
+            except ProtocolError as e:
+                self._error(client, str(e), peer=None)
+                return
+            if not (isinstance(mine, bytes) and len(mine) == auth.NONCE_BYTES):
+                self._refuse(client, "this gateway requires a token: the client sets REMOTECUDA_TOKEN or "
+                                     "REMOTECUDA_TOKEN_FILE (see docs/SECURITY.md)", "auth", None)
+                return
+            ours = auth.nonce()
+            self.challenges[client] = (mine, ours)
+            self.challenges.move_to_end(client)
+            while len(self.challenges) > MAX_STRANGERS:
+                self.challenges.popitem(last=False)
+            self._say(client, protocol.CHALLENGE, {"nonce": ours}, None)
+            return
+        nonces = self.challenges.pop(client, None)
+        if nonces is not None:  # the handshake's second step: a valid MAC proves the token
+            assert self.token_key is not None
+            peer = auth.Peer(auth.session_key(self.token_key, *nonces), auth.G2C)
+            try:
+                peer.open(frames, (auth.FRONT,), head)
+                msg = protocol.decode(frames, SMALL_BODY)
+            except ProtocolError:
+                self._refuse(client, "authentication failed: this client's token is not the gateway's", "auth", None)
+                return
+            self.conns.seen(first, client, True)
+            self.peers[client] = peer
+            while len(self.peers) > MAX_STRANGERS:
+                self.peers.popitem(last=False)
+            self._on_message(client, first, msg, None)
+            return
+        for st in list(self.sessions.values()):  # a session's bulk connection: its key tells which
+            if st.peer is None:
+                continue
+            try:
+                st.peer.open(frames, (auth.BULK,), head)
+            except ProtocolError:
+                continue
+            self.conns.seen(first, client, True)
+            self._on_hello(client, first, protocol.decode(frames, SMALL_BODY).body, st)
+            return
+        self._refuse(client, "authentication failed: no handshake or session matches this message", "auth", None)
+
+    def _lost(self, client: bytes) -> None:
+        """A session's connection sent something that was refused before its type could be
+        trusted: its worker learns of it, so an upload that waits for a PART that will not come
+        fails instead of waiting forever."""
+        st = self.sessions.get(self.bulk_links.get(client, client))
+        if st is not None:
+            try:
+                self.back.send_multipart([st.worker, internal.LOST])
+            except zmq.ZMQError:
+                pass
 
     def _on_bulk(self, link: bytes, msg_type: int, frames: list, state: SessionState | None) -> None:
         """A message on a session's bulk connection: PARTs go to its worker like its ops."""
         if state is None:
             del self.bulk_links[link]
-            self._error(link, "no session: this bulk connection's session has ended", "no_session")
+            self._error(link, "no session: this bulk connection's session has ended", "no_session", None)
         elif msg_type == protocol.PING:
-            self._send_client(link, protocol.encode(protocol.PONG, {}))
+            self._say(link, protocol.PONG, {})
         elif msg_type != protocol.PART:
+            self._lost(link)
             self._error(link, f"a bulk connection carries PART messages, not {protocol.TYPE_NAMES[msg_type]}")
         else:
             self._forward(state, frames)
@@ -344,27 +570,39 @@ class Gateway:
         except zmq.ZMQError:  # the worker has just gone (ROUTER_MANDATORY says so)
             self._lose_session(state.client, "the gateway's session worker is gone")
 
-    def _on_hello(self, client: bytes, body: dict) -> None:
+    def _on_hello(self, client: bytes, first: zmq.Frame, body: dict, bulk_of: SessionState | None = None) -> None:
         if body.get("bulk"):  # a session's second connection, for its large uploads
             token = body.get("token")
             state = next((st for st in self.sessions.values() if isinstance(token, bytes) and st.token
                           and hmac.compare_digest(st.token, token)), None)
-            if state is None or client in self.sessions:
+            if bulk_of is not None and state is not bulk_of:
+                state = None  # (sealed with one session's key, naming another's token)
+            if state is None or client in self.sessions or client in self.peers:
                 self._error(client, "no session holds this token (a bulk connection needs its session's token)"
-                            if state is None else "this connection already has a session")
+                            if state is None else "this connection already has a session", peer=None)
                 return
             self.bulk_links[client] = state.client
-            self._send_client(client, protocol.encode(protocol.WELCOME, {"bulk": True}))
+            self._say(client, protocol.WELCOME, {"bulk": True})
             return
         dev = body.get("device")
         if dev is None:
-            self._send_client(client, protocol.encode(protocol.WELCOME, self._inventory()))
+            self._say(client, protocol.WELCOME, self._inventory())
             return
         if not isinstance(dev, int) or not 0 <= dev < len(self.devices):
             self._error(client, f"this gateway has no device {dev!r} (it has {len(self.devices)})")
             return
-        if client in self.sessions:
-            self._error(client, "this connection already has a session")
+        if client in self.sessions or client in self.bulk_links or any(h.client == client for h in self.waiting):
+            self._refuse(client, "this connection already has a session (one session per connection)", "limit")
+            return
+        address = _peer_address(first)
+        held = [st.address for st in self.sessions.values()] + [h.address for h in self.waiting]
+        if len(held) >= self.max_sessions:
+            self._refuse(client, f"this gateway serves its limit of {self.max_sessions} sessions "
+                                 "(remotecuda start --max-sessions)", "limit")
+            return
+        if held.count(address) >= self.max_sessions_per_peer:
+            self._refuse(client, f"this gateway serves its limit of {self.max_sessions_per_peer} sessions "
+                                 f"for {address} (remotecuda start --max-sessions-per-peer)", "limit")
             return
         try:  # downloads use only codecs the client decodes
             self.client_codecs[client] = protocol.common_codecs(body.get("codecs"))
@@ -372,7 +610,7 @@ class Gateway:
             self._error(client, str(e))
             return
         self.cache_requests[client] = body.get("cache")
-        self.waiting.append((client, dev))
+        self.waiting.append(Waiting(client, dev, address, self.peers.pop(client, None)))
         self._assign()
 
     def _keep_totals(self, state: SessionState) -> None:
@@ -386,12 +624,12 @@ class Gateway:
             del self.bulk_links[link]
 
     def _lose_session(self, client: bytes, why: str) -> None:
+        peer = self._keys_for(client)[0]
         state = self.sessions.pop(client, None)
         self._forget_bulk_links(client)
         if state is not None:
             self._keep_totals(state)
-        self._send_client(client, protocol.encode(protocol.ERROR, {
-            "kind": "session_lost", "msg": f"{why}; this session's tensors are lost"}))
+        self._error(client, f"{why}; this session's tensors are lost", "session_lost", peer)
 
     def _close_session(self, client: bytes) -> None:
         state = self.sessions.pop(client, None)
@@ -418,7 +656,7 @@ class Gateway:
         elif kind == internal.OUT:
             client = frames[2].bytes
             state = self.sessions.get(client)
-            if state is not None:
+            if state is not None and client == w.client:  # a worker speaks to its own client only
                 n = sum(len(f) for f in frames[3:])
                 state.bytes_out += n
                 self.totals["bytes_out"] += n
@@ -427,8 +665,8 @@ class Gateway:
             state = self.sessions.get(w.client) if w.client is not None else None
             if state is not None:
                 stats = protocol.unpack_body(frames[2].bytes)
-                if stats.get("direct_messages_in") != state.worker_stats.get("direct_messages_in"):
-                    state.last_seen = time.monotonic()  # the client is alive on the direct path
+                if stats.get("client_messages") != state.worker_stats.get("client_messages"):
+                    state.last_seen = time.monotonic()  # the worker heard its client (checked)
                 self.loads[state.device].report(state.worker_stats, stats)
                 state.worker_stats = stats
         elif kind == internal.CLOSED:
@@ -440,13 +678,29 @@ class Gateway:
                     and self.sessions[w.client].worker == ident:  # it ended without a CLOSE
                 self._lose_session(w.client, "the gateway's session worker ended")
 
+    def _in_use(self, ident: bytes) -> bool:
+        """Whether a connection serves a session (or waits for one): idle connections that do not are closed."""
+        return ident in self.sessions or ident in self.bulk_links or any(h.client == ident for h in self.waiting)
+
+    def _on_disconnect(self, ident: bytes) -> None:
+        """A connection closed (a client that ended, or was killed): what it held goes."""
+        self.challenges.pop(ident, None)
+        self.peers.pop(ident, None)
+        self.bulk_links.pop(ident, None)
+        self.waiting = [h for h in self.waiting if h.client != ident]
+        st = self.sessions.get(ident)
+        if st is not None:
+            st.disconnected = True
+
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
         poller.register(self.back, zmq.POLLIN)
+        poller.register(self.conns.monitor, zmq.POLLIN)
         self._maintain_spares()
         last_maint = time.monotonic()
+        trim_at = 0.0  # when to give freed memory back, after connections closed
         while self.running:
             wait = 200 if self.announcer is None else \
                 max(0, min(200, int((self.announcer.next_at - time.monotonic()) * 1000) + 1))
@@ -457,6 +711,11 @@ class Gateway:
                         self._on_back(self.back.recv_multipart(zmq.NOBLOCK, copy=False))
                     except zmq.Again:
                         break
+            if self.conns.monitor in events or self.front in events:  # (news of a connection before its messages)
+                for ident in self.conns.events():
+                    self._on_disconnect(ident)
+                if self.conns.closed:
+                    self.conns.closed, trim_at = 0, time.monotonic() + 0.5
             if self.front in events:
                 for _ in range(256):
                     try:
@@ -468,7 +727,7 @@ class Gateway:
                     except Exception:  # one client's message must never stop the gateway
                         import traceback
                         traceback.print_exc()
-                        self._error(frames[0].bytes, "the gateway could not handle this message", "internal")
+                        self._error(frames[0].bytes, "the gateway could not handle this message", "internal", None)
             now = time.monotonic()
             if self.announcer is not None and now >= self.announcer.next_at:
                 self.announcer.send(self._beacon_info())
@@ -478,8 +737,13 @@ class Gateway:
                     load.sample(now)
                 self._reap()
                 for client, st in list(self.sessions.items()):
-                    if now - st.last_seen > self.session_timeout:
+                    if now - st.last_seen > (DISCONNECT_GRACE if st.disconnected else self.session_timeout):
                         self._close_session(client)
+                        self.conns.close(client)
+                self.conns.expire(self._in_use)
+                if trim_at and now >= trim_at:  # what closed connections held (unfinished messages) goes back
+                    trim_at = 0.0
+                    _trim_heap()
                 self._maintain_spares()
                 self._assign()
 
@@ -496,12 +760,45 @@ class Gateway:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        self.front.disable_monitor()
+        self.conns.stop()
         self.front.close()
         self.back.close()
         self.ctx.term()
         self._tmp.cleanup()
         for account in self.accounts.values():
             account.close()
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc keeps it otherwise: the large receive
+    buffers' tunables, MALLOC_TUNABLES below, tell it not to trim on its own)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The IP address a message came from (ZeroMQ's Peer-Address property)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return ""
+
+
+def raise_open_file_limit() -> None:
+    """Each connection costs the supervisor a file descriptor: take the hard limit, not the soft one."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 #: malloc, which ZeroMQ's receive buffers use: huge pages, and buffers up to 32 MiB (an upload

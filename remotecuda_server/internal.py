@@ -21,11 +21,15 @@ CLOSED = b"CLOSED"
 
 # supervisor → worker
 ATTACH = b"ATTACH"
-"""A session for this worker; then the client's identity and msgpack ``{"cache", "token", "codecs"}``."""
+"""A session for this worker; then the client's identity and msgpack ``{"cache", "token", "codecs", "key"}``
+(``key``: the session's key when the gateway has a token, else nil)."""
 MSG = b"MSG"
 """A client's OPS, CANCEL or PART, forwarded; then its frames, uncopied."""
 CLOSE = b"CLOSE"
-"""The session is over; nothing follows: the worker stops its executor and answers CLOSED."""
+"""The session is over; nothing follows: the worker drops its queued work, stops its executor and answers CLOSED."""
+LOST = b"LOST"
+"""A message on the session's connection was refused before its type could be trusted (it may
+have been a PART); nothing follows: uploads waiting for PARTs that will not come fail."""
 
 # inside a worker: executor thread → I/O thread (over the worker's inproc outbox)
 DONE = b"DONE"

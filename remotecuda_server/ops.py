@@ -1,23 +1,41 @@
-"""Resolving op names from the wire to callables, safely.
+"""Resolving op names from the wire to callables, safely: the op allowlist.
 
-Only ``aten`` ops and torch's own ``torch_nn`` custom ops (what CUDA runs for
-``F.linear_cross_entropy``) are reachable, by exact ``ns::name.overload`` lookup in
-``torch.ops``; nothing is evaluated or unpickled, nothing imported but the torch module
-that registers a namespace's ops. Ops that could
-reach the gateway's file system are refused.
+What a client may run is derived from the gateway's torch, in this one place:
+
+* the ops of the allowed namespaces (``aten``, and torch's own ``torch_nn`` custom ops, what
+  CUDA runs for ``F.linear_cross_entropy``), found by exact ``ns::name.overload`` lookup in
+  ``torch.ops`` — nothing is evaluated or unpickled, nothing imported but the torch module
+  that registers a namespace's ops;
+* minus the groups in ``REFUSED``, each named with why: ops that reach the file system or the
+  gateway's log, nested tensors (the protocol has no nested layout, and their views trust
+  their offsets), internal helpers of ops that run whole, and names that are not ops;
+* with the ops whose kernels trust their inputs (guards.py: sparse constructors, pooling
+  indices, saved statistics, …) run behind a check of those inputs.
+
+Everything a client's dispatcher sends is an op of that set: it sends the aten ops its
+programs call (tests/test_security.py checks names from the OpInfo suite against it).
 """
 from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 
 import torch
+
+from .guards import guarded
 
 #: allowed namespaces, and the torch module that registers their ops (torch imports it lazily)
 ALLOWED_NAMESPACES = {"aten": None, "torch_nn": "torch.nn.modules.linear_cross_entropy"}
 _NAME = re.compile(r"^([a-z_][a-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?$")
-#: ops that read or write files on the machine that runs them
-_DENIED = frozenset({"from_file", "save", "load"})
+#: groups of ops a client may not run: (pattern on the op's name without overload, why)
+REFUSED: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"^(from_file|save|load)$"), "it reaches the gateway's file system"),
+    (re.compile(r"^_print$"), "it writes to the gateway's log"),
+    (re.compile(r"^_?nested_"), "nested tensors do not cross the wire (and their views trust their offsets)"),
+    (re.compile(r"^_cum(max|min)_helper$"), "an internal helper of cummax/cummin, which run whole"),
+    (re.compile(r"^__(?!.*__$)"), "not an op"),
+)
 
 
 class UnknownOpError(NotImplementedError):
@@ -29,12 +47,20 @@ class OpResolver:
 
     def __init__(self) -> None:
         self._cache: dict[str, torch._ops.OpOverload] = {}
+        self._callables: dict[str, Callable] = {}
 
     def resolve(self, name: str) -> torch._ops.OpOverload:
         op = self._cache.get(name)
         if op is None:
             op = self._cache[name] = self._lookup(name)
         return op
+
+    def callable(self, name: str) -> Callable:
+        """What running op ``name`` calls: its kernel, behind its guard if it has one (guards.py)."""
+        fn = self._callables.get(name)
+        if fn is None:
+            fn = self._callables[name] = guarded(self.resolve(name))
+        return fn
 
     @staticmethod
     def _lookup(name: str) -> torch._ops.OpOverload:
@@ -44,8 +70,9 @@ class OpResolver:
         ns, op_name, overload = m.group(1), m.group(2), m.group(3) or "default"
         if ns not in ALLOWED_NAMESPACES:
             raise UnknownOpError(f"op namespace {ns!r} is not allowed on this gateway (op {name})")
-        if op_name in _DENIED or op_name.startswith("__") and not op_name.endswith("__"):
-            raise UnknownOpError(f"op {name} is not allowed on this gateway")
+        for pattern, why in REFUSED:
+            if pattern.search(op_name):
+                raise UnknownOpError(f"op {name} is not allowed on this gateway: {why}")
         module = ALLOWED_NAMESPACES[ns]
         if module is not None:
             importlib.import_module(module)

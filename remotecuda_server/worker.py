@@ -11,7 +11,9 @@ interrupt (CANCEL) is seen while ops run; a second thread executes ops in order.
 A session's messages reach the worker forwarded by the supervisor, or, when the
 client can reach it, straight from the client on the worker's own data port (the
 direct path): tensor bytes then cross one socket instead of two. The client proves it
-owns the session with the token the supervisor gave it in WELCOME.
+owns the session with the token the supervisor gave it in WELCOME, and, when the gateway has
+a token of its own (auth.py), with the session's key: the worker checks every message's MAC
+and sequence number before it reads it, and seals what it sends.
 """
 from __future__ import annotations
 
@@ -30,16 +32,19 @@ from typing import Any
 import torch
 import zmq
 
-from remotecuda_wire import protocol
+from remotecuda_wire import auth, protocol
 from remotecuda_wire.cache import ContentCache
 from remotecuda_wire.lifetime import die_with_parent
 from remotecuda_wire.protocol import ProtocolError
 
 from . import internal, peer
+from .connections import Connections
 from .executor import Assembly, Executor, Upload
 from .memory_account import MemoryAccount
 
 STATS_INTERVAL = 0.25  # seconds between a busy session's reports to the supervisor
+#: messages queued per connection on the data port before ZeroMQ stops reading that peer
+DATA_RCVHWM = 64
 
 
 # ---------------------------------------------------------------------- the executor's inbox
@@ -72,7 +77,8 @@ InboxItem = Run | Rejected | Cancelled | None
 
 class Worker:
     def __init__(self, backend: str, ident: bytes, device: str, host: str | None = None,
-                 max_frame: int = protocol.MAX_PAYLOAD_BYTES, account: MemoryAccount | None = None):
+                 max_frame: int = protocol.MAX_BODY_BYTES + 64, account: MemoryAccount | None = None,
+                 idle_timeout: float = 30.0):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -89,17 +95,22 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.connect(backend)
         self.data, self.data_port = None, 0  # the direct path's socket, on the gateway's host
+        self.conns: Connections | None = None
         if host:
             self.data = self.ctx.socket(zmq.ROUTER)
             for opt, v in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.LINGER, 0),
-                           (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.MAXMSGSIZE, max_frame + 64)):
+                           (zmq.SNDHWM, 0), (zmq.RCVHWM, DATA_RCVHWM), (zmq.MAXMSGSIZE, max_frame),
+                           (zmq.HEARTBEAT_IVL, 2000), (zmq.HEARTBEAT_TIMEOUT, 10000)):
                 self.data.setsockopt(opt, v)
             self.data_port = self.data.bind_to_random_port(f"tcp://{host}")
+            self.conns = Connections(self.data, idle_timeout)
         self.token = b""
+        self.keys: auth.Peer | None = None  # the session's keys, when the gateway has a token
         self.early: list = []  # data-port messages that came before ATTACH
         self.direct_client: bytes | None = None  # the client's identity on the data socket
         self.bulk_client: bytes | None = None  # its bulk connection's (PART messages only)
         self.direct_counts = {"direct_messages_in": 0, "direct_bytes_in": 0, "direct_bytes_out": 0}
+        self.client_messages = 0  # the client's messages that passed every check (the supervisor's sign of life)
         self.outbox = self.ctx.socket(zmq.PULL)
         self.outbox.bind(f"inproc://out-{id(self)}")
         self.poller = zmq.Poller()
@@ -123,10 +134,15 @@ class Worker:
         poller.register(self.outbox, zmq.POLLIN)
         if self.data is not None:
             poller.register(self.data, zmq.POLLIN)
+        if self.conns is not None:
+            poller.register(self.conns.monitor, zmq.POLLIN)
         while True:
             events = dict(poller.poll(500))
             if time.monotonic() - self._stats_at >= STATS_INTERVAL:
                 self._report_stats()
+                if self.conns is not None:
+                    self.conns.events()
+                    self.conns.expire(self._in_use)
             if self.outbox in events:
                 while True:
                     try:
@@ -136,6 +152,8 @@ class Worker:
                     kind = frames[0].bytes
                     if kind == internal.DONE:
                         self.sock.send_multipart([internal.CLOSED])
+                        if self.data is not None:
+                            self.data.disable_monitor()
                         return
                     if kind != internal.OFFERED:
                         self._to_client(frames)
@@ -145,6 +163,8 @@ class Worker:
                 if sock in events:
                     self._on_peer(endpoint, sock)
             if self.data in events:
+                if self.conns is not None:
+                    self.conns.events()  # (news of a connection before its messages)
                 for _ in range(64):
                     try:
                         self._on_direct(self.data.recv_multipart(zmq.NOBLOCK, copy=False))
@@ -160,6 +180,8 @@ class Worker:
                     if cache.get("bytes"):
                         self.executor.cache = ContentCache(cache["bytes"], cache["policy"])
                     self.token = conf.get("token") or b""
+                    if conf.get("key"):
+                        self.keys = auth.Peer(conf["key"], auth.G2C)
                     self.executor.codecs = tuple(conf.get("codecs") or ())
                     for early in self.early:
                         self._on_direct(early)
@@ -167,15 +189,31 @@ class Worker:
                 elif kind == internal.MSG:
                     self._on_client_message(frames[1:])
                 elif kind == internal.CLOSE:
-                    self.closing = True
-                    self.executor.parts.close()
-                    self.executor.receipts.close()
+                    self._close()
                     self.inbox.put(None)
+                elif kind == internal.LOST:
+                    self.executor.parts.lost()
+
+    def _in_use(self, ident: bytes) -> bool:
+        """Whether a data-port connection serves the session, or waits for a copy it pulls."""
+        return ident in (self.direct_client, self.bulk_client) or \
+            any(p.ident == ident for p in self.executor.offers.waiting)
+
+    def _close(self) -> None:
+        """The session is over (BYE, or the supervisor's CLOSE): work queued for it is dropped."""
+        self.closing = True
+        self.executor.parts.close()
+        self.executor.receipts.close()
+
+    def _seal(self, frames: list, channel: int) -> list:
+        return self.keys.seal(frames, channel | auth.WORKER) if self.keys is not None else frames
 
     def _to_client(self, frames: list) -> None:
+        """A message of the executor's for the client, sealed here, in the order it is sent."""
         if self.direct_client is None:
-            self.sock.send_multipart([internal.OUT, self.client, *frames], copy=False)
+            self.sock.send_multipart([internal.OUT, self.client, *self._seal(frames, auth.FRONT)], copy=False)
             return
+        frames = self._seal(frames, auth.DIRECT)
         self.direct_counts["direct_bytes_out"] += sum(len(f) for f in frames)
         try:
             self.data.send_multipart([self.direct_client, *frames], copy=False)
@@ -183,56 +221,61 @@ class Worker:
             pass
 
     def _on_direct(self, frames: list) -> None:
-        """A message on the data port: the session's own client after its HELLO, another
+        """A message on the data port: the session's own connections after their HELLO, another
         gateway worker's PULL of a copy, else refused."""
         ident = frames[0].bytes
         if ident not in (self.direct_client, self.bulk_client) and self._is_pull(frames):
-            self._on_pull(ident, frames[1:])
+            self._on_pull(frames[0], frames[1:])
             return
         if self.client is None:  # a HELLO may overtake the supervisor's ATTACH: keep it for then
             if len(self.early) < 8:  # (a spare's port has no business with anyone else)
                 self.early.append(frames)
             return
-        frames = frames[1:]
-        self.direct_counts["direct_messages_in"] += 1
-        self.direct_counts["direct_bytes_in"] += sum(len(f) for f in frames)
+        first, ident, frames = frames[0], frames[0].bytes, frames[1:]
+        channel = auth.DIRECT if ident == self.direct_client else auth.BULK if ident == self.bulk_client else None
         try:
-            msg_type = protocol.decode_header(frames[0])[0] if frames else None
-            if msg_type is None:
+            if not frames:
                 raise ProtocolError("empty message")
-            if ident not in (self.direct_client, self.bulk_client):
-                body = protocol.decode(frames).body if msg_type == protocol.HELLO else {}
-                token = body.get("token")
-                if not (self.token and isinstance(token, bytes) and hmac.compare_digest(token, self.token)):
-                    raise ProtocolError("this port serves one session: send HELLO with its token first")
-                if body.get("bulk"):
-                    self.bulk_client = ident
-                    self._reply_direct(ident, protocol.WELCOME, {"bulk": True})
-                else:
-                    self.direct_client = ident  # a reconnect (new identity) with the token takes over
-                    self._reply_direct(ident, protocol.WELCOME, {"direct": True})
+            head = protocol.decode_header(frames[0])
+            if channel is None:
+                self._greet(ident, head, frames)
+                if self.conns is not None:
+                    self.conns.seen(first, ident, True)
                 return
-            if ident == self.bulk_client and msg_type not in (protocol.PART, protocol.PING):
-                raise ProtocolError(f"a bulk connection carries PART messages, not {protocol.TYPE_NAMES[msg_type]}")
+            if self.keys is not None:
+                self.keys.open(frames, (channel,), head)
+            if channel == auth.BULK and head.type not in (protocol.PART, protocol.PING):
+                raise ProtocolError(f"a bulk connection carries PART messages, not {protocol.TYPE_NAMES[head.type]}")
+            if head.type == protocol.BYE:
+                protocol.decode(frames, 4096)  # a malformed BYE is an error, not a goodbye
         except ProtocolError as e:
+            if channel is not None:
+                self.executor.parts.lost()
             self._reply_direct(ident, protocol.ERROR, {"msg": str(e), "kind": "protocol"})
             return
-        if msg_type == protocol.PART:
+        if self.conns is not None:
+            self.conns.seen(first, ident, True)
+        self.client_messages += 1
+        self.direct_counts["direct_messages_in"] += 1
+        self.direct_counts["direct_bytes_in"] += sum(len(f) for f in frames)
+        if head.type == protocol.PART:
             self._on_part(frames)
-        elif msg_type in (protocol.OPS, protocol.CANCEL):
-            self._on_client_message(frames)
-        elif msg_type == protocol.PING:
+        elif head.type in (protocol.OPS, protocol.CANCEL):
+            self._on_client_message(frames, checked=True)
+        elif head.type == protocol.PING:
             self._reply_direct(ident, protocol.PONG, {})
-        elif msg_type == protocol.BYE:
+        elif head.type == protocol.BYE:
+            self._close()
             self.sock.send_multipart([internal.BYE])
         else:
             self._reply_direct(ident, protocol.ERROR, {
-                "msg": f"unexpected message type {protocol.TYPE_NAMES[msg_type]} in a session",
+                "msg": f"unexpected message type {protocol.TYPE_NAMES[head.type]} in a session",
                 "kind": "protocol"})
 
     # ------------------------------------------------------------------ copies between workers
-    def _on_pull(self, ident: bytes, frames: list) -> None:
+    def _on_pull(self, first: zmq.Frame, frames: list) -> None:
         """Another worker pulls a tensor this session offers (peer.py): served when offered."""
+        ident = first.bytes
         try:
             p = peer.parse_pull(ident, protocol.decode(frames).body, time.monotonic())
         except ProtocolError as e:
@@ -241,6 +284,8 @@ class Worker:
         why = self.executor.offers.pull(p)
         if why is not None:
             self._send_peer(ident, peer.refusal(p, why))
+        elif self.conns is not None:
+            self.conns.seen(first, ident, True)  # (its connection stays while the pull waits)
         self._serve_pulls()
 
     @staticmethod
@@ -310,8 +355,35 @@ class Worker:
             with self._on_copy_stream():
                 self.executor.receipts.on_message(msg)
 
+    def _greet(self, ident: bytes, head: protocol.Header, frames: list) -> None:
+        """A HELLO from a new connection: it becomes the session's op stream or its bulk connection
+        when it names the session's token (and, with a gateway token, is sealed with the session's
+        key: checked before it is read). A reconnect (new identity) with them takes over."""
+        if head.type != protocol.HELLO or head.n_payloads or head.body_len > 4096:
+            raise ProtocolError("this port serves one session: send HELLO with its token first")
+        if self.keys is not None:
+            self.keys.open(frames, (auth.DIRECT, auth.BULK), head)
+        body = protocol.decode(frames, 4096).body
+        token = body.get("token")
+        if not (self.token and isinstance(token, bytes) and hmac.compare_digest(token, self.token)):
+            raise ProtocolError("this port serves one session: send HELLO with its token first")
+        bulk = bool(body.get("bulk"))
+        if self.keys is not None and head.channel != (auth.BULK if bulk else auth.DIRECT):
+            raise auth.AuthError("HELLO sealed for another connection")
+        self.client_messages += 1
+        if bulk:
+            self.bulk_client = ident
+            self._reply_direct(ident, protocol.WELCOME, {"bulk": True})
+        else:
+            self.direct_client = ident
+            self._reply_direct(ident, protocol.WELCOME, {"direct": True})
+
     def _reply_direct(self, ident: bytes, msg_type: int, body: dict) -> None:
         frames = protocol.encode(msg_type, body)
+        if ident == self.direct_client:
+            frames = self._seal(frames, auth.DIRECT)
+        elif ident == self.bulk_client:
+            frames = self._seal(frames, auth.BULK)
         self.direct_counts["direct_bytes_out"] += sum(len(f) for f in frames)
         try:
             self.data.send_multipart([ident, *frames])
@@ -324,7 +396,8 @@ class Worker:
         I/O thread as much as placing a large upload's part."""
         self._stats_at = time.monotonic()
         done, since = self._busy
-        stats = dict(self.executor.stats, **self.direct_counts, memory=self.executor.allocated_bytes(),
+        stats = dict(self.executor.stats, **self.direct_counts, client_messages=self.client_messages,
+                     memory=self.executor.allocated_bytes(),
                      cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
                      cache_evictions=self.executor.cache.evictions if self.executor.cache else 0,
                      parts_in=self.executor.parts.received, partial_upload_bytes=self.executor.parts.building_bytes(),
@@ -336,13 +409,22 @@ class Worker:
             self._last_stats = stats
             self.sock.send_multipart([internal.STATS, protocol.pack_body(stats)])
 
-    def _on_client_message(self, frames: list) -> None:
-        if frames and protocol.decode_header(frames[0])[0] == protocol.PART:  # (forwarded)
-            self._on_part(frames)
-            return
+    def _on_client_message(self, frames: list, checked: bool = False) -> None:
+        """OPS, CANCEL or PART; forwarded by the supervisor unless ``checked`` (the direct path)."""
         try:
+            if not checked:
+                head = self.keys.open(frames, (auth.FRONT, auth.BULK)) if self.keys is not None \
+                    else protocol.decode_header(frames[0]) if frames else None
+                if head is None:
+                    raise ProtocolError("empty message")
+                self.client_messages += 1
+                if head.type == protocol.PART:
+                    self._on_part(frames)
+                    return
             msg = protocol.decode(frames)
         except ProtocolError as e:
+            if not checked:
+                self.executor.parts.lost()
             self.inbox.put(Rejected(str(e)))
             return
         if msg.type == protocol.CANCEL:
@@ -375,7 +457,7 @@ class Worker:
                 raise ProtocolError("malformed PART message: it needs h, off, total and one payload")
             h = body["h"]
             desc, frame = msg.payloads[0]
-            buf = protocol.decode_payload(desc, frame)
+            buf = protocol.decode_payload(desc, frame, protocol.PART_BYTES)  # (a part is at most that)
             with self._on_copy_stream():
                 self.executor.parts.add(h, body["off"], body.get("total"), buf, desc[2])
         except Exception as e:  # (a part too big for memory included) never the I/O thread's end
@@ -395,11 +477,19 @@ class Worker:
         Each payload's digest is checked once, here; the executor finds the verified
         digests (and so the content key) in the ``Upload`` it gets."""
         digests = [d[2] if isinstance(d, list) and len(d) == 3 else None for d, _ in msg.payloads]
+        ops = msg.body.get("ops") if msg.type == protocol.OPS else None
+        sizes = _upload_sizes(ops, len(msg.payloads))
+        for i, (desc, _) in enumerate(msg.payloads):  # before anything is decompressed
+            if sizes[i] is None:
+                raise ProtocolError(f"payload {i} is not named by a well-formed rc::upload of its message")
+            if isinstance(desc, list) and desc and type(desc[0]) is int \
+                    and 0 <= desc[0] <= protocol.MAX_PAYLOAD_BYTES and desc[0] != sizes[i]:
+                raise ProtocolError(f"payload {i} declares {desc[0]!r} bytes; its upload's dtype and shape "
+                                    f"hold {sizes[i]}")
         msg.payloads = [protocol.decode_payload(d, f) for d, f in msg.payloads]
         prepared: dict = {}
         if msg.type != protocol.OPS:
             return prepared
-        ops = msg.body.get("ops")
         for op in ops if isinstance(ops, list) else ():  # the executor reports a malformed list
             if not (isinstance(op, list) and len(op) == 4 and isinstance(op[1], list) and len(op[1]) >= 2):
                 continue
@@ -451,6 +541,8 @@ class Worker:
             item: InboxItem = self.inbox.get()
             if item is None:
                 break
+            if self.closing:  # BYE or CLOSE: what was queued before it is dropped
+                continue
             if type(item) is Run:
                 done = self._busy[0]
                 start = time.perf_counter()
@@ -475,7 +567,7 @@ class Worker:
                 "kind": "protocol"}))
             return
         seq = msg.seq
-        cancelled = lambda: seq <= self.cancel_upto  # noqa: E731 - read by the executor between ops
+        cancelled = lambda: seq <= self.cancel_upto or self.closing  # noqa: E731 - read by the executor between ops
         try:
             result, err, payloads = self.executor.run(msg.body, cancelled, item.prepared)
         except ProtocolError as e:
@@ -503,13 +595,34 @@ class Worker:
             out.send_multipart(frames, copy=False)
 
 
+def _upload_sizes(ops: Any, n: int) -> list[int | None]:
+    """For each of a message's n payloads, the bytes its ``rc::upload`` says it holds (dtype ×
+    shape), checked against what the payload declares before it is decompressed; None for a
+    payload no well-formed upload names, which is refused."""
+    sizes: list[int | None] = [None] * n
+    for op in ops if isinstance(ops, list) else ():
+        if not (isinstance(op, list) and len(op) == 4 and op[0] == "rc::upload" and isinstance(op[1], list)
+                and len(op[1]) >= 4):
+            continue
+        _h, idx, dtype, shape = op[1][:4]
+        if type(idx) is int and 0 <= idx < n and isinstance(dtype, torch.dtype) and isinstance(shape, list) \
+                and all(type(d) is int and d >= 0 for d in shape):
+            numel = 1
+            for d in shape:
+                numel *= d
+            sizes[idx] = numel * dtype.itemsize
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="RemoteCUDA session worker (started by the gateway)")
     p.add_argument("--backend", required=True)
     p.add_argument("--ident", required=True)
     p.add_argument("--device", required=True)
     p.add_argument("--host", default="", help="bind a data port on this address for the direct path")
-    p.add_argument("--max-frame", type=int, default=protocol.MAX_PAYLOAD_BYTES)
+    p.add_argument("--max-frame", type=int, default=protocol.MAX_BODY_BYTES + 64)
+    p.add_argument("--idle-timeout", type=float, default=30.0,
+                   help="seconds a data-port connection that serves no session may stay")
     p.add_argument("--parent", type=int, help="the gateway's pid: a worker must not outlive it")
     p.add_argument("--account-fd", type=int, default=-1,
                    help="a simulated GPU's memory account, an inherited file descriptor (memory_account.py)")
@@ -526,9 +639,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.account_fd >= 0:
         gpu = json.loads(a.gpu)
         account = MemoryAccount(a.account_fd, gpu["total_memory"], gpu["index"], gpu["name"], a.slot)
-    Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account).serve()
+    torch.sparse.check_sparse_tensor_invariants.enable()  # a client's sparse tensors are checked as they are made
+    Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account, a.idle_timeout).serve()
     os._exit(0)
 
 
 if __name__ == "__main__":
     main()
+

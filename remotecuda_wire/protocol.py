@@ -4,9 +4,10 @@ A message is a list of ZeroMQ frames::
 
     [header, body, payload_0, payload_1, ...]
 
-* ``header`` is a fixed 36-byte struct: magic, version, type, flags, sequence number,
-  body length, payload count, an xxh3-64 digest of the body and a CRC32 of the header
-  itself, so a damaged or foreign message is rejected before anything is parsed.
+* ``header`` is a fixed 52-byte struct: magic, version, type, flags, channel, sequence
+  number, body length, payload count, an xxh3-64 digest of the body, a MAC (zero unless the
+  message is sealed, see auth.py) and a CRC32 of the header itself, so a damaged or foreign
+  message is rejected before anything is parsed.
 * ``body`` is msgpack. Tensors, dtypes and devices travel as small msgpack extension
   types (never pickle); everything else is plain msgpack data.
 * payloads are raw tensor bytes, one frame each, described in ``body["pl"]`` by
@@ -26,7 +27,7 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -40,16 +41,20 @@ except ImportError:  # lz4 is optional: zstd alone then
     lz4 = None
 
 MAGIC = b"RCDA"
-VERSION = 4
+VERSION = 5
 
 # message types
-HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL, STATUS, PART, PULL = range(1, 13)
+HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL, STATUS, PART, PULL, CHALLENGE = range(1, 14)
 TYPE_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", OPS: "OPS", REPLY: "REPLY", ERROR: "ERROR",
               PING: "PING", PONG: "PONG", BYE: "BYE", CANCEL: "CANCEL", STATUS: "STATUS", PART: "PART",
-              PULL: "PULL"}
+              PULL: "PULL", CHALLENGE: "CHALLENGE"}
 
-_HEADER = struct.Struct("<4sBBHQIIQ")
-HEADER_SIZE = _HEADER.size + 4
+#: magic, version, type, flags, channel, seq, body_len, n_payloads, body_digest; then the MAC, then the CRC
+_HEADER = struct.Struct("<4sBBBBQIIQ")
+MAC_SIZE = 16
+HEADER_SIZE = _HEADER.size + MAC_SIZE + 4
+#: header flag: the message carries a MAC (auth.py) over its header and every frame
+SEALED = 1
 
 #: the largest tensor payload a peer accepts (raw bytes, after decompression)
 MAX_PAYLOAD_BYTES = 1 << 36
@@ -98,6 +103,20 @@ class GeneratorRef:
     """A random number generator held by the gateway (``torch.Generator(device='cuda')``)."""
 
     id: int
+
+
+class Header(NamedTuple):
+    """A checked header's fields; ``signed`` is the part the MAC covers (all but the MAC and the CRC)."""
+
+    type: int
+    seq: int
+    body_len: int
+    n_payloads: int
+    body_digest: int
+    flags: int
+    channel: int
+    mac: bytes
+    signed: bytes
 
 
 @dataclass
@@ -386,43 +405,58 @@ class Assembly:
 # ---------------------------------------------------------------------------- framing
 
 def encode(msg_type: int, body: dict, payloads: Sequence[Any] = (), seq: int = 0) -> list:
-    """Frames for one message; payloads are (descriptor, frame) pairs from encode_payload."""
+    """Frames for one message; payloads are (descriptor, frame) pairs from encode_payload.
+    The header is unsealed (no MAC); auth.Peer.seal seals it for an authenticated session."""
     if payloads:
         body = dict(body, pl=[d for d, _ in payloads])
     data = pack_body(body)
-    head = _HEADER.pack(MAGIC, VERSION, msg_type, 0, seq, len(data), len(payloads),
-                        xxhash.xxh3_64_intdigest(data))
-    head += struct.pack("<I", zlib.crc32(head))
-    return [head, data, *(f for _, f in payloads)]
+    signed = _HEADER.pack(MAGIC, VERSION, msg_type, 0, 0, seq, len(data), len(payloads),
+                          xxhash.xxh3_64_intdigest(data))
+    return [finish_header(signed, bytes(MAC_SIZE)), data, *(f for _, f in payloads)]
 
 
-def decode_header(frame: Any) -> tuple[int, int, int, int, int]:
-    """(type, seq, body_len, n_payloads, body_digest) of a header frame, fully checked."""
+def finish_header(signed: bytes, mac: bytes) -> bytes:
+    """A header frame: its signed part, the MAC, and the CRC-32 of both."""
+    head = signed + mac
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def resign(header: Any, flags: int, channel: int, seq: int) -> bytes:
+    """The signed part of a header frame this side made, with new flags, channel and seq."""
+    buf = header.buffer if hasattr(header, "buffer") else memoryview(header)
+    _magic, _v, msg_type, _f, _c, _s, body_len, n_pl, digest = _HEADER.unpack_from(buf)
+    return _HEADER.pack(MAGIC, VERSION, msg_type, flags, channel, seq, body_len, n_pl, digest)
+
+
+def decode_header(frame: Any) -> Header:
+    """A header frame's fields, checked (size, CRC, magic, version, type); the MAC is auth.py's to check."""
     buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
     if buf.nbytes != HEADER_SIZE:
         raise ProtocolError(f"header is {buf.nbytes} bytes, expected {HEADER_SIZE}")
     raw = bytes(buf)
     if struct.unpack("<I", raw[-4:])[0] != zlib.crc32(raw[:-4]):
         raise ProtocolError("header integrity check failed")
-    magic, version, msg_type, _flags, seq, body_len, n_pl, digest = _HEADER.unpack(raw[:-4])
+    magic, version, msg_type, flags, channel, seq, body_len, n_pl, digest = _HEADER.unpack_from(raw)
     if magic != MAGIC:
         raise ProtocolError("not a RemoteCUDA message (bad magic)")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
     if msg_type not in TYPE_NAMES:
         raise ProtocolError(f"unknown message type {msg_type}")
-    return msg_type, seq, body_len, n_pl, digest
+    return Header(msg_type, seq, body_len, n_pl, digest, flags, channel,
+                  raw[_HEADER.size:_HEADER.size + MAC_SIZE], raw[:_HEADER.size])
 
 
-def decode(frames: Sequence[Any]) -> Message:
-    """Check every frame of a message and parse it; payloads stay undecoded (see decode_payload)."""
+def decode(frames: Sequence[Any], max_body: int = MAX_BODY_BYTES) -> Message:
+    """Check every frame of a message and parse it; payloads stay undecoded (see decode_payload).
+    ``max_body``: a smaller bound for messages that must stay tiny (the supervisor's own)."""
     if len(frames) < 2:
         raise ProtocolError("truncated message: header and body frames are required")
-    msg_type, seq, body_len, n_pl, digest = decode_header(frames[0])
+    msg_type, seq, body_len, n_pl, digest = decode_header(frames[0])[:5]
     body_buf = frames[1].buffer if hasattr(frames[1], "buffer") else memoryview(frames[1])
     if body_buf.nbytes != body_len:
         raise ProtocolError(f"truncated message: body is {body_buf.nbytes} bytes, header says {body_len}")
-    if body_len > MAX_BODY_BYTES:
+    if body_len > max_body:
         raise ProtocolError("message body over the size limit")
     if xxhash.xxh3_64_intdigest(body_buf) != digest:
         raise ProtocolError("body integrity check failed")

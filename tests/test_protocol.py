@@ -104,7 +104,7 @@ def test_decode_rejects_each_kind_of_damage():
     assert protocol.decode(frames).payloads[0][0][0] == 4
     cases = {
         "header and body frames are required": frames[:1],
-        "header is 35 bytes": [frames[0][:-1], *frames[1:]],
+        f"header is {protocol.HEADER_SIZE - 1} bytes": [frames[0][:-1], *frames[1:]],
         "header integrity check failed": [bytes([frames[0][0] ^ 1]) + frames[0][1:], *frames[1:]],
         "body is": [frames[0], frames[1][:-1], frames[2]],
         "body integrity check failed": [frames[0], bytes([frames[1][0] ^ 0x40]) + frames[1][1:], frames[2]],
@@ -134,8 +134,9 @@ _VALID = [bytes(f) for f in _VALID]
 def _seal(body: bytes, n_pl: int, msg_type: int = protocol.OPS, version: int = protocol.VERSION,
           magic: bytes = protocol.MAGIC, seq: int = 0, body_len: int | None = None) -> bytes:
     """A header with valid checks around whatever body bytes (so mutations reach the parser)."""
-    head = struct.pack("<4sBBHQIIQ", magic, version, msg_type, 0, seq,
+    head = struct.pack("<4sBBBBQIIQ", magic, version, msg_type, 0, 0, seq,
                        len(body) if body_len is None else body_len, n_pl, xxhash.xxh3_64_intdigest(body))
+    head += bytes(protocol.MAC_SIZE)  # unsealed
     return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -425,8 +426,8 @@ def test_corrupted_body_digest(gw, good, bad, offender, in_session):
 
 def test_garbage(gw, good, bad):
     bad.send_frames([b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"])
-    assert bad.error() == "header is 27 bytes, expected 36"
-    bad.send_frames([os.urandom(36), b"body"])
+    assert bad.error() == f"header is 27 bytes, expected {protocol.HEADER_SIZE}"
+    bad.send_frames([os.urandom(protocol.HEADER_SIZE), b"body"])
     assert bad.error() == "header integrity check failed"
     bad.send_frames([_seal(b"\x80", 0, magic=b"HTTP"), b"\x80"])
     assert bad.error() == "not a RemoteCUDA message (bad magic)"
@@ -461,8 +462,8 @@ def test_malformed_ops_in_a_session(gw, good, bad_session):
     bad.send(protocol.OPS, {"ops": [["aten::add.Tensor", []]]})
     assert bad.error() == "malformed op record at position 0"
     pl = [protocol.encode_payload(memoryview(b"\x00" * 16))]
-    bad.send(protocol.OPS, {"ops": 5, "req": 1}, pl)  # with a payload: the worker prepares uploads first
-    assert bad.error() == "malformed ops list"
+    bad.send(protocol.OPS, {"ops": 5, "req": 1}, pl)  # with a payload: the worker checks it against its upload first
+    assert bad.error() == "payload 0 is not named by a well-formed rc::upload of its message"
     for args in ["nonsense", [1, 0], [1, 0, torch.float32, ["x"], None], [1, 0, "f32", [4], None],
                  [1, 0, torch.float32, [2**62, 2**62], None], [1, 0, torch.float32, [4], b"not the digest"]]:
         # a malformed upload, and the same upload skipped behind a failed op
@@ -583,7 +584,7 @@ def test_decompression_bombs_and_oversized_descriptors(gw, good, bad_session):
     assert msg == f"payload declares {over} bytes, over the limit of {protocol.MAX_PAYLOAD_BYTES}"
     msg = upload([-1, "raw", protocol.payload_digest(b"abc")], b"abc")
     assert "payload declares -1 bytes" in msg
-    msg = upload([3, "brotli", protocol.payload_digest(b"abc")], b"abc")
+    msg = upload([8192, "brotli", protocol.payload_digest(b"abc")], b"abc")
     assert msg == f"unknown payload codec 'brotli' (this side decodes {', '.join(('raw', *protocol.CODECS))})"
     if "lz4" in protocol.CODECS:
         # an lz4 block inflates at most ~255-fold: a 4 KiB block cannot be 256 MiB
@@ -597,6 +598,10 @@ def test_decompression_bombs_and_oversized_descriptors(gw, good, bad_session):
     junk = b"\x28\xb5\x2f\xfd" + os.urandom(30)
     msg = upload([8192, "zstd", protocol.payload_digest(junk)], junk)
     assert "zstd" in msg
+    # a small frame declaring 256 MiB, as its descriptor does, for an 8 KiB upload: refused by the
+    # upload's dtype and shape before anything is decompressed
+    msg = upload([big, "zstd", protocol.payload_digest(bytes(big))], bomb)
+    assert msg == f"payload 0 declares {big} bytes; its upload's dtype and shape hold 8192"
     msg = upload(["8192", "raw", 0], b"abc")
     assert msg == "malformed payload descriptor"
     # the worker did not inflate anything: its memory stays far below the bomb's size
@@ -621,7 +626,7 @@ def test_upload_descriptor_disagrees_with_frame(gw, good, bad_session):
     msg = bad.request([["rc::upload", [bad.handle(), 0, torch.float32, [999], None], None, None]],
                       [protocol.encode_payload(memoryview(data))])
     assert msg.type == protocol.ERROR
-    assert msg.body["msg"] == "payload of 4000 bytes cannot hold (999,) torch.float32"
+    assert msg.body["msg"] == "payload 0 declares 4000 bytes; its upload's dtype and shape hold 3996"
     # more descriptors than frames (the header agrees with the frames)
     body = protocol.pack_body({"ops": [], "pl": [[4, "raw", 0], [4, "raw", 0]], "req": 1})
     bad.send_frames([_seal(body, 1, protocol.OPS), body, b"abcd"])
@@ -678,7 +683,7 @@ def test_library_client_keeps_working_during_an_attack(gw, good):
         try:
             body = protocol.pack_body({"device": 0})
             attacks = [[b"garbage"], [_seal(body, 0, protocol.HELLO, version=99), body],
-                       _header_only(), [os.urandom(36), b"x"]]
+                       _header_only(), [os.urandom(protocol.HEADER_SIZE), b"x"]]
             for frames in attacks * 5:
                 bad.send_frames(frames)
                 assert bad.recv().type == protocol.ERROR
