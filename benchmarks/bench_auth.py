@@ -11,8 +11,6 @@ into benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,7 +21,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from results_md import put_section  # noqa: E402
+import results_md  # noqa: E402
 
 SECTION = "# Part 9: authentication (benchmarks/bench_auth.py)"
 TOKEN = "benchmark-token-" + "0123456789abcdef" * 2
@@ -193,20 +191,6 @@ challenge's round trip (the token's scrypt stretch is paid once per process, bef
 """
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer round trips and uploads")
-    ap.add_argument("--json", help="write the figures here (benchmarks/run_all.py reads them)")
-    ap.add_argument("--write", action="store_true", help="put the section into benchmarks/RESULTS.md")
-    a = ap.parse_args()
-    r = run(a.quick)
-    print(markdown(r))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
-    if a.write:
-        put_section(SECTION, markdown(r))
-
 
 if __name__ == "__main__":
-    main()
+    results_md.main(SECTION, run, markdown, "fewer round trips and uploads")

@@ -15,8 +15,6 @@ while watching several gateways (no gateway marked down meanwhile: no false alar
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import signal
@@ -32,7 +30,7 @@ import psutil
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from results_md import put_section  # noqa: E402
+import results_md  # noqa: E402
 
 sys.path.insert(0, ROOT)
 import zmq  # noqa: E402
@@ -204,25 +202,6 @@ being marked. Watching costs a PING and a PONG per gateway per second on the thr
 """
 
 
-def write(r: dict) -> None:
-    """Put this part's section into benchmarks/RESULTS.md (replacing an earlier one of its own)."""
-    put_section(SECTION, markdown(r))
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="2 repetitions each instead of 5")
-    ap.add_argument("--json", help="write the figures here (benchmarks/run_all.py reads them)")
-    ap.add_argument("--write", action="store_true", help="put the section into benchmarks/RESULTS.md")
-    a = ap.parse_args()
-    r = run(a.quick)
-    print(markdown(r))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
-    if a.write:
-        write(r)
-
 
 if __name__ == "__main__":
-    main()
+    results_md.main(SECTION, run, markdown, "2 repetitions each instead of 5")

@@ -14,8 +14,6 @@ docs/POOL.md). No gateway, no network, no torch: ``remotecuda.scheduler`` is pur
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import random
@@ -26,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from results_md import put_section  # noqa: E402
+import results_md  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(HERE))
 from remotecuda.scheduler import STRATEGIES, GpuState, SessionProfile, place  # noqa: E402
@@ -175,25 +173,6 @@ group.
 """
 
 
-def write(r: dict) -> None:
-    """Put this part's section into benchmarks/RESULTS.md (replacing an earlier one of its own)."""
-    put_section(SECTION, markdown(r))
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="200 placements instead of 1,000")
-    ap.add_argument("--json", help="write the figures here (benchmarks/run_all.py reads them)")
-    ap.add_argument("--write", action="store_true", help="put the section into benchmarks/RESULTS.md")
-    a = ap.parse_args()
-    r = run(a.quick)
-    print(markdown(r))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
-    if a.write:
-        write(r)
-
 
 if __name__ == "__main__":
-    main()
+    results_md.main(SECTION, run, markdown, "200 placements instead of 1,000")
