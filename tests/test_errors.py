@@ -68,9 +68,11 @@ def test_async_error_names_its_op_in_a_note(remote):
 
 
 def test_cancelled_tensor_says_why_without_the_sync_hint(remote):
-    m = torch.randn(512, 512, device="cuda") / 23
+    m = torch.randn(1024, 1024, device="cuda") / 32
     h = m
-    for _ in range(400):  # seconds of queued work on the gateway (~100 GFLOP), well past the interrupt
+    # ~4 TFLOP of queued work: no CPU gateway finishes it before the interrupt (400 steps of 512
+    # did, once, on a fast CI machine: nothing was left to cancel)
+    for _ in range(2000):
         h = torch.tanh(h @ m)
     timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
     timer.start()
