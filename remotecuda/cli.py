@@ -54,7 +54,7 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
         # malloc reads its tunables at process start: restart once with huge pages for the large
         # receive buffers (same pid, same stdout), as the session workers get them
         os.execve(sys.executable, [sys.executable, "-m", "remotecuda", *argv], env)
-    from remotecuda_server.devices import detect
+    from remotecuda_server.devices import detect, parse_size
     from remotecuda_server.gateway import VERSION, Gateway, raise_open_file_limit
     if not _is_loopback(a.host):
         if token is None:
@@ -70,7 +70,8 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
                      cache_bytes=a.cache_bytes, direct=not a.no_direct, discovery=not a.no_discovery,
                      advertise=a.advertise, discovery_iface=a.discovery_iface, token=token,
                      max_sessions=a.max_sessions, max_sessions_per_peer=a.max_sessions_per_peer,
-                     idle_timeout=a.idle_timeout)
+                     idle_timeout=a.idle_timeout,
+                     session_memory=parse_size(a.session_memory) if a.session_memory is not None else None)
     except ValueError as e:
         raise SystemExit(f"remotecuda start: {e}") from None
     if not a.quiet:
@@ -282,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-sessions", type=int, default=64, help="sessions at once, in all (default 64)")
     s.add_argument("--max-sessions-per-peer", type=int, default=16,
                    help="sessions at once from one IP address (default 16)")
+    s.add_argument("--session-memory", default=None,
+                   help="the most memory one session may hold, enforced (same sizes as --gpu-memory: 2GB, "
+                        "512MiB, bytes); past it an op raises torch.cuda.OutOfMemoryError in that session "
+                        "alone (default: no quota but the GPU's size)")
     s.add_argument("--idle-timeout", type=float, default=30.0,
                    help="seconds a connection may stay without authenticating, or without a session and "
                         "silent, before it is closed (default 30)")

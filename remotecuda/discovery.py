@@ -16,10 +16,11 @@ import socket
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from remotecuda_wire import beacon
+from remotecuda_wire import auth, beacon
 
 #: how often the table looks for gateways gone quiet: the most a drop is late past EXPIRY
 SWEEP = 0.25
@@ -49,7 +50,8 @@ class GatewayInfo:
     def info(self) -> dict:
         if self._info is None:
             body = beacon.decode(self._raw) if self._raw is not None else None
-            self._info = {k: v for k, v in body.items() if k not in beacon.ENVELOPE} if body else {}
+            self._info = {k: v for k, v in body.items()
+                          if k not in beacon.ENVELOPE and k not in beacon.SIGNATURE} if body else {}
         return self._info
 
     def __repr__(self) -> str:
@@ -96,10 +98,18 @@ class Source(Protocol):
 
 
 class MulticastSource:
-    """Beacons on a multicast group, heard on ``iface`` (an IPv4 address; None: the system's choice)."""
+    """Beacons on a multicast group, heard on ``iface`` (an IPv4 address; None: the system's choice).
 
-    def __init__(self, group: str, port: int, iface: str | None):
-        self.group, self.port, self.iface = group, port, iface
+    With ``key`` (``auth.beacon_key`` of the client's token) only beacons signed with it are
+    heard, each with a ``seq`` larger than the last one heard from its gateway (a replay within
+    ``beacon.MAX_SKEW`` is refused; an older one is stale); without, only unsigned ones.
+    ``refused`` counts the others by reason (``beacon.check``'s, and "replayed")."""
+
+    def __init__(self, group: str, port: int, iface: str | None, key: bytes | None = None):
+        self.group, self.port, self.iface, self.key = group, port, iface, key
+        self.refused: Counter[str] = Counter()
+        self._last: dict[str, tuple[int, float]] = {}  # gateway id → (seq, monotonic) of its last signed beacon
+        self._pruned = time.monotonic()
         self.sock = beacon.receiver(group, port, iface)
         try:  # room for a burst: 200 gateways whose beacons happen to come together
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
@@ -110,20 +120,26 @@ class MulticastSource:
 
     @classmethod
     def from_env(cls) -> MulticastSource:
-        """``REMOTECUDA_DISCOVERY`` (GROUP:PORT) and ``REMOTECUDA_DISCOVERY_IFACE``."""
+        """``REMOTECUDA_DISCOVERY`` (GROUP:PORT), ``REMOTECUDA_DISCOVERY_IFACE``, and the token
+        (``REMOTECUDA_TOKEN`` / ``REMOTECUDA_TOKEN_FILE``) beacons must be signed with."""
         group, port = beacon.group_from_env()
-        return cls(group, port, beacon.iface_from_env())
+        token = auth.read_token()
+        return cls(group, port, beacon.iface_from_env(), auth.beacon_key(auth.token_key(token)) if token else None)
 
     def describe(self) -> str:
         return (f"multicast {self.group}:{self.port} (UDP) on "
-                + (f"interface {self.iface}" if self.iface else "the system's default interface"))
+                + (f"interface {self.iface}" if self.iface else "the system's default interface")
+                + (", signed beacons only" if self.key is not None else ""))
 
     def poll(self, timeout: float) -> list[Heard]:
         if not self._poller.poll(timeout * 1000):
             return []
         time.sleep(GATHER)  # the beacons that follow this one come in the same wake-up
         heard: list[Heard] = []
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
+        if self.key is not None and now - self._pruned > beacon.MAX_SKEW:
+            self._pruned = now  # (a replay of a beacon heard before this is stale by its own time)
+            self._last = {g: last for g, last in self._last.items() if now - last[1] <= 2 * beacon.MAX_SKEW}
         while True:  # everything queued now, in one wake-up
             try:
                 data, (src, _) = self.sock.recvfrom(beacon.MAX_BYTES + 1, socket.MSG_DONTWAIT)
@@ -132,6 +148,16 @@ class MulticastSource:
             env = beacon.decode_envelope(data)
             if env is None:
                 continue  # not a beacon this version reads: another program, a newer gateway
+            why = beacon.check(data, self.key, wall)
+            if why is None and self.key is not None:
+                last = self._last.get(env["id"])
+                if last is not None and env["seq"] <= last[0]:
+                    why = "replayed"
+                else:
+                    self._last[env["id"]] = (env["seq"], now)
+            if why is not None:
+                self.refused[why] += 1
+                continue
             addr = env["addr"]
             if "//0.0.0.0:" in addr:  # bound to every interface: reachable where the beacon came from
                 addr = addr.replace("//0.0.0.0:", f"//{src}:", 1)

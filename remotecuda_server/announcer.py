@@ -4,7 +4,7 @@ The supervisor calls ``Announcer.send`` from its own loop, between messages, wit
 it keeps (no thread reads the supervisor's state behind its back). Sending a datagram never
 blocks: a beacon that cannot go out now (no route yet, a full buffer) is skipped, and the next
 one tries again. On shutdown one last beacon says ``leaving``, so clients drop the gateway at
-once instead of waiting for it to expire.
+once instead of waiting for it to expire. A gateway with a token signs them (``key``).
 """
 from __future__ import annotations
 
@@ -54,8 +54,10 @@ def _source_address(group: str) -> str:
 
 
 class Announcer:
-    def __init__(self, gateway_id: str, address: str, group: str, port: int, iface: str | None):
+    def __init__(self, gateway_id: str, address: str, group: str, port: int, iface: str | None,
+                 key: bytes | None = None):
         self.gateway_id, self.address, self.group, self.port, self.iface = gateway_id, address, group, port, iface
+        self.key = key  # auth.beacon_key of the gateway's token: its beacons are signed
         self.sock = beacon.sender(iface)
         self.sock.setblocking(False)
         self.seq = 0
@@ -63,10 +65,11 @@ class Announcer:
 
     def describe(self) -> str:
         """Where it announces, for the start banner."""
-        return f"announcing {self.address} on {self.group}:{self.port} via {self.iface or 'the default interface'}"
+        return (f"announcing {self.address} on {self.group}:{self.port} via {self.iface or 'the default interface'}"
+                + (", signed" if self.key is not None else ""))
 
     def send(self, info: dict[str, Any], leaving: bool = False) -> None:
-        data = beacon.encode(self.gateway_id, self.address, self.seq, info, leaving)
+        data = beacon.encode(self.gateway_id, self.address, self.seq, info, leaving, self.key)
         self.seq += 1
         self.next_at = time.monotonic() + beacon.INTERVAL
         try:

@@ -24,8 +24,10 @@ from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import GeneratorRef, Handle, ProtocolError
 
 from . import peer, rnn
-from .memory_account import MemoryAccount
+from .memory_account import MemoryAccount, fmt_bytes
 from .ops import OpResolver, UnknownOpError
+from .session_quota import FLAG as QUOTA_FLAG
+from .session_quota import SessionQuota
 
 _LINK = LinkModel()  # the gateway does not measure its clients' links: downloads use the default
 
@@ -270,9 +272,11 @@ class Executor:
     """Runs ops in issue order against a handle table."""
 
     def __init__(self, device: torch.device, upload_cache: ContentCache | None = None, copy_stream: Any = None,
-                 account: MemoryAccount | None = None):
+                 account: MemoryAccount | None = None, quota: int | None = None):
         self.device = device
         self.account = account  # a simulated GPU's memory, shared with the other sessions on it
+        #: this session's limit (--session-memory), in front of the account on the CPU device
+        self.quota = SessionQuota(quota, account) if quota is not None else None
         self.cache = upload_cache
         self.parts = PartedUploads(device, copy_stream)
         self.offers = peer.Offers()  # tensors other workers pull from this session (rc::offer)
@@ -284,7 +288,7 @@ class Executor:
         self._prepared: dict = {}  # the running message's uploads, prepared by the I/O thread
         self._out_payloads: list = []  # the running message's reply payloads, which fetches add to
         #: on the CPU the table itself counts the bytes its tensors hold (CUDA's allocator does on a GPU)
-        self.handles: dict[int, torch.Tensor] = {} if device.type == "cuda" else CountedHandles(account)
+        self.handles: dict[int, torch.Tensor] = {} if device.type == "cuda" else CountedHandles(self.quota or account)
         self.invalid: dict[int, str] = {}
         self.resolver = OpResolver()
         self.failed: dict | None = None
@@ -388,6 +392,9 @@ class Executor:
             except ProtocolError:
                 raise
             except Exception as e:  # any op error belongs to the client that issued it
+                if self.quota is not None and self.device.type == "cuda" and isinstance(e, torch.OutOfMemoryError):
+                    e = torch.OutOfMemoryError(f"{e} This session's memory quota is "
+                                               f"{fmt_bytes(self.quota.limit)} ({QUOTA_FLAG}).")
                 self.failed = RemoteOpError(name, first + i, e).info
                 self.stats["errors"] += 1
                 self._poison(outs, f"remotecuda: this tensor was never computed: op {name} failed "
@@ -765,6 +772,8 @@ class Executor:
             import psutil
             vm = psutil.virtual_memory()
             free, total = vm.available, vm.total
+        if self.quota is not None:  # what this session may still take
+            free = min(free, max(0, self.quota.limit - alloc))
         return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": counted.peak,
                 "free": free, "total": total}
 
@@ -798,7 +807,7 @@ class CountedHandles(dict):
     sampled between messages. A storage is known by its StorageImpl (``_cdata``), which an
     in-place resize keeps; such a resize is counted at the next ``recount`` (a memory query)."""
 
-    def __init__(self, account: MemoryAccount | None = None) -> None:
+    def __init__(self, account: MemoryAccount | SessionQuota | None = None) -> None:
         super().__init__()
         self.storages: dict[int, list] = {}  # StorageImpl → [tensors in the table on it, bytes counted]
         self.held: dict[int, tuple] = {}  # handle → the StorageImpls counted for its tensor

@@ -119,11 +119,13 @@ class Gateway:
                  spare: int = 1, session_timeout: float = 60.0, max_frame: int = MAX_FRAME,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, direct: bool = True, discovery: bool = False,
                  advertise: str | None = None, discovery_iface: str | None = None, token: bytes | None = None,
-                 max_sessions: int = 64, max_sessions_per_peer: int = 16, idle_timeout: float = 30.0):
+                 max_sessions: int = 64, max_sessions_per_peer: int = 16, idle_timeout: float = 30.0,
+                 session_memory: int | None = None):
         """``discovery``: announce on multicast (group from REMOTECUDA_DISCOVERY), from
         ``discovery_iface`` (else REMOTECUDA_DISCOVERY_IFACE, else announcer.interface's choice),
         giving ``advertise`` (HOST:PORT) as the address, else the bound one. ``token``: clients must
-        prove they hold it (auth.py); the limits are those of ``remotecuda start``."""
+        prove they hold it (auth.py); the limits are those of ``remotecuda start``
+        (``session_memory``: each session's memory quota in bytes, session_quota.py)."""
         self.devices = devices
         self.id = secrets.token_hex(8)  # this start's: a restarted gateway is another one
         self.direct = direct
@@ -133,6 +135,7 @@ class Gateway:
         self.token_key = auth.token_key(token) if token is not None else None
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
         self.idle_timeout = idle_timeout
+        self.session_memory = session_memory
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -189,7 +192,8 @@ class Gateway:
             group, gport = beacon.group_from_env()
             iface = announcer.interface(host, discovery_iface or beacon.iface_from_env())
             addr = announcer.address(host, self.port, advertise, iface, group)
-            self.announcer = announcer.Announcer(self.id, addr, group, gport, iface)
+            self.announcer = announcer.Announcer(self.id, addr, group, gport, iface,
+                                                 auth.beacon_key(self.token_key) if self.token_key else None)
 
     # ------------------------------------------------------------------ workers
     def _spawn(self, device: int) -> bool:
@@ -204,6 +208,8 @@ class Gateway:
                "--parent", str(os.getpid())]
         if self.direct:
             cmd += ["--host", self.host]
+        if self.session_memory is not None:
+            cmd += ["--session-memory", str(self.session_memory)]
         slot = None
         account = self.accounts.get(device)
         if account is not None:

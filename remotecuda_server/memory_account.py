@@ -47,7 +47,7 @@ def create(name: str) -> int:
     return fd
 
 
-def _fmt(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.2f} {unit}" if unit != "bytes" else f"{int(n)} bytes"
@@ -76,11 +76,11 @@ class MemoryAccount:
         with self._locked():
             used = self._slots[0]
             if used + n > self.size:
-                others = f"; other sessions on this GPU hold {_fmt(used - self.mine)}" if used > self.mine else ""
+                others = f"; other sessions on this GPU hold {fmt_bytes(used - self.mine)}" if used > self.mine else ""
                 raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate {_fmt(n)}. GPU {self.gpu} ({self.name}, "
-                    f"simulated) has a total capacity of {_fmt(self.size)} of which "
-                    f"{_fmt(max(0, self.size - used))} is free. This session has {_fmt(self.mine)} "
+                    f"CUDA out of memory. Tried to allocate {fmt_bytes(n)}. GPU {self.gpu} ({self.name}, "
+                    f"simulated) has a total capacity of {fmt_bytes(self.size)} of which "
+                    f"{fmt_bytes(max(0, self.size - used))} is free. This session has {fmt_bytes(self.mine)} "
                     f"memory in use{others}.")
             self._move(n)
 

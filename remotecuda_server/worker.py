@@ -78,12 +78,15 @@ InboxItem = Run | Rejected | Cancelled | None
 class Worker:
     def __init__(self, backend: str, ident: bytes, device: str, host: str | None = None,
                  max_frame: int = protocol.MAX_BODY_BYTES + 64, account: MemoryAccount | None = None,
-                 idle_timeout: float = 30.0):
+                 idle_timeout: float = 30.0, quota: int | None = None):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            if quota is not None:  # (this process serves one session: its allocator's memory is the session's)
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, quota / total), self.device)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.executor = Executor(self.device, copy_stream=self.copy_stream, account=account)
+        self.executor = Executor(self.device, copy_stream=self.copy_stream, account=account, quota=quota)
         #: the load this session puts on its GPU, which the I/O thread reports: ops received (counted
         #: by the I/O thread) and run (by the executor thread); and the executor's seconds on finished
         #: messages with the running one's start (None when idle), one tuple so that it is read whole
@@ -456,6 +459,8 @@ class Worker:
             if not (type(body.get("h")) is int and type(body.get("off")) is int and len(msg.payloads) == 1):
                 raise ProtocolError("malformed PART message: it needs h, off, total and one payload")
             h = body["h"]
+            if body["off"] == 0 and type(body.get("total")) is int:
+                self._check_quota(body["total"])
             desc, frame = msg.payloads[0]
             buf = protocol.decode_payload(desc, frame, protocol.PART_BYTES)  # (a part is at most that)
             with self._on_copy_stream():
@@ -486,7 +491,8 @@ class Worker:
                     and 0 <= desc[0] <= protocol.MAX_PAYLOAD_BYTES and desc[0] != sizes[i]:
                 raise ProtocolError(f"payload {i} declares {desc[0]!r} bytes; its upload's dtype and shape "
                                     f"hold {sizes[i]}")
-        msg.payloads = [protocol.decode_payload(d, f) for d, f in msg.payloads]
+        over = self._over_quota(ops, sizes)
+        msg.payloads = [None if i in over else protocol.decode_payload(d, f) for i, (d, f) in enumerate(msg.payloads)]
         prepared: dict = {}
         if msg.type != protocol.OPS:
             return prepared
@@ -499,12 +505,39 @@ class Worker:
                 self.executor.offers.announce(op[1][1])
             if op[0] != "rc::upload" or op[1][1] is None:
                 continue  # (an upload in parts is taken by the executor from executor.parts)
+            if op[1][1] in over:
+                prepared[op[1][0]] = over[op[1][1]]
+                continue
             try:
                 with self._on_copy_stream():
                     prepared[op[1][0]] = self._finish_upload(op[1], msg, digests)
             except (ProtocolError, ValueError, TypeError, IndexError, KeyError, RuntimeError) as e:
                 prepared[op[1][0]] = e  # the executor raises it in order
         return prepared
+
+    def _check_quota(self, n: int) -> None:
+        """Refuse an upload of ``n`` bytes past the session's memory quota (torch.OutOfMemoryError),
+        counting the tensors held and the uploads still arriving in parts."""
+        quota = self.executor.quota
+        if quota is not None:
+            quota.check_upload(self.executor.allocated_bytes() + self.executor.parts.building_bytes(), n)
+
+    def _over_quota(self, ops: Any, sizes: list) -> dict:
+        """A message's payloads that would take the session past its quota (payload → the error
+        its upload raises in order), found before any is decompressed: those are not."""
+        over: dict = {}
+        quota = self.executor.quota
+        if quota is None or not isinstance(ops, list):
+            return over
+        held = self.executor.allocated_bytes() + self.executor.parts.building_bytes()
+        for i, n in enumerate(sizes):
+            try:
+                quota.check_upload(held, n)
+            except torch.OutOfMemoryError as e:
+                over[i] = e
+            else:
+                held += n
+        return over
 
     def _on_copy_stream(self) -> Any:
         return torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext()
@@ -627,6 +660,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--account-fd", type=int, default=-1,
                    help="a simulated GPU's memory account, an inherited file descriptor (memory_account.py)")
     p.add_argument("--slot", type=int, default=0, help="this worker's slot in the account")
+    p.add_argument("--session-memory", type=int, default=None, help="the session's memory quota, in bytes")
     p.add_argument("--gpu", default="{}", help="the simulated GPU's description (JSON: index, name, total_memory)")
     a = p.parse_args(argv)
     die_with_parent()
@@ -640,7 +674,8 @@ def main(argv: list[str] | None = None) -> None:
         gpu = json.loads(a.gpu)
         account = MemoryAccount(a.account_fd, gpu["total_memory"], gpu["index"], gpu["name"], a.slot)
     torch.sparse.check_sparse_tensor_invariants.enable()  # a client's sparse tensors are checked as they are made
-    Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account, a.idle_timeout).serve()
+    Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account, a.idle_timeout,
+           a.session_memory).serve()
     os._exit(0)
 
 

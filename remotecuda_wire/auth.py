@@ -88,6 +88,11 @@ def session_key(tkey: bytes, client_nonce: bytes, gateway_nonce: bytes) -> bytes
                            person=b"remotecuda-sess").digest()
 
 
+def beacon_key(tkey: bytes) -> bytes:
+    """The key a gateway signs its discovery beacons with (remotecuda_wire/beacon.py)."""
+    return hashlib.blake2b(key=tkey, digest_size=32, person=b"remotecuda-bkey").digest()
+
+
 def nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 

@@ -10,6 +10,11 @@ import time
 from contextlib import contextmanager
 
 import pytest
+import torch
+import zmq
+
+from remotecuda_wire import auth, protocol
+from remotecuda_wire.protocol import Handle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the dispatch cache's cross-check mode (remotecuda/dispatch_cache.py) for the whole run, and for the
@@ -113,3 +118,109 @@ def wait_for(pred, timeout: float = 20.0, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+class Client:
+    """A client speaking the protocol by hand; with a token, sealed as the library client seals."""
+
+    def __init__(self, endpoint: str, ctx: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self._dealer(endpoint)
+        self.peer: auth.Peer | None = None
+        self.seq = self.rid = self.h = 0
+        self.welcome: dict = {}
+
+    def _dealer(self, endpoint: str, routing_id: bytes | None = None) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if routing_id:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        sock.connect(endpoint)
+        return sock
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def frames(self, msg_type: int, body: dict, payloads=(), channel: int = auth.FRONT) -> list:
+        self.seq += 1
+        frames = protocol.encode(msg_type, body, payloads, self.seq)
+        return self.peer.seal(frames, channel) if self.peer is not None else frames
+
+    def send(self, msg_type: int, body: dict, payloads=(), sock: zmq.Socket | None = None,
+             channel: int = auth.FRONT) -> list:
+        frames = [bytes(f) for f in self.frames(msg_type, body, payloads, channel)]
+        (sock or self.sock).send_multipart(frames)
+        return frames
+
+    def recv(self, timeout: float = 20.0, sock: zmq.Socket | None = None) -> protocol.Message:
+        sock = sock or self.sock
+        assert sock.poll(int(timeout * 1000)), "the gateway did not answer"
+        frames = sock.recv_multipart()
+        head = protocol.decode_header(frames[0])
+        if self.peer is not None and head.flags & protocol.SEALED:
+            self.peer.last.clear()  # (the test checks the gateway's side of replay, not its own)
+            self.peer.open(frames, range(256), head)
+        return protocol.decode(frames)
+
+    def error(self, sock: zmq.Socket | None = None) -> protocol.Message:
+        msg = self.recv(sock=sock)
+        assert msg.type == protocol.ERROR, (protocol.TYPE_NAMES[msg.type], msg.body)
+        return msg
+
+    def hello(self, device: int | None = 0) -> dict:
+        """A session (or, without a device, the inventory), authenticated when REMOTECUDA_TOKEN is set."""
+        from remotecuda.session import handshake
+        self.welcome, self.peer = handshake(self.sock, {"device": device}, 120, self.endpoint)
+        if self.peer is not None:
+            self.seq = self.peer.seq
+        return self.welcome
+
+    def handle(self) -> int:
+        self.h += 1
+        return self.h
+
+    def request(self, ops: list, payloads=(), req_op=None, sock: zmq.Socket | None = None,
+                channel: int = auth.FRONT) -> protocol.Message:
+        self.rid += 1
+        ops = [*ops, req_op or ["rc::sync", [], None, {"base": None}]]
+        self.send(protocol.OPS, {"ops": ops, "n0": 0, "req": self.rid}, payloads, sock, channel)
+        while True:
+            msg = self.recv(sock=sock)
+            if msg.type != protocol.REPLY or msg.body.get("rid") == self.rid:
+                return msg
+
+    def upload_op(self, t: torch.Tensor, idx: int) -> tuple[int, list, tuple]:
+        h = self.handle()
+        return h, ["rc::upload", [h, idx, t.dtype, list(t.shape), None], None, None], \
+            protocol.encode_payload(protocol.tensor_bytes(t))
+
+    def fetch(self, h: int, **kw) -> torch.Tensor:
+        msg = self.request([], req_op=["rc::fetch", [h], None, {"base": None}], **kw)
+        assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
+        res = msg.body["res"]
+        return protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"],
+                                          res["shape"]).clone()
+
+    def add_ops(self, a: torch.Tensor, b: torch.Tensor) -> tuple[list, list, int]:
+        ha, up_a, pa = self.upload_op(a, 0)
+        hb, up_b, pb = self.upload_op(b, 1)
+        hc = self.handle()
+        return [up_a, up_b, ["aten::add.Tensor", [Handle(ha), Handle(hb)], {"alpha": 2}, [hc]]], [pa, pb], hc
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
+        ops, pl, hc = self.add_ops(a, b)
+        msg = self.request(ops, pl, ["rc::fetch", [hc], None, {"base": None}], **kw)
+        assert msg.type == protocol.REPLY and msg.body["err"] is None, msg.body
+        res = msg.body["res"]
+        return protocol.tensor_from_bytes(protocol.decode_payload(*msg.payloads[res["pl"]]), res["dtype"],
+                                          res["shape"]).clone()
+
+    def direct(self) -> tuple[zmq.Socket, int]:
+        """The session's op stream on its worker's data port: (socket, channel)."""
+        offer = self.welcome["direct"]
+        sock = self._dealer(f"{self.endpoint.rsplit(':', 1)[0]}:{offer['port']}", os.urandom(16))
+        self.send(protocol.HELLO, {"token": offer["token"]}, sock=sock, channel=auth.DIRECT)
+        msg = self.recv(sock=sock)
+        assert msg.type == protocol.WELCOME, msg.body
+        return sock, auth.DIRECT

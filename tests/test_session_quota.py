@@ -1,0 +1,117 @@
+"""A per-session memory quota (remotecuda start --session-memory): a real --device cpu gateway,
+two client processes. Past the quota an op or an upload is a torch.cuda.OutOfMemoryError naming
+it, in that session alone, which goes on; another session on the same gateway is unaffected."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import zstandard
+
+from remotecuda_wire import protocol
+
+from conftest import ROOT, Client, GatewayProcess, run_python
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def quota_gw():
+    gw = GatewayProcess("--spare", "2", "--session-memory", "64MiB")
+    yield gw
+    gw.stop()
+
+
+CLIENT = r'''
+import torch, remotecuda
+remotecuda.activate(fallback="error")
+def oom(f):
+    try:
+        return f()
+    except torch.cuda.OutOfMemoryError as e:
+        return str(e).replace("\n", " ")
+x = torch.ones(40 * 2**20 // 4, device="cuda")                           # 40 MiB of 64
+print("OP", oom(lambda: torch.ones(40 * 2**20 // 4, device="cuda").sum().item()))
+print("AFTER", (x[:2**20] * 2).sum().item())                               # the session goes on
+print("SMALL", oom(lambda: torch.full((30 * 2**20 // 4,), 3.0).to("cuda").sum().item()))   # an upload in parts
+print("INLINE", oom(lambda: torch.full((512 * 2**10 // 4,), 3.0).to("cuda").sum().item()))  # fits
+free, total = torch.cuda.mem_get_info()
+print("FREE", free, torch.cuda.memory_allocated())
+del x
+print("REUSED", torch.full((56 * 2**20 // 4,), 2.0, device="cuda").sum().item())   # the freed bytes are reusable
+'''
+
+OTHER = r'''
+import torch, remotecuda
+remotecuda.activate(fallback="error")
+y = torch.full((60 * 2**20 // 4,), 1.0, device="cuda")     # 60 MiB: its own quota, whatever the other holds
+print("OTHER", y.sum().item())
+'''
+
+
+def test_the_quota_is_enforced_per_session_and_the_session_goes_on(quota_gw):
+    env = {"REMOTECUDA_SERVERS": quota_gw.address}
+    r = run_python(CLIENT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    f = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert f["OP"].startswith("CUDA out of memory. Tried to allocate 40.00 MiB. This session's memory quota "
+                              "is 64.00 MiB (remotecuda start --session-memory)"), f["OP"]
+    assert "40.00 MiB is in use" in f["OP"]
+    assert float(f["AFTER"]) == 2 * MIB
+    assert f["SMALL"].startswith("CUDA out of memory. Tried to allocate 30.00 MiB. This session's memory quota "
+                                 "is 64.00 MiB"), f["SMALL"]
+    assert float(f["INLINE"]) == 3.0 * 128 * 2**10
+    free, allocated = map(int, f["FREE"].split())
+    assert free == 64 * MIB - allocated and allocated >= 40 * MIB
+    assert float(f["REUSED"]) == 2.0 * 56 * MIB / 4
+    other = run_python(OTHER, env=env)
+    assert other.returncode == 0 and other.stdout.split() == ["OTHER", str(float(15 * MIB))], other.stderr[-3000:]
+
+
+HOLD = r'''
+import sys, torch, remotecuda
+remotecuda.activate(fallback="error")
+x = torch.ones(60 * 2**20 // 4, device="cuda")
+print("HELD", x.sum().item(), flush=True)
+sys.stdin.readline()
+'''
+
+
+def test_another_session_is_unaffected_while_one_holds_its_quota(quota_gw):
+    env = {"REMOTECUDA_SERVERS": quota_gw.address}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT, env={**os.environ, **env})
+    try:
+        assert holder.stdout.readline().split() == ["HELD", str(float(15 * MIB))]
+        other = run_python(OTHER, env=env)
+        assert other.returncode == 0 and other.stdout.split() == ["OTHER", str(float(15 * MIB))], \
+            other.stderr[-3000:]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
+def test_an_upload_past_the_quota_is_refused_before_it_is_decompressed(quota_gw):
+    """A 40 KB zstd frame declaring 128 MiB (consistent with its upload's dtype and shape): the
+    session's 64 MiB quota refuses it as an OutOfMemoryError without inflating it, and goes on."""
+    c = Client(quota_gw.endpoint)
+    try:
+        c.hello()
+        packer = zstandard.ZstdCompressor(level=1).compressobj(size=128 * MIB)
+        bomb = b"".join(packer.compress(bytes(MIB)) for _ in range(128)) + packer.flush()
+        desc = [128 * MIB, "zstd", protocol.payload_digest(b"")]
+        msg = c.request([["rc::upload", [c.handle(), 0, torch.float32, [32 * MIB], None], None, None]],
+                        [(desc, bomb)])
+        assert msg.type == protocol.REPLY, msg.body
+        err = msg.body["err"]
+        assert err["type"] == "OutOfMemoryError" and err["op"] == "rc::upload", err
+        assert err["msg"].startswith("CUDA out of memory. Tried to allocate 128.00 MiB. This session's memory "
+                                     "quota is 64.00 MiB"), err
+        x = torch.arange(6.0)
+        assert torch.equal(c.add(x, x), x * 3)
+        c.send(protocol.BYE, {})
+    finally:
+        c.close()
