@@ -43,8 +43,26 @@ def _gateway_token(a: argparse.Namespace) -> tuple[bytes | None, str | None]:
     return token, None
 
 
+def _admin_token(a: argparse.Namespace, token: bytes | None) -> tuple[bytes | None, str | None]:
+    """The admin token (remotecuda_wire/admin.py), or None; and why the gateway must not start, or None."""
+    from remotecuda_wire.admin import read_admin_token
+    try:
+        admin = read_admin_token(a.admin_token, a.admin_token_file)
+    except (OSError, ValueError) as e:
+        return None, f"remotecuda start: admin token: {e}"
+    if admin is not None and token is None:
+        return None, ("remotecuda start: an admin token needs a session token (--token-file): a gateway "
+                      "without one shows its STATUS to anyone")
+    if admin is not None and admin == token:
+        return None, "remotecuda start: the admin token must differ from the session token"
+    return admin, None
+
+
 def _start(a: argparse.Namespace, argv: list[str]) -> int:
     token, refusal = _gateway_token(a)
+    admin = None
+    if not refusal:
+        admin, refusal = _admin_token(a, token)
     if refusal:
         print(refusal, file=sys.stderr, flush=True)
         return 2
@@ -70,7 +88,7 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
                      cache_bytes=a.cache_bytes, direct=not a.no_direct, discovery=not a.no_discovery,
                      advertise=a.advertise, discovery_iface=a.discovery_iface, token=token,
                      max_sessions=a.max_sessions, max_sessions_per_peer=a.max_sessions_per_peer,
-                     idle_timeout=a.idle_timeout,
+                     idle_timeout=a.idle_timeout, admin_token=admin,
                      session_memory=parse_size(a.session_memory) if a.session_memory is not None else None)
     except ValueError as e:
         raise SystemExit(f"remotecuda start: {e}") from None
@@ -82,7 +100,8 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
                   + (" (simulated)" if d.simulated else ""), flush=True)
         where = gw.announcer.describe() if gw.announcer is not None else "off (--no-discovery)"
         print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {where}", flush=True)
-        print("  authentication: " + ("token (every message sealed)" if token is not None else "none"), flush=True)
+        print("  authentication: " + ("token (every message sealed)" if token is not None else "none")
+              + ("; STATUS rows to the admin token only" if admin is not None else ""), flush=True)
         print("  status: ready (Ctrl-C to stop)", flush=True)
     print(f"READY tcp://{gw.host}:{gw.port}", flush=True)
 
@@ -278,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
                         "REMOTECUDA_TOKEN_FILE); required off loopback unless --insecure")
     s.add_argument("--token", default=None,
                    help="the token itself (other users may read a command line: prefer --token-file)")
+    s.add_argument("--admin-token-file", default=None,
+                   help="a file holding the admin token (default REMOTECUDA_ADMIN_TOKEN, "
+                        "REMOTECUDA_ADMIN_TOKEN_FILE): STATUS then shows per-session rows and totals only "
+                        "to a client proving it; needs a session token")
+    s.add_argument("--admin-token", default=None, help="the admin token itself (prefer --admin-token-file)")
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback --host without a token: anyone who reaches the port runs code here")
     s.add_argument("--max-sessions", type=int, default=64, help="sessions at once, in all (default 64)")

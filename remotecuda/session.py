@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from remotecuda_wire import auth, cache, protocol
+from remotecuda_wire.admin import read_admin_token
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import ProtocolError
 
@@ -713,12 +714,14 @@ def hello(sock: zmq.Socket, body: dict, timeout: float, endpoint: str) -> dict:
     return handshake(sock, body, timeout, endpoint)[0]
 
 
-def handshake(sock: zmq.Socket, body: dict, timeout: float, endpoint: str) -> tuple[dict, auth.Peer | None]:
+def handshake(sock: zmq.Socket, body: dict, timeout: float, endpoint: str,
+              token: bytes | None = None) -> tuple[dict, auth.Peer | None]:
     """Greet a gateway on a new connection: the WELCOME body, and the connection's keys when this
     client holds a token (``REMOTECUDA_TOKEN`` / ``REMOTECUDA_TOKEN_FILE``). The token is proven
     by answering the gateway's challenge, never sent; the gateway proves it holds it too (its
-    WELCOME is sealed with the key both derive), so a client with a token uses no gateway without."""
-    token = auth.read_token()
+    WELCOME is sealed with the key both derive), so a client with a token uses no gateway without.
+    ``token``: prove this one instead (the admin token, for STATUS)."""
+    token = token or auth.read_token()
     if token is None:
         msg = _answer(greet([(sock, body)], timeout, endpoint)[0])
         if msg.type != protocol.WELCOME:
@@ -802,10 +805,23 @@ def gateway_status(ctx: zmq.Context, endpoint: str, timeout: float) -> dict:
     """A gateway's STATUS answer (its inventory, per-session and total counters), asked on a
     connection of its own; GatewayUnavailableError when none comes within ``timeout``. With a
     token the connection authenticates first (HELLO without a device) and the exchange is sealed;
-    without one, a gateway that has a token answers with its public inventory only."""
+    without one, a gateway that has a token answers with its public inventory only. A gateway with
+    an admin token gives the per-session rows only to a client proving it (REMOTECUDA_ADMIN_TOKEN,
+    REMOTECUDA_ADMIN_TOKEN_FILE; remotecuda_wire/admin.py): a client holding one proves it first,
+    and where the gateway does not take it, asks again as a token holder."""
+    admin = read_admin_token()
+    if admin is not None:
+        try:
+            return _ask_status(ctx, endpoint, timeout, admin)
+        except GatewayAuthError:
+            pass
+    return _ask_status(ctx, endpoint, timeout, auth.read_token())
+
+
+def _ask_status(ctx: zmq.Context, endpoint: str, timeout: float, token: bytes | None) -> dict:
     sock = connect(ctx, endpoint)
     try:
-        peer = handshake(sock, {"device": None}, timeout, endpoint)[1] if auth.read_token() else None
+        peer = handshake(sock, {"device": None}, timeout, endpoint, token)[1] if token else None
         frames = protocol.encode(protocol.STATUS, {}, seq=2 if peer is not None else 0)
         sock.send_multipart(peer.seal(frames, auth.FRONT) if peer is not None else frames)
         if not sock.poll(int(timeout * 1000)):

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,12 +121,13 @@ class Gateway:
                  cache_bytes: int = DEFAULT_CACHE_BYTES, direct: bool = True, discovery: bool = False,
                  advertise: str | None = None, discovery_iface: str | None = None, token: bytes | None = None,
                  max_sessions: int = 64, max_sessions_per_peer: int = 16, idle_timeout: float = 30.0,
-                 session_memory: int | None = None):
+                 session_memory: int | None = None, admin_token: bytes | None = None):
         """``discovery``: announce on multicast (group from REMOTECUDA_DISCOVERY), from
         ``discovery_iface`` (else REMOTECUDA_DISCOVERY_IFACE, else announcer.interface's choice),
         giving ``advertise`` (HOST:PORT) as the address, else the bound one. ``token``: clients must
         prove they hold it (auth.py); the limits are those of ``remotecuda start``
-        (``session_memory``: each session's memory quota in bytes, session_quota.py)."""
+        (``session_memory``: each session's memory quota in bytes, session_quota.py).
+        ``admin_token``: per-session STATUS rows only to a connection that proved it (admin.py)."""
         self.devices = devices
         self.id = secrets.token_hex(8)  # this start's: a restarted gateway is another one
         self.direct = direct
@@ -136,6 +138,11 @@ class Gateway:
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
         self.idle_timeout = idle_timeout
         self.session_memory = session_memory
+        if admin_token is not None and token is None:
+            raise ValueError("an admin token needs a session token")
+        self.admin_key = auth.token_key(admin_token) if admin_token is not None else None
+        #: the keys of connections that proved the admin token (they go with their connections)
+        self.admins: weakref.WeakSet[auth.Peer] = weakref.WeakSet()
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -346,7 +353,8 @@ class Gateway:
 
     def status(self, full: bool = True) -> dict:
         """Per-session and gateway-wide counters, and each GPU's figures: what the pool's
-        scheduler and panel read. Not ``full`` (a peer that has not authenticated, with a token):
+        scheduler and panel read. Not ``full`` (a peer that has not authenticated, with a token;
+        one that has not proven the admin token, with an admin token):
         the inventory and the GPUs' figures alone, which beacons announce anyway."""
         if not full:
             return dict(self._inventory(), gpus=self.gpus())
@@ -471,7 +479,8 @@ class Gateway:
         elif msg.type == protocol.HELLO:
             self._on_hello(client, first, msg.body)
         elif msg.type == protocol.STATUS:
-            self._say(client, protocol.STATUS, self.status())
+            admin = self.admin_key is None or self._keys_for(client)[0] in self.admins
+            self._say(client, protocol.STATUS, self.status(full=admin))
         elif msg.type == protocol.BYE:
             self._close_session(client)
         else:
@@ -521,11 +530,21 @@ class Gateway:
         nonces = self.challenges.pop(client, None)
         if nonces is not None:  # the handshake's second step: a valid MAC proves the token
             assert self.token_key is not None
-            peer = auth.Peer(auth.session_key(self.token_key, *nonces), auth.G2C)
-            try:
-                peer.open(frames, (auth.FRONT,), head)
-                msg = protocol.decode(frames, SMALL_BODY)
-            except ProtocolError:
+            peer = None
+            for key in (self.token_key, self.admin_key):  # (the admin token opens the connection too)
+                if key is None:
+                    continue
+                candidate = auth.Peer(auth.session_key(key, *nonces), auth.G2C)
+                try:
+                    candidate.open(frames, (auth.FRONT,), head)
+                    msg = protocol.decode(frames, SMALL_BODY)
+                except ProtocolError:
+                    continue
+                peer = candidate
+                if key is self.admin_key:
+                    self.admins.add(peer)
+                break
+            if peer is None:
                 self._refuse(client, "authentication failed: this client's token is not the gateway's", "auth", None)
                 return
             self.conns.seen(first, client, True)
