@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import runtime
+from .cuda_graphs import is_current_stream_capturing
 from .generator import CudaGenerator
 from .pool import VirtualDevice
 from .session import Session
@@ -233,12 +234,6 @@ def stream(stream: Stream | None) -> StreamContext:
     return StreamContext(stream)
 
 
-def is_current_stream_capturing() -> bool:
-    """CUDA graphs are never captured here (each op goes to the gateway as it is issued); the
-    optimizers ask before every ``step()``."""
-    return False
-
-
 class Event:
     """A CUDA event recorded in the op stream; ``elapsed_time`` is measured on the gateway."""
 
@@ -439,7 +434,7 @@ REPLACEMENTS = {name: obj for name, obj in dict(globals()).items() if name in {
     "StreamContext", "current_stream", "default_stream", "set_stream", "memory_allocated",
     "memory_reserved", "max_memory_allocated", "max_memory_reserved", "memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats", "empty_cache",
-    "mem_get_info", "is_current_stream_capturing",
+    "mem_get_info",
     "ipc_collect", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
     "set_rng_state", "get_rng_state_all", "set_rng_state_all", "_lazy_init", "_initialized"}}
 #: what replaces torch.cuda.nvtx.<name> while active (``nvtx.range`` uses these)

@@ -37,6 +37,7 @@ from . import (
     accelerator_api,
     autocast,
     cuda_api,
+    cuda_graphs,
     data_parallel,
     downloads,
     flags,
@@ -590,7 +591,11 @@ def install(rt: Runtime) -> Interception:
     p.set(RemoteTensor, "dispatch", staticmethod(rt.dispatcher.dispatch))
     for name, obj in cuda_api.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
-    p.set(torch.cuda.graphs, "is_current_stream_capturing", cuda_api.is_current_stream_capturing)
+    for name, obj in cuda_graphs.REPLACEMENTS.items():
+        p.set(torch.cuda, name, obj)
+        p.set(torch.cuda.graphs, name, obj)
+    if not hasattr(torch._C, "_host_emptyCache"):  # (torch.cuda.graph calls it)
+        p.set(torch._C, "_host_emptyCache", cuda_graphs._host_empty_cache)
     for name, obj in cuda_api.NVTX_REPLACEMENTS.items():
         p.set(torch.cuda.nvtx, name, obj)
     for name, obj in accelerator_api.REPLACEMENTS.items():

@@ -66,6 +66,8 @@ class Runtime:
         #: device index → its current stream (``torch.cuda.set_stream``), and its default stream
         self.current_streams: dict[int, Any] = {}
         self.default_streams: dict[int, Any] = {}
+        #: the CUDA graph being captured (cuda_graphs.py), or None
+        self.capturing: Any = None
         #: (device kind, input layouts and options) → the attention backend the gateway picked
         self.sdpa_choices: dict[tuple, int] = {}
         self.codecs = protocol.enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))

@@ -24,6 +24,7 @@ from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import GeneratorRef, Handle, ProtocolError
 
 from . import peer, rnn
+from .graphs import CAPTURING, RecordedGraph, flatten_tensors
 from .memory_account import MemoryAccount, fmt_bytes
 from .ops import OpResolver, UnknownOpError
 from .session_quota import FLAG as QUOTA_FLAG
@@ -260,6 +261,11 @@ class InternalOp(NamedTuple):
 INTERNAL_OPS: dict[str, InternalOp] = {}
 
 
+#: internal ops a CUDA graph capture lets through (the rest synchronise or move data: CUDA refuses those)
+CAPTURE_SAFE = frozenset({"rc::graph_end", "rc::graph_free", "rc::event_record", "rc::event_free",
+                          "rc::upload", "rc::upload_cached"})  # an upload is a constant of the graph
+
+
 def internal_op(name: str, args: str, stores: bool = False) -> Callable:
     """Serve ``rc::<name>`` with the decorated Executor method, called with the op's args."""
     def register(method: Callable) -> Callable:
@@ -294,6 +300,8 @@ class Executor:
         self.failed: dict | None = None
         self.events: dict[int, Any] = {}
         self.generators: dict[int, torch.Generator] = {}
+        self.graphs: dict[int, RecordedGraph] = {}  # the session's CUDA graphs (graphs.py)
+        self.capturing: RecordedGraph | None = None  # the graph being captured, between begin and end
         self.out_parts: list[tuple[int, int, list]] = []  # the running message's downloads in parts
         self.codecs: tuple[str, ...] = ()  # what the client decodes, set when the session is attached
         self.stats = dict.fromkeys(("ops", "messages", "uploads", "downloads", "cache_hits",
@@ -332,7 +340,7 @@ class Executor:
                 self.invalid.pop(outs[0], None)
             return
         flat: list = []
-        _flatten(result, flat)
+        flatten_tensors(result, flat)
         if len(flat) != len(outs):
             raise RuntimeError(f"op produced {len(flat)} tensors, the client expected {len(outs)}")
         for h, t in zip(outs, flat):
@@ -384,6 +392,9 @@ class Executor:
                                            "cancelled by an interrupt")
                 self._poison(outs, why)
                 self._skipped(name, args, why)
+                if name == "rc::graph_end" and self.capturing is not None:  # the capture ends all the same
+                    self.capturing.fail(why)
+                    self.capturing.capturing, self.capturing = False, None
                 continue
             try:
                 r = self._execute(name, args or [], kwargs or {}, outs)
@@ -436,6 +447,9 @@ class Executor:
             op = INTERNAL_OPS.get(name)
             if op is None:
                 raise UnknownOpError(f"unknown internal op {name}")
+            if self.capturing is not None and name not in CAPTURE_SAFE:
+                self.capturing.fail(f"{name} during capture")
+                raise RuntimeError(f"CUDA error: {CAPTURING} ({name} inside a CUDA graph capture)")
             result = op.method(self, args)
             if op.stores:
                 self._store(outs, result)
@@ -443,11 +457,24 @@ class Executor:
             return result
         func = self.resolver.callable(name)  # (OpOverload._op, one frame less than calling it; or its guard)
         args = [self._arg(a) for a in args]
+        if self.capturing is not None:
+            return self._capture(name, func, args, {k: self._arg(v) for k, v in kwargs.items()}, outs)
         result = func(*args, **{k: self._arg(v) for k, v in kwargs.items()}) if kwargs else func(*args)
         if isinstance(outs, dict):
             return self._describe(outs, result)
         self._store(outs, result)
         return None
+
+    def _capture(self, name: str, func: Callable, args: list, kwargs: dict, outs: Any) -> None:
+        graph = cast(RecordedGraph, self.capturing)
+        if isinstance(outs, dict):  # its output shapes depend on values: CUDA syncs for them too
+            graph.fail(f"{name} during capture")
+            raise RuntimeError(f"CUDA error: {CAPTURING} ({name}'s output depends on values)")
+        try:
+            self._store(outs, graph.record(self.resolver.resolve(name), func, args, kwargs))
+        except Exception as e:
+            graph.fail(f"{name}: {e}")
+            raise
 
     def _describe(self, outs: dict, result: Any) -> Any:
         """For ops whose output the client cannot predict: store tensors from ``base`` on, describe them."""
@@ -555,6 +582,39 @@ class Executor:
             self.events[eid] = ev
         else:
             self.events[eid] = time.perf_counter()
+
+    @internal_op("graph_begin", "[graph id]")
+    def _graph_begin(self, args: list) -> None:
+        """Start capturing (graphs.py): the ops after it are recorded, not run, until graph_end."""
+        (gid,) = args
+        if self.capturing is not None:
+            raise RuntimeError("CUDA error: a CUDA graph is already being captured on this device")
+        self.capturing = self.graphs[gid] = RecordedGraph()
+
+    @internal_op("graph_end", "[graph id]")
+    def _graph_end(self, args: list) -> None:
+        (gid,) = args
+        graph = self.graphs.get(gid)
+        if graph is None or graph is not self.capturing:
+            raise RuntimeError(f"remotecuda: CUDA graph {gid} is not being captured")
+        graph.capturing, self.capturing = False, None
+        if graph.error is not None:
+            raise RuntimeError(f"CUDA error: the CUDA graph's capture was invalidated: {graph.error}")
+
+    @internal_op("graph_replay", "[graph id]")
+    def _graph_replay(self, args: list) -> None:
+        (gid,) = args
+        graph = self.graphs.get(gid)
+        if graph is None:
+            raise RuntimeError(f"remotecuda: CUDA graph {gid} is unknown to the gateway (reset, or never captured)")
+        graph.replay()
+
+    @internal_op("graph_free", "[graph id]")
+    def _graph_free(self, args: list) -> None:
+        """``CUDAGraph.reset()``, or the graph object gone: its tensors go with it."""
+        graph = self.graphs.pop(args[0], None)
+        if graph is not None and graph is self.capturing:
+            self.capturing = None
 
     @internal_op("event_elapsed", "[start id, end id]")
     def _event_elapsed(self, args: list) -> float:
@@ -930,11 +990,3 @@ def _storages(t: torch.Tensor) -> list:
     else:
         return []
     return [x.untyped_storage() for x in parts]
-
-
-def _flatten(v: Any, out: list) -> None:
-    if isinstance(v, torch.Tensor):
-        out.append(v)
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            _flatten(x, out)
