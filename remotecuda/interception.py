@@ -161,6 +161,17 @@ def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
     return to_cuda(self, index, dtype, non_blocking, memory_format)
 
 
+def _tensor_copy_(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``dst.copy_(src)`` from another virtual device, where src wants a gradient: src moves with
+    ``transfer.to_device`` first, so its gradient goes back to its own device (C++'s copy_ backward
+    sees the wrappers' meta device and would leave it on dst's)."""
+    dst, src = args[0], args[1]
+    if (isinstance(src, RemoteTensor) and isinstance(dst, RemoteTensor) and src._dev != dst._dev
+            and src.requires_grad and torch.is_grad_enabled()):
+        return func(dst, transfer.to_device(src, dst._dev), *args[2:], **kwargs)
+    return func(*args, **kwargs)
+
+
 def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
     device = args[1] if len(args) > 1 else kwargs.get("device")
@@ -332,6 +343,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.fft, "rfftfreq", _factory),
     (torch.Tensor, "to", _tensor_to),
     (torch.Tensor, "cuda", _tensor_cuda),
+    (torch.Tensor, "copy_", _tensor_copy_),
     (torch, "tensor", _data_factory),
     (torch, "as_tensor", _data_factory),
     (torch, "asarray", _data_factory),

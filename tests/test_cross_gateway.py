@@ -113,6 +113,19 @@ def test_gradient_flows_back_through_the_copy(pool):
     (xr.grad + xr).sum().item()  # usable with the tensors of its own device
 
 
+def test_gradient_of_copy_into_another_device_goes_back_to_the_source(pool):
+    """``dst.copy_(src)`` across devices: the gradient lands on src's device, as on two GPUs."""
+    x = torch.randn(6, dtype=torch.float64)
+    src = x.cuda(1).requires_grad_()
+    dst = torch.zeros(6, dtype=torch.float64, device="cuda:0")
+    dst.copy_(src)
+    (dst * dst).sum().backward()
+    assert src.grad.device == torch.device("cuda", 1)
+    torch.testing.assert_close(src.grad.cpu(), 2 * x)
+    (src.to("cuda:0") * 3).sum().backward()  # and accumulates with a gradient from .to()
+    torch.testing.assert_close(src.grad.cpu(), 2 * x + 3)
+
+
 def test_copy_between_two_gpus_of_one_gateway(pool):
     """cuda:1 and cuda:2 are b's two (simulated) GPUs, so two workers of it: the copy goes through
     that gateway, not the client."""
