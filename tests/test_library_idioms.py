@@ -1,0 +1,211 @@
+"""torch's own libraries on 'cuda', unchanged: torch.func transforms, distributions,
+parametrizations, the Transformer and MultiheadAttention fast paths, SWA/EMA, schedulers,
+linalg, complex einsum and friends. Each case runs on the local CPU and through the gateway,
+in one process, and must give the same values."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+CASES: dict[str, Callable[[str], torch.Tensor | float]] = {}
+W = torch.randn(5, 3, generator=torch.Generator().manual_seed(100))
+X = torch.randn(4, 5, generator=torch.Generator().manual_seed(101))
+
+
+def case(fn: Callable[[str], torch.Tensor | float]) -> Callable:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def _seeded(shape: tuple, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _steps(m: nn.Module, opt: torch.optim.Optimizer, dev: str, n: int, after: Callable = lambda: None) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        m(X.to(dev)).pow(2).mean().backward()
+        opt.step()
+        after()
+
+
+@case
+def vmap(dev):
+    w = W.to(dev)
+    return torch.func.vmap(lambda r: r @ w)(X.to(dev))
+
+
+@case
+def func_grad(dev):
+    x = X.to(dev)
+    return torch.func.grad(lambda w: (x @ w).pow(2).sum())(W.to(dev))
+
+
+@case
+def jacrev(dev):
+    return torch.func.jacrev(torch.sin)(X[0].to(dev))
+
+
+@case
+def functional_call(dev):
+    m = nn.Linear(5, 3).to(dev)
+    params = {k: v.detach() * 2 for k, v in m.named_parameters()}
+    return torch.func.functional_call(m, params, (X.to(dev),))
+
+
+@case
+def normal_log_prob(dev):
+    d = torch.distributions.Normal(torch.zeros(3, device=dev), torch.ones(3, device=dev))
+    return d.log_prob(torch.tensor([0.5, 1.0, -1.0], device=dev))
+
+
+@case
+def categorical_entropy(dev):
+    return torch.distributions.Categorical(logits=X.to(dev)).entropy()
+
+
+@case
+def weight_norm(dev):
+    m = nn.utils.parametrizations.weight_norm(nn.Linear(5, 3)).to(dev)
+    m(X.to(dev)).sum().backward()
+    return m.parametrizations.weight.original1.grad
+
+
+@case
+def spectral_norm(dev):
+    m = nn.utils.parametrizations.spectral_norm(nn.Linear(5, 3)).to(dev).eval()
+    return m(X.to(dev))
+
+
+@case
+def linalg(dev):
+    a = _seeded((4, 4), 3).to(dev)
+    a = a @ a.T + torch.eye(4, device=dev)
+    return torch.stack([torch.linalg.cholesky(a), torch.linalg.inv(a), torch.linalg.eigh(a)[1].abs()])
+
+
+@case
+def einsum_complex(dev):
+    c = torch.complex(X, X.flip(0)).to(dev)
+    return torch.view_as_real(torch.einsum("ij,kj->ik", c, c.conj()))
+
+
+@case
+def pad_sequence(dev):
+    seqs = [torch.arange(n, dtype=torch.float32, device=dev) for n in (3, 1, 4)]
+    return nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=-1)
+
+
+@case
+def bucketize_searchsorted(dev):
+    b = torch.tensor([0., 1., 2.], device=dev)
+    x = X.to(dev)
+    return torch.bucketize(x, b).float() + torch.searchsorted(b, x.sort().values.contiguous()).float()
+
+
+@case
+def scatter_reduce(dev):
+    idx = torch.tensor([0, 1, 0, 1, 2], device=dev)
+    return torch.zeros(3, device=dev).scatter_reduce(0, idx, X[0].to(dev), reduce="amax", include_self=False)
+
+
+@case
+def sdpa_bool_mask(dev):
+    q = _seeded((2, 4, 6, 8), 4).to(dev)
+    mask = torch.ones(6, 6, dtype=torch.bool, device=dev).tril()
+    return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+@case
+def cdist_topk(dev):
+    x = X.to(dev)
+    return torch.cdist(x, x).topk(2, dim=1).values
+
+
+@case
+def autocast_bf16_clip_grad_value(dev):
+    m = nn.Linear(5, 3).to(dev)
+    with torch.autocast(device_type=dev, dtype=torch.bfloat16):
+        y = m(X.to(dev))
+    y.float().sum().backward()
+    nn.utils.clip_grad_value_(m.parameters(), 0.1)
+    return m.weight.grad
+
+
+@case
+def swa_ema(dev):
+    m = nn.Linear(5, 3).to(dev)
+    ema = torch.optim.swa_utils.AveragedModel(m, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    _steps(m, torch.optim.AdamW(m.parameters(), lr=0.1), dev, 3, lambda: ema.update_parameters(m))
+    return ema.module.weight
+
+
+@case
+def one_cycle_nesterov(dev):
+    m = nn.Linear(5, 3).to(dev)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=5)
+    _steps(m, opt, dev, 4, sched.step)
+    return m.weight
+
+
+@case
+def masked_and_list_index_assignment(dev):
+    x = X.to(dev)
+    x[x > 0] = 0
+    x[:, [0, 2]] += 1
+    return x
+
+
+@case
+def multinomial_shape(dev):
+    return float(torch.multinomial(torch.softmax(X.to(dev), -1), 3, replacement=True).shape[0])
+
+
+@case
+def embedding_bag(dev):
+    e = nn.EmbeddingBag(10, 3, mode="mean").to(dev)
+    return e(torch.tensor([1, 2, 4, 5, 4, 3, 2, 9], device=dev), torch.tensor([0, 4], device=dev))
+
+
+@case
+def transformer_encoder_padding_mask(dev):
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).to(dev).eval()
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2], device=dev)
+    with torch.no_grad():
+        return enc(_seeded((2, 5, 8), 11).to(dev), src_key_padding_mask=mask)
+
+
+@case
+def multihead_attention_fast_path(dev):
+    """Inference without weights takes _native_multi_head_attention, whose CPU and CUDA kernels
+    return an undefined weights tensor where its meta kernel gives an empty one."""
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).to(dev).eval()
+    x = _seeded((2, 5, 8), 11).to(dev)
+    with torch.inference_mode():
+        return mha(x, x, x, need_weights=False)[0]
+
+
+@case
+def conv_batchnorm_channels_last(dev):
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).to(dev)
+    m = m.to(memory_format=torch.channels_last)
+    x = _seeded((2, 3, 8, 8), 1).to(dev).to(memory_format=torch.channels_last)
+    m(x).sum().backward()
+    return m[0].weight.grad
+
+
+def _value(fn: Callable, dev: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    r = fn(dev)
+    return r.detach().cpu().double() if isinstance(r, torch.Tensor) else torch.tensor(r, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_library_idiom_matches_local(remote, name):
+    fn = CASES[name]
+    torch.testing.assert_close(_value(fn, "cuda"), _value(fn, "cpu"), rtol=1e-4, atol=1e-5)
