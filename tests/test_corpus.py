@@ -40,6 +40,7 @@ PROGRAMS = [
     case("hf_llama"),
     case("hf_bert"),
     case("hf_t5"),
+    case("hf_trainer"),
     case("word_lm"),
     case("vae"),
     case("dcgan"),
