@@ -514,15 +514,11 @@ def _group_by_device(original: Callable) -> Callable:
     return grouped
 
 
-def _first_only(fn: Callable, first: torch.Tensor, applied: torch.Tensor) -> Callable:
-    """``fn``, answering ``applied`` (already computed) for ``first`` the first time."""
-    done: list[bool] = []
-
+def _precomputed(fn: Callable, done: dict[int, Any]) -> Callable:
+    """``fn``, answering the results in ``done`` (tensor id → already converted) once each."""
     def once(t: torch.Tensor) -> Any:
-        if t is first and not done:
-            done.append(True)
-            return applied
-        return fn(t)
+        applied = done.pop(id(t), None)
+        return fn(t) if applied is None else applied
     return once
 
 
@@ -547,13 +543,19 @@ def _module_apply(original: Callable) -> Callable:
             return convert(self, fn)
 
     def convert(self: torch.nn.Module, fn: Callable) -> torch.nn.Module:
-        first = next((p for p in self._parameters.values() if p is not None), None)
-        if first is None:
+        # whether the conversion crosses, asked of one parameter on each side: a module can hold
+        # both (a bias tied to a child's, which converted first), and all must keep their identity
+        params = [p for p in self._parameters.values() if p is not None]
+        probes = {id(p): p for p in (next((p for p in params if not isinstance(p, RemoteTensor)), None),
+                                     next((p for p in params if isinstance(p, RemoteTensor)), None))
+                  if p is not None}
+        if not probes:
             return original(self, fn, False)
         with torch.no_grad():
-            applied = fn(first)
-        fn_once = _first_only(fn, first, applied)
-        if isinstance(applied, RemoteTensor) == isinstance(first, RemoteTensor):
+            done = {i: fn(p) for i, p in probes.items()}
+        crosses = any(isinstance(done[i], RemoteTensor) != isinstance(p, RemoteTensor) for i, p in probes.items())
+        fn_once = _precomputed(fn, done)
+        if not crosses:
             return original(self, fn_once, False)
         torch.__future__.set_swap_module_params_on_conversion(True)
         try:

@@ -299,6 +299,31 @@ def test_optimizer_built_before_cuda_still_trains_and_cpu_conversions_keep_ident
     assert model.weight is w and not w.is_cuda and opt.param_groups[0]["params"][0] is w
 
 
+def test_a_parameter_tied_between_a_module_and_its_child_stays_tied():
+    """Hugging Face's MLM heads tie ``head.bias`` to ``head.decoder.bias``, and the decoder's weight
+    to the embeddings (converted earlier): the child then holds a remote and a local parameter."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(6, 4)
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = nn.Linear(4, 6)
+            self.decoder.weight = emb.weight
+            self.bias = self.decoder.bias
+
+    model = nn.ModuleDict({"emb": emb, "head": Head()})
+    bias = model["head"].bias
+    model.cuda()
+    head = model["head"]
+    assert head.bias is bias and head.decoder.bias is bias and head.decoder.weight is emb.weight and bias.is_cuda
+    x = torch.tensor([1, 2, 3], device="cuda")
+    head.decoder(model["emb"](x)).sum().backward()
+    assert torch.equal(bias.grad.cpu(), torch.full((6,), 3.0))
+    model.cpu()
+    assert head.bias is bias and head.decoder.bias is bias and not bias.is_cuda
+
+
 # ---------------------------------------------------------------- a script under `remotecuda run`
 
 SCRIPT = '''
