@@ -172,6 +172,16 @@ def _tensor_copy_(func: Callable, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
+def _ctc_loss(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``torch.ctc_loss`` with lengths as CPU tensors (``F.ctc_loss``'s usual call): CUDA reads them
+    as lists; a remote ``log_probs`` would take the tensor subclasses' path, which divides the
+    gateway's loss by the CPU tensor of target lengths."""
+    if args and isinstance(args[0], RemoteTensor):
+        args = tuple(a.tolist() if i in (2, 3) and isinstance(a, torch.Tensor) and not isinstance(a, RemoteTensor)
+                     else a for i, a in enumerate(args))
+    return func(*args, **kwargs)
+
+
 def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
     device = args[1] if len(args) > 1 else kwargs.get("device")
@@ -344,6 +354,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.Tensor, "to", _tensor_to),
     (torch.Tensor, "cuda", _tensor_cuda),
     (torch.Tensor, "copy_", _tensor_copy_),
+    (torch, "ctc_loss", _ctc_loss),
     (torch, "tensor", _data_factory),
     (torch, "as_tensor", _data_factory),
     (torch, "asarray", _data_factory),

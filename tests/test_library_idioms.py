@@ -199,6 +199,109 @@ def conv_batchnorm_channels_last(dev):
     return m[0].weight.grad
 
 
+@case
+def gradient_penalty_double_backward(dev):
+    critic = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)).to(dev)
+    x = X.clone().to(dev).requires_grad_()
+    (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+    ((g.norm(2, dim=1) - 1) ** 2).mean().backward()
+    return critic[0].weight.grad
+
+
+@case
+def hooks_and_retain_grad(dev):
+    x = X.clone().to(dev).requires_grad_()
+    y = x * 2
+    y.retain_grad()
+    x.register_hook(lambda g: g * 3)
+    (y ** 2).sum().backward(retain_graph=True)
+    (y ** 2).sum().backward()
+    return torch.cat([x.grad.flatten(), y.grad.flatten()])
+
+
+@case
+def interpolate_and_grid_sample(dev):
+    img = _seeded((1, 2, 5, 5), 2).to(dev)
+    up = nn.functional.interpolate(img, scale_factor=2, mode="bilinear", align_corners=False)
+    theta = torch.tensor([[[0.9, 0.1, 0.0], [-0.1, 0.9, 0.0]]], device=dev)
+    grid = nn.functional.affine_grid(theta, [1, 2, 4, 4], align_corners=False)
+    return torch.cat([up.flatten(), nn.functional.grid_sample(img, grid, align_corners=False).flatten()])
+
+
+@case
+def stft_and_rfft(dev):
+    s = _seeded((256,), 4).to(dev)
+    spec = torch.stft(s, 64, window=torch.hann_window(64, device=dev), return_complex=True)
+    return torch.cat([spec.abs().flatten(), torch.fft.rfft(s).abs()])
+
+
+def _ctc(dev, reduction="mean", lengths_on=None):
+    """CTC with lengths as CPU tensors (F.ctc_loss's usual call; CUDA reads them on the CPU)."""
+    log_probs = _seeded((12, 2, 5), 5).log_softmax(2).to(dev).requires_grad_()
+    targets = torch.randint(1, 5, (2, 4), generator=torch.Generator().manual_seed(6)).to(dev)
+    lengths = (torch.full((2,), 12, dtype=torch.long), torch.tensor([4, 3]))
+    if lengths_on is not None:
+        lengths = tuple(t.to(lengths_on) for t in lengths)
+    loss = nn.functional.ctc_loss(log_probs, targets, *lengths, reduction=reduction)
+    loss.backward()
+    return torch.cat([loss.reshape(1), log_probs.grad.flatten()])
+
+
+@case
+def ctc_loss_cpu_lengths(dev):
+    return _ctc(dev)
+
+
+@case
+def ctc_loss_sum_lengths_on_device(dev):
+    return _ctc(dev, "sum", lengths_on=dev)
+
+
+@case
+def data_dependent_ops(dev):
+    t = torch.tensor([3, 1, 3, 0, 2, 3], device=dev)
+    values, counts = torch.unique(t, return_counts=True)
+    return torch.cat([values, counts, torch.bincount(t), torch.where(t > 1)[0], nn.functional.one_hot(t).sum(0),
+                      torch.histc(t.float(), bins=4, min=0, max=3).long()]).float()
+
+
+@case
+def embedding_max_norm_renorms_in_forward(dev):
+    e = nn.Embedding(10, 4, max_norm=1.0).to(dev)
+    y = e(torch.tensor([1, 2, 1], device=dev))
+    return torch.cat([y.flatten(), e.weight.norm(dim=1)])
+
+
+@case
+def index_add_masked_scatter_put_take(dev):
+    t = torch.zeros(5, 3, device=dev)
+    t.index_add_(0, torch.tensor([0, 2, 0], device=dev), X[:3, :3].to(dev))
+    mask = torch.zeros(5, 3, dtype=torch.bool, device=dev)
+    mask[1] = True
+    t.masked_scatter_(mask, torch.arange(3.0, device=dev))
+    t.put_(torch.tensor([14], device=dev), torch.tensor([9.0], device=dev))
+    return torch.cat([t.flatten(), t.take(torch.tensor([0, 14], device=dev))])
+
+
+@case
+def lstm_cell_unrolled(dev):
+    cell = nn.LSTMCell(5, 3).to(dev)
+    h = c = torch.zeros(4, 3, device=dev)
+    for _ in range(3):
+        h, c = cell(X.to(dev), (h, c))
+    h.sum().backward()
+    return torch.cat([h.flatten(), cell.weight_ih.grad.flatten()])
+
+
+@case
+def cross_entropy_ignore_index_label_smoothing(dev):
+    logits = X.clone().to(dev).requires_grad_()
+    loss = nn.functional.cross_entropy(logits, torch.tensor([1, -100, 4, 0], device=dev), ignore_index=-100,
+                                       label_smoothing=0.1)
+    loss.backward()
+    return torch.cat([loss.reshape(1), logits.grad.flatten()])
+
+
 def _value(fn: Callable, dev: str) -> torch.Tensor:
     torch.manual_seed(0)
     r = fn(dev)
