@@ -510,17 +510,22 @@ def _seeding_devices_too(original: Callable) -> Callable:
 
 
 def _group_by_device(original: Callable) -> Callable:
-    """foreach grouping keys by the C++ device (meta); report the tensors' cuda device instead."""
+    """foreach grouping keys by the C++ device, meta for every remote tensor: split those groups by
+    the tensors' cuda devices, so that a model spread over two devices steps each on its own."""
     def grouped(tensorlistlist: Any, with_indices: bool = False) -> Any:
         result = original(tensorlistlist, with_indices)
         fixed = {}
-        for (device, dtype), value in result.items():
-            if device.type == "meta":
-                first = next((t for t in value[0][0] if isinstance(t, RemoteTensor)), None) \
-                    if isinstance(value, tuple) else None
-                if first is not None:
-                    device = first.device
-            fixed[(device, dtype)] = value
+        for (device, dtype), (lists, indices) in result.items():
+            if device.type != "meta" or not lists or not lists[0]:
+                fixed[(device, dtype)] = (lists, indices)
+                continue
+            positions: dict[torch.device, list[int]] = {}
+            for k in range(len(lists[0])):
+                t = next((lst[k] for lst in lists if lst and isinstance(lst[k], RemoteTensor)), None)
+                positions.setdefault(t.device if t is not None else device, []).append(k)
+            for dev, ks in positions.items():
+                fixed[(dev, dtype)] = ([[lst[k] for k in ks] if lst else lst for lst in lists],
+                                       [indices[k] for k in ks] if indices else indices)
         return fixed
     return grouped
 

@@ -160,6 +160,42 @@ def test_copy_through_the_client_where_the_source_port_is_unreachable(pool):
         src.data_endpoint = endpoint
 
 
+class _TwoStage(nn.Module):
+    """Naive model parallelism, as two-GPU tutorials write it: each stage on its own device."""
+
+    def __init__(self, first: str, second: str) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+        self.a = nn.Sequential(nn.Linear(8, 16), nn.ReLU()).to(first)
+        self.b = nn.Linear(16, 2).to(second)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x.to(self.first)).to(self.second))
+
+
+@pytest.mark.parametrize("optimizer", ["adam_foreach", "sgd_foreach_clip_grad_norm"])
+def test_a_model_split_over_two_gateways_trains_as_on_the_cpu(pool, optimizer):
+    """foreach optimizers and clip_grad_norm_ group tensors by device: each device steps its own."""
+    x = torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(16, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def train(first: str, second: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = _TwoStage(first, second).double()
+        opt = (torch.optim.Adam(model.parameters(), lr=0.01, foreach=True) if optimizer == "adam_foreach"
+               else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True))
+        for _ in range(4):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y.to(second)).backward()
+            if optimizer != "adam_foreach":
+                nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=True)
+            opt.step()
+        assert model.b.weight.device == torch.device(second)
+        return [p.detach().cpu() for p in model.parameters()]
+    for got, expected in zip(train("cuda:0", "cuda:1"), train("cpu", "cpu"), strict=True):
+        torch.testing.assert_close(got, expected)
+
+
 class _Inputs:
     """A forward pre-hook noting where each replica's slice of the batch ran."""
 
