@@ -301,6 +301,23 @@ def memory_stats(device: Any = None) -> dict:
             "reserved_bytes.all.current": m["reserved"]}
 
 
+def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    """A readable table of the gateway's memory figures for the device (what ``rc::memory``
+    reports: CUDA's allocator has more counters than a gateway sends)."""
+    dev = _device(device)
+    m = _memory(device)
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:12.1f} MiB"
+    rows = [("Allocated memory", mib(m["allocated"])), ("Peak allocated", mib(m["peak"])),
+            ("Reserved memory", mib(m["reserved"])), ("Free on the GPU", mib(m["free"])),
+            ("GPU total", mib(m["total"]))]
+    line = "|" + "=" * 75 + "|"
+    title = f" RemoteCUDA memory summary, device ID {dev.index}: {get_device_name(device)}"
+    return "\n".join([line, f"|{title[:75]:<75}|", line]
+                     + [f"| {k:<30}|{v:>43}|" for k, v in rows] + [line]) + "\n"
+
+
 def reset_peak_memory_stats(device: Any = None) -> None:
     _session(device).request("rc::reset_peak", [])
 
@@ -434,7 +451,7 @@ REPLACEMENTS = {name: obj for name, obj in dict(globals()).items() if name in {
     "StreamContext", "current_stream", "default_stream", "set_stream", "memory_allocated",
     "memory_reserved", "max_memory_allocated", "max_memory_reserved", "memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats", "empty_cache",
-    "mem_get_info",
+    "mem_get_info", "memory_summary",
     "ipc_collect", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
     "set_rng_state", "get_rng_state_all", "set_rng_state_all", "_lazy_init", "_initialized"}}
 #: what replaces torch.cuda.nvtx.<name> while active (``nvtx.range`` uses these)

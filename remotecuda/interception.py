@@ -621,6 +621,9 @@ def install(rt: Runtime) -> Interception:
     p.set(RemoteTensor, "dispatch", staticmethod(rt.dispatcher.dispatch))
     for name, obj in cuda_api.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
+        for module in (torch.cuda.memory, torch.cuda.random):  # what their own functions call
+            if name in vars(module):
+                p.set(module, name, obj)
     for name, obj in cuda_graphs.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
         p.set(torch.cuda.graphs, name, obj)

@@ -61,6 +61,13 @@ def _not_active(func: Any, args: tuple, kwargs: dict) -> Any:
                            f"(remotecuda.deactivate()) and its data is gone ({func})")
 
 
+#: the legacy tensor type names (``torch.cuda.FloatTensor``...) → their dtype
+_LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
+                 "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
+                 "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8,
+                 "BoolTensor": torch.bool}
+
+
 class RemoteTensor(torch.Tensor):
     # Set by wrap(), and read by the dispatcher, downloads, rnn, attention and transfer: the
     # wrapper's own fields, underscored to stay out of torch.Tensor's namespace; changed only here
@@ -100,6 +107,20 @@ class RemoteTensor(torch.Tensor):
 
     def get_device(self) -> int:
         return self._dev
+
+    def type(self, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The legacy type API: ``x.type()`` names a CUDA type ('torch.cuda.FloatTensor') and
+        ``x.type(torch.cuda.HalfTensor)`` / ``x.type('torch.DoubleTensor')`` convert, as on a GPU."""
+        if dtype is None:
+            return super().type().replace("torch.meta.", "torch.cuda.")
+        if isinstance(dtype, torch.dtype):
+            return self.to(dtype, non_blocking=non_blocking)
+        name = dtype if isinstance(dtype, str) else f"{dtype.__module__}.{dtype.__name__}"
+        legacy = _LEGACY_TYPES.get(name.rsplit(".", 1)[-1])
+        if legacy is None or not name.startswith("torch."):
+            raise ValueError(f"invalid type: {dtype!r}")
+        device = "cuda" if name.startswith("torch.cuda.") else "cpu"
+        return self.to(device if device == "cpu" else self.device, legacy, non_blocking=non_blocking)
 
     def data_ptr(self) -> int:
         """A stable fake address: distinct per storage, offset like a real pointer."""

@@ -299,6 +299,27 @@ def test_optimizer_built_before_cuda_still_trains_and_cpu_conversions_keep_ident
     assert model.weight is w and not w.is_cuda and opt.param_groups[0]["params"][0] is w
 
 
+def test_legacy_type_api_names_and_converts_cuda_types():
+    x = torch.zeros(2, device="cuda")
+    assert x.type() == "torch.cuda.FloatTensor" and x.double().type() == "torch.cuda.DoubleTensor"
+    half = x.type(torch.cuda.HalfTensor)
+    assert half.dtype == torch.float16 and half.is_cuda
+    back = x.type("torch.DoubleTensor")
+    assert back.dtype == torch.float64 and back.device.type == "cpu"
+    assert x.type(torch.int64).dtype == torch.int64
+
+
+def test_memory_summary_and_the_submodules_own_functions_ask_the_gateway():
+    x = torch.zeros(1000, 1000, device="cuda")
+    summary = torch.cuda.memory_summary()
+    assert "RemoteCUDA memory summary" in summary and "Allocated memory" in summary
+    assert torch.cuda.memory.memory_allocated() >= x.nbytes
+    torch.cuda.random.manual_seed(7)
+    a = torch.randn(4, device="cuda").cpu()
+    torch.cuda.manual_seed(7)
+    assert torch.equal(torch.randn(4, device="cuda").cpu(), a)
+
+
 def test_a_parameter_tied_between_a_module_and_its_child_stays_tied():
     """Hugging Face's MLM heads tie ``head.bias`` to ``head.decoder.bias``, and the decoder's weight
     to the embeddings (converted earlier): the child then holds a remote and a local parameter."""
