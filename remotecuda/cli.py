@@ -14,7 +14,7 @@ import sys
 import types
 import zipfile
 
-from remotecuda_wire.limits import CACHE_BYTES
+from remotecuda_wire.limits import CACHE_BYTES, MAX_QUEUED
 
 
 def _is_loopback(host: str) -> bool:
@@ -88,7 +88,7 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
                      cache_bytes=a.cache_bytes, direct=not a.no_direct, discovery=not a.no_discovery,
                      advertise=a.advertise, discovery_iface=a.discovery_iface, token=token,
                      max_sessions=a.max_sessions, max_sessions_per_peer=a.max_sessions_per_peer,
-                     idle_timeout=a.idle_timeout, admin_token=admin,
+                     idle_timeout=a.idle_timeout, admin_token=admin, max_queued=a.max_queued,
                      session_memory=parse_size(a.session_memory) if a.session_memory is not None else None)
     except ValueError as e:
         raise SystemExit(f"remotecuda start: {e}") from None
@@ -311,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the most memory one session may hold, enforced (same sizes as --gpu-memory: 2GB, "
                         "512MiB, bytes); past it an op raises torch.cuda.OutOfMemoryError in that session "
                         "alone (default: no quota but the GPU's size)")
+    s.add_argument("--max-queued", type=int, default=MAX_QUEUED,
+                   help=f"ops one session may have queued, not yet run; a message past it is refused with an "
+                        f"error (default {MAX_QUEUED:,})")
     s.add_argument("--idle-timeout", type=float, default=30.0,
                    help="seconds a connection may stay without authenticating, or without a session and "
                         "silent, before it is closed (default 30)")

@@ -48,7 +48,7 @@ from remotecuda_wire.cache import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
 from remotecuda_wire.cache import POLICIES
 from remotecuda_wire.protocol import ProtocolError
 
-from . import announcer, internal, memory_account
+from . import announcer, backlog, internal, memory_account
 from .connections import Connections
 from .devices import DeviceInfo
 from .load import GpuLoad
@@ -121,12 +121,14 @@ class Gateway:
                  cache_bytes: int = DEFAULT_CACHE_BYTES, direct: bool = True, discovery: bool = False,
                  advertise: str | None = None, discovery_iface: str | None = None, token: bytes | None = None,
                  max_sessions: int = 64, max_sessions_per_peer: int = 16, idle_timeout: float = 30.0,
-                 session_memory: int | None = None, admin_token: bytes | None = None):
+                 session_memory: int | None = None, admin_token: bytes | None = None,
+                 max_queued: int = backlog.DEFAULT):
         """``discovery``: announce on multicast (group from REMOTECUDA_DISCOVERY), from
         ``discovery_iface`` (else REMOTECUDA_DISCOVERY_IFACE, else announcer.interface's choice),
         giving ``advertise`` (HOST:PORT) as the address, else the bound one. ``token``: clients must
         prove they hold it (auth.py); the limits are those of ``remotecuda start``
-        (``session_memory``: each session's memory quota in bytes, session_quota.py).
+        (``session_memory``: each session's memory quota in bytes, session_quota.py; ``max_queued``:
+        each session's bound on ops queued, backlog.py).
         ``admin_token``: per-session STATUS rows only to a connection that proved it (admin.py)."""
         self.devices = devices
         self.id = secrets.token_hex(8)  # this start's: a restarted gateway is another one
@@ -138,6 +140,7 @@ class Gateway:
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
         self.idle_timeout = idle_timeout
         self.session_memory = session_memory
+        self.max_queued = backlog.Backlog(max_queued).limit  # (checked here, not in each worker)
         if admin_token is not None and token is None:
             raise ValueError("an admin token needs a session token")
         self.admin_key = auth.token_key(admin_token) if admin_token is not None else None
@@ -217,6 +220,8 @@ class Gateway:
             cmd += ["--host", self.host]
         if self.session_memory is not None:
             cmd += ["--session-memory", str(self.session_memory)]
+        if self.max_queued != backlog.DEFAULT:
+            cmd += ["--max-queued", str(self.max_queued)]
         slot = None
         account = self.accounts.get(device)
         if account is not None:

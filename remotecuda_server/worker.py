@@ -37,7 +37,7 @@ from remotecuda_wire.cache import ContentCache
 from remotecuda_wire.lifetime import die_with_parent
 from remotecuda_wire.protocol import ProtocolError
 
-from . import internal, peer
+from . import backlog, internal, peer
 from .connections import Connections
 from .executor import Assembly, Executor, Upload
 from .memory_account import MemoryAccount
@@ -62,6 +62,7 @@ class Rejected:
     """A message the I/O thread refused: the executor answers ERROR in its turn."""
 
     why: str
+    ops: int = 0  # the ops its message held (counted in the session's backlog until answered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class Cancelled:
     """A CANCEL: the executor clears a pending op error and answers the interrupted request."""
 
     rid: Any
+    ops: int = 0
 
 
 #: what the I/O thread queues for the executor thread, in order; None: the session is over
@@ -78,7 +80,7 @@ InboxItem = Run | Rejected | Cancelled | None
 class Worker:
     def __init__(self, backend: str, ident: bytes, device: str, host: str | None = None,
                  max_frame: int = protocol.MAX_BODY_BYTES + 64, account: MemoryAccount | None = None,
-                 idle_timeout: float = 30.0, quota: int | None = None):
+                 idle_timeout: float = 30.0, quota: int | None = None, max_queued: int = backlog.DEFAULT):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -88,9 +90,10 @@ class Worker:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.executor = Executor(self.device, copy_stream=self.copy_stream, account=account, quota=quota)
         #: the load this session puts on its GPU, which the I/O thread reports: ops received (counted
-        #: by the I/O thread) and run (by the executor thread); and the executor's seconds on finished
-        #: messages with the running one's start (None when idle), one tuple so that it is read whole
-        self.ops_received = self.ops_done = 0
+        #: by the I/O thread) and run (by the executor thread), within the session's bound; and the
+        #: executor's seconds on finished messages with the running one's start (None when idle),
+        #: one tuple so that it is read whole
+        self.backlog = backlog.Backlog(max_queued)
         self._busy: tuple[float, float | None] = (0.0, None)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -404,7 +407,7 @@ class Worker:
                      cache_entries=len(self.executor.cache.entries) if self.executor.cache else 0,
                      cache_evictions=self.executor.cache.evictions if self.executor.cache else 0,
                      parts_in=self.executor.parts.received, partial_upload_bytes=self.executor.parts.building_bytes(),
-                     queued=self.ops_received - self.ops_done, run_s=done,
+                     queued=self.backlog.queued(), queue_refused=self.backlog.refused, run_s=done,
                      busy_s=done + (time.perf_counter() - since if since is not None else 0.0))
         if self.device.type == "cuda":
             stats["device_free"], stats["device_total"] = torch.cuda.mem_get_info(self.device)
@@ -428,26 +431,40 @@ class Worker:
         except ProtocolError as e:
             if not checked:
                 self.executor.parts.lost()
-            self.inbox.put(Rejected(str(e)))
+            self._queue(Rejected(str(e)))
             return
         if msg.type == protocol.CANCEL:
             upto = msg.body.get("upto")
             if isinstance(upto, int):
                 self.cancel_upto = max(self.cancel_upto, upto)
+            self.backlog.received += 1  # (never refused: it is how a client empties its queue)
             self.inbox.put(Cancelled(msg.body.get("rid")))
+            return
+        ops = msg.body.get("ops")
+        n = len(ops) if isinstance(ops, list) else 0
+        if not self._admit(n):  # before its payloads are decompressed and placed
             return
         try:
             prepared = self._prepare(msg)
         except ProtocolError as e:
-            self.inbox.put(Rejected(str(e)))
+            self.inbox.put(Rejected(str(e), n))
             return
         except Exception as e:  # a malformed message must never take down the I/O thread
-            self.inbox.put(Rejected(f"malformed OPS message ({type(e).__name__}: {e})"))
+            self.inbox.put(Rejected(f"malformed OPS message ({type(e).__name__}: {e})", n))
             return
-        ops = msg.body.get("ops")
-        n = len(ops) if isinstance(ops, list) else 0
-        self.ops_received += n
         self.inbox.put(Run(msg, prepared, n))
+
+    def _admit(self, n: int) -> bool:
+        """Count a message of ``n`` ops into the session's backlog, or refuse it at once (backlog.py)."""
+        why = self.backlog.admit(n)
+        if why is not None:
+            self._to_client(protocol.encode(protocol.ERROR, {"msg": why, "kind": "limit"}))
+        return why is None
+
+    def _queue(self, item: Rejected) -> None:
+        """A refusal for the executor to answer in order, within the session's backlog."""
+        if self._admit(0):
+            self.inbox.put(item)
 
     def _on_part(self, frames: list) -> None:
         """One part of a large upload: checked and copied into place here, as it arrives, while
@@ -467,7 +484,7 @@ class Worker:
                 self.executor.parts.add(h, body["off"], body.get("total"), buf, desc[2])
         except Exception as e:  # (a part too big for memory included) never the I/O thread's end
             if h is None:
-                self.inbox.put(Rejected(str(e)))
+                self._queue(Rejected(str(e)))
             else:
                 self.executor.parts.fail(h, e)
         finally:
@@ -575,6 +592,7 @@ class Worker:
             if item is None:
                 break
             if self.closing:  # BYE or CLOSE: what was queued before it is dropped
+                self.backlog.ran(item.ops)
                 continue
             if type(item) is Run:
                 done = self._busy[0]
@@ -584,8 +602,10 @@ class Worker:
                     self._run_message(item, out)
                 finally:
                     self._busy = (done + time.perf_counter() - start, None)
-                    self.ops_done += item.ops
-            elif type(item) is Rejected:
+                    self.backlog.ran(item.ops)
+                continue
+            self.backlog.ran(item.ops)
+            if type(item) is Rejected:
                 out.send_multipart(protocol.encode(protocol.ERROR, {"msg": item.why, "kind": "protocol"}))
             else:
                 self.executor.failed = None  # the interrupt was the user's answer to it
@@ -661,6 +681,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="a simulated GPU's memory account, an inherited file descriptor (memory_account.py)")
     p.add_argument("--slot", type=int, default=0, help="this worker's slot in the account")
     p.add_argument("--session-memory", type=int, default=None, help="the session's memory quota, in bytes")
+    p.add_argument("--max-queued", type=int, default=backlog.DEFAULT, help="the session's bound on ops queued, not run")
     p.add_argument("--gpu", default="{}", help="the simulated GPU's description (JSON: index, name, total_memory)")
     a = p.parse_args(argv)
     die_with_parent()
@@ -675,7 +696,7 @@ def main(argv: list[str] | None = None) -> None:
         account = MemoryAccount(a.account_fd, gpu["total_memory"], gpu["index"], gpu["name"], a.slot)
     torch.sparse.check_sparse_tensor_invariants.enable()  # a client's sparse tensors are checked as they are made
     Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account, a.idle_timeout,
-           a.session_memory).serve()
+           a.session_memory, a.max_queued).serve()
     os._exit(0)
 
 

@@ -9,6 +9,7 @@ import collections
 import random
 import re
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import zmq
 from remotecuda_wire import auth, protocol
 from remotecuda_wire.protocol import Handle
 
-from conftest import Client
+from conftest import Client, wait_for
 
 #: message types a sealed (authenticated) fuzzer sends with mangled bodies; BYE would only end its own session
 FUZZ_TYPES = [t for t in protocol.TYPE_NAMES if t != protocol.BYE]
@@ -292,3 +293,38 @@ class Campaign:
     def close(self) -> None:
         for s in self.socks:
             s.close(0)
+
+
+class GoodClient(threading.Thread):
+    """A well-behaved client doing ops throughout, each result compared with local PyTorch."""
+
+    def __init__(self, endpoint: str):
+        super().__init__(daemon=True)
+        self.endpoint = endpoint
+        self.stop = threading.Event()
+        self.done = 0
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        c = Client(self.endpoint, zmq.Context())
+        try:
+            c.hello()
+            rng = random.Random(7)
+            while not self.stop.is_set():
+                x = torch.tensor([float(rng.randint(-1000, 1000)) for _ in range(rng.randint(1, 32))])
+                y = torch.tensor([float(rng.randint(-1000, 1000))])
+                got = c.add(x, y)
+                assert torch.equal(got, x + 2 * y), (x, y, got)
+                self.done += 1
+            c.send(protocol.BYE, {})
+        except BaseException as e:  # (reported by the test)
+            self.failure = e
+        finally:
+            c.close()
+            c.ctx.term()
+
+    def progresses(self) -> None:
+        """It completes a round trip more (the gateway did not stall it), or failed."""
+        n = self.done
+        assert wait_for(lambda: self.done > n or self.failure is not None, 60), "the well-behaved client stalled"
+        assert self.failure is None, self.failure

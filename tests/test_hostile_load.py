@@ -3,7 +3,6 @@ a seeded fuzzer on each connection kind while a well-behaved client's results ar
 8 client processes × 10,000 ops each, every result verified."""
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 import threading
@@ -14,9 +13,10 @@ import torch
 import zmq
 
 from remotecuda_wire import auth, protocol
+from remotecuda_wire.protocol import Handle
 
 from conftest import ROOT, Client, GatewayProcess, wait_for
-from fuzzing import Campaign
+from fuzzing import Campaign, GoodClient
 
 TOKEN = "fuzzing-token-0123456789-abcdefghij"
 FRAMES_PER_KIND = 10_000
@@ -33,41 +33,6 @@ def tokened(tmp_path_factory):
 
 def _rss(gw: GatewayProcess) -> int:
     return psutil.Process(gw.proc.pid).memory_info().rss
-
-
-class GoodClient(threading.Thread):
-    """A well-behaved client doing ops throughout, each result compared with local PyTorch."""
-
-    def __init__(self, endpoint: str):
-        super().__init__(daemon=True)
-        self.endpoint = endpoint
-        self.stop = threading.Event()
-        self.done = 0
-        self.failure: BaseException | None = None
-
-    def run(self) -> None:
-        c = Client(self.endpoint, zmq.Context())
-        try:
-            c.hello()
-            rng = random.Random(7)
-            while not self.stop.is_set():
-                x = torch.tensor([float(rng.randint(-1000, 1000)) for _ in range(rng.randint(1, 32))])
-                y = torch.tensor([float(rng.randint(-1000, 1000))])
-                got = c.add(x, y)
-                assert torch.equal(got, x + 2 * y), (x, y, got)
-                self.done += 1
-            c.send(protocol.BYE, {})
-        except BaseException as e:  # (reported by the test)
-            self.failure = e
-        finally:
-            c.close()
-            c.ctx.term()
-
-    def progresses(self) -> None:
-        """It completes a round trip more (the gateway did not stall it), or failed."""
-        n = self.done
-        assert wait_for(lambda: self.done > n or self.failure is not None, 60), "the well-behaved client stalled"
-        assert self.failure is None, self.failure
 
 
 def test_fuzzing_every_connection_kind_while_a_client_works(tokened, monkeypatch):
@@ -158,3 +123,115 @@ def test_eight_clients_ten_thousand_ops_each(gateway):
         outs.append((p.returncode, out, err))
     for k, (rc, out, err) in enumerate(outs):
         assert rc == 0 and out.startswith("OK"), f"client {k}: rc={rc}\n{out}\n{err[-3000:]}"
+
+
+# ============================================================================ queued work and fairness
+
+def _matmuls(c: Client, a: int, out: int, n: int) -> None:
+    """n matrix products queued, no reply asked: work that takes its executor a while."""
+    c.send(protocol.OPS, {"ops": [["aten::mm", [Handle(a), Handle(a)], {}, [out]]] * n, "n0": 0})
+
+
+def _answers(c: Client, sock: zmq.Socket | None = None) -> list[protocol.Message]:
+    out = []
+    sock = sock or c.sock
+    while sock.poll(0):
+        out.append(c.recv(sock=sock))
+    return out
+
+
+def test_a_sessions_queue_is_bounded():
+    """A client that queues faster than its ops run is refused past --max-queued, at once and
+    clearly (ERROR, kind "limit"; counted in STATUS); a CANCEL empties the queue, and the session
+    goes on, its results right."""
+    gw = GatewayProcess("--spare", "1", "--max-queued", "300")
+    c = Client(gw.endpoint)
+    try:
+        c.hello()
+        ha, up, pl = c.upload_op(torch.randn(192, 192), 0)
+        c.send(protocol.OPS, {"ops": [up], "n0": 0}, [pl])
+        out = c.handle()
+        refusals: list[protocol.Message] = []
+        for _ in range(40):  # 4,000 products sent at once; the executor runs some hundreds a second
+            _matmuls(c, ha, out, 100)
+        assert wait_for(lambda: bool(refusals.extend(m for m in _answers(c) if m.type == protocol.ERROR))
+                        or bool(refusals), 60)
+        assert refusals[0].body["kind"] == "limit", refusals[0].body
+        assert "--max-queued" in refusals[0].body["msg"] and "300" in refusals[0].body["msg"]
+        c.send(protocol.CANCEL, {"upto": c.seq, "rid": None})
+        while (m := c.recv(60)).type != protocol.REPLY:  # the refusals that came before its answer
+            assert m.body["kind"] == "limit", m.body
+        assert m.body.get("cancelled"), m.body
+        x = torch.arange(7.0)
+        assert torch.equal(c.add(x, x), x * 3)
+
+        def refused() -> int:
+            from remotecuda.session import gateway_status
+            return gateway_status(zmq.Context.instance(), gw.endpoint, 10)["totals"].get("queue_refused", 0)
+        assert wait_for(lambda: refused() >= 1, 20)
+    finally:
+        c.close()
+        gw.stop()
+
+
+class Flood(threading.Thread):
+    """A client sending OPS messages of cheap ops as fast as it can, never waiting for them."""
+
+    def __init__(self, endpoint: str, direct: bool):
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        self.c = Client(endpoint, self.ctx)
+        self.c.hello()
+        self.sock = self.c.direct()[0] if direct else self.c.sock
+        self.stop = threading.Event()
+        self.sent = 0
+        self.limited = 0  # refusals for the queue's bound
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            h, up, pl = self.c.upload_op(torch.ones(8), 0)
+            self.c.send(protocol.OPS, {"ops": [up], "n0": 0}, [pl], sock=self.sock)
+            ops = [["aten::add_.Tensor", [Handle(h), Handle(h)], {}, [h]]] * 50
+            while not self.stop.is_set():
+                self.c.send(protocol.OPS, {"ops": ops, "n0": 0}, sock=self.sock)
+                self.sent += 1
+                for m in _answers(self.c, self.sock):
+                    self.limited += m.type == protocol.ERROR and m.body.get("kind") == "limit"
+        except BaseException as e:  # (reported by the test)
+            self.failure = e
+        finally:
+            self.c.close()
+            self.sock.close(0)
+            self.ctx.term()
+
+
+def test_a_flooding_client_does_not_stall_another():
+    """Two clients flood their sessions (one through the supervisor, one on its data port) while a
+    third does 100 round trips, each checked: all complete while the floods run, the floods meet
+    their queue's bound, and the supervisor's memory stays bounded."""
+    gw = GatewayProcess("--spare", "3", "--max-queued", "2000")
+    floods = [Flood(gw.endpoint, direct=False), Flood(gw.endpoint, direct=True)]
+    c = Client(gw.endpoint)
+    try:
+        c.hello()
+        before = psutil.Process(gw.proc.pid).memory_info().rss
+        for f in floods:
+            f.start()
+        assert wait_for(lambda: all(f.sent > 100 for f in floods), 60)
+        started = [f.sent for f in floods]
+        for i in range(100):
+            x = torch.arange(float(i % 13 + 1))
+            assert torch.equal(c.add(x, x), x * 3)
+        assert all(f.is_alive() and f.failure is None for f in floods), [f.failure for f in floods]
+        assert all(f.sent > s for f, s in zip(floods, started)), "a flood stopped before the round trips ended"
+        assert wait_for(lambda: all(f.limited for f in floods), 60), "a flood never met its queue's bound"
+        grown = psutil.Process(gw.proc.pid).memory_info().rss - before
+        assert grown < 256 << 20, f"the supervisor grew by {grown >> 20} MiB"
+    finally:
+        for f in floods:
+            f.stop.set()
+        for f in floods:
+            f.join(60)
+        c.close()
+        gw.stop()
