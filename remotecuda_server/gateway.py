@@ -48,7 +48,7 @@ from remotecuda_wire.cache import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
 from remotecuda_wire.cache import POLICIES
 from remotecuda_wire.protocol import ProtocolError
 
-from . import announcer, backlog, internal, memory_account
+from . import announcer, backlog, internal, memory_account, privileges
 from .connections import Connections
 from .devices import DeviceInfo
 from .load import GpuLoad
@@ -188,6 +188,7 @@ class Gateway:
         self._n = 0
         self.running = True
         self.exiting: list[tuple[subprocess.Popen, float]] = []  # workers that said CLOSED, until they exit
+        self.worker_tmps: dict[int, str] = {}  # a worker's pid → its private TMPDIR, removed once it has exited
         now = time.monotonic()
         self.loads = [GpuLoad(now) for _ in devices]
         self.accounts: dict[int, memory_account.MemoryAccount] = {}  # simulated GPU → its memory account
@@ -231,14 +232,19 @@ class Gateway:
             d = self.devices[device]
             cmd += ["--account-fd", str(account.fd), "--slot", str(slot),
                     "--gpu", json.dumps({"index": d.index, "name": d.name, "total_memory": d.total_memory})]
+        tmp = None
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=worker_env(),
+            tmp = privileges.private_tmp(self._tmp.name, ident.decode())
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=dict(worker_env(), TMPDIR=tmp),
                                     pass_fds=(account.fd,) if account is not None else ())
         except OSError as e:  # (too many open files, out of memory, ...): this HELLO fails, not the gateway
             if slot is not None:
                 self.free_slots[device].append(slot)
+            if tmp is not None:
+                privileges.remove_tmp(tmp)
             self._spawn_failed(device, f"{type(e).__name__}: {e}")
             return False
+        self.worker_tmps[proc.pid] = tmp
         self.workers[ident] = WorkerProc(ident, device, proc, slot=slot)
         return True
 
@@ -275,6 +281,7 @@ class Gateway:
             code = w.proc.poll()
             if code is None:
                 continue
+            self._exited(w.proc)
             self._retire(w)
             if w.client is not None and w.client in self.sessions:
                 self._lose_session(w.client, f"the gateway's session worker exited (code {code})")
@@ -287,7 +294,15 @@ class Gateway:
                 if now > deadline:
                     proc.kill()
                 still.append((proc, deadline))
+            else:
+                self._exited(proc)
         self.exiting = still
+
+    def _exited(self, proc: subprocess.Popen) -> None:
+        """A worker process has ended: its private temporary directory goes."""
+        tmp = self.worker_tmps.pop(proc.pid, None)
+        if tmp is not None:
+            privileges.remove_tmp(tmp)
 
     def _assign(self) -> None:
         still = []

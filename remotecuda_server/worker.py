@@ -37,7 +37,7 @@ from remotecuda_wire.cache import ContentCache
 from remotecuda_wire.lifetime import die_with_parent
 from remotecuda_wire.protocol import ProtocolError
 
-from . import backlog, internal, peer
+from . import backlog, internal, peer, privileges
 from .connections import Connections
 from .executor import Assembly, Executor, Upload
 from .memory_account import MemoryAccount
@@ -685,6 +685,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpu", default="{}", help="the simulated GPU's description (JSON: index, name, total_memory)")
     a = p.parse_args(argv)
     die_with_parent()
+    privileges.drop()
     if a.parent is not None and os.getppid() != a.parent:  # it ended while we imported torch
         os._exit(0)
     # the I/O thread must get the GIL soon while the executor thread runs Python op after op:
