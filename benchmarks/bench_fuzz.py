@@ -114,7 +114,7 @@ def run(quick: bool) -> dict:
         finally:
             good.stop.set()
             good.join(60)
-            ctx.term()
+            ctx.destroy(linger=0)  # (sockets a failure left open too)
             alive = proc.poll() is None
             proc.terminate()
             proc.wait(20)

@@ -73,6 +73,9 @@ MAX_STRANGERS = 1024
 DISCONNECT_GRACE = 3.0
 #: ZeroMQ heartbeats on the gateway's sockets: a peer that answers nothing this long is gone
 HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS = 2000, 10000
+#: what the supervisor holds for a session's worker, forwarded and not yet read by it: past either
+#: bound a client's message is refused, not queued (a flooding client meets it; the worker reads fast)
+MAX_UNREAD_MESSAGES, MAX_UNREAD_BYTES = 4096, 256 << 20
 #: after a worker could not start, the next try waits this long, doubling up to the maximum
 SPAWN_BACKOFF, SPAWN_BACKOFF_MAX = 1.0, 30.0
 
@@ -103,6 +106,8 @@ class SessionState:
     peer: auth.Peer | None = None  # the session's keys (with a token)
     address: str = ""  # the client's IP address, for the per-peer limit
     disconnected: bool = False  # its client's connection to this port has closed
+    forwarded: list = field(default_factory=lambda: [0, 0])  # messages and bytes forwarded to its worker
+    read: list = field(default_factory=lambda: [0, 0])  # what of them the worker said it has read (internal.READ)
 
 
 @dataclass
@@ -482,7 +487,7 @@ class Gateway:
             if state is None:
                 self._error(client, "no session: send HELLO first", "no_session")
                 return
-            self._forward(state, frames)
+            self._forward(state, frames, client, head.type)
             return
         try:
             msg = protocol.decode(frames, SMALL_BODY)
@@ -607,9 +612,20 @@ class Gateway:
             self._lost(link)
             self._error(link, f"a bulk connection carries PART messages, not {protocol.TYPE_NAMES[msg_type]}")
         else:
-            self._forward(state, frames)
+            self._forward(state, frames, link, msg_type)
 
-    def _forward(self, state: SessionState, frames: list) -> None:
+    def _forward(self, state: SessionState, frames: list, ident: bytes, msg_type: int) -> None:
+        """A session's message to its worker, unless the worker is that far behind (MAX_UNREAD_*)."""
+        n = sum(len(f) for f in frames)
+        if state.forwarded[0] - state.read[0] >= MAX_UNREAD_MESSAGES \
+                or state.forwarded[1] - state.read[1] + n > MAX_UNREAD_BYTES:
+            if msg_type == protocol.PART:
+                self._lost(ident)
+            self._refuse(ident, f"this session's worker has not yet read {state.forwarded[0] - state.read[0]} "
+                                "messages forwarded to it: this one was refused (send less at once)", "limit")
+            return
+        state.forwarded[0] += 1
+        state.forwarded[1] += n
         try:
             self.back.send_multipart([state.worker, internal.MSG, *frames], copy=False)
         except zmq.ZMQError:  # the worker has just gone (ROUTER_MANDATORY says so)
@@ -695,6 +711,10 @@ class Gateway:
             w.ready = True
             w.data_port = int(frames[2].bytes) if len(frames) > 2 else 0
             self._assign()
+        elif kind == internal.READ:
+            state = self.sessions.get(w.client) if w.client is not None else None
+            if state is not None and state.worker == ident:
+                state.read = [int(frames[2].bytes), int(frames[3].bytes)]
         elif kind == internal.BYE:  # the client said goodbye on the direct path
             if w.client is not None:
                 self._close_session(w.client)

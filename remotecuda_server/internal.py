@@ -18,6 +18,9 @@ BYE = b"BYE"
 """The client said BYE on the direct path; nothing follows: the supervisor closes the session."""
 CLOSED = b"CLOSED"
 """The worker's executor has stopped; nothing follows: the worker process exits next."""
+READ = b"READ"
+"""How much of what the supervisor forwarded (MSG) the worker has read, now and then: then the
+message and byte counts since the session began, ASCII digits. The supervisor holds the rest, up to a bound."""
 
 # supervisor → worker
 ATTACH = b"ATTACH"

@@ -45,6 +45,8 @@ from .memory_account import MemoryAccount
 STATS_INTERVAL = 0.25  # seconds between a busy session's reports to the supervisor
 #: messages queued per connection on the data port before ZeroMQ stops reading that peer
 DATA_RCVHWM = 64
+#: the worker tells the supervisor what it has read of the forwarded messages after this many, or this many bytes
+READ_ACK_MESSAGES, READ_ACK_BYTES = 64, 8 << 20
 
 
 # ---------------------------------------------------------------------- the executor's inbox
@@ -117,6 +119,8 @@ class Worker:
         self.bulk_client: bytes | None = None  # its bulk connection's (PART messages only)
         self.direct_counts = {"direct_messages_in": 0, "direct_bytes_in": 0, "direct_bytes_out": 0}
         self.client_messages = 0  # the client's messages that passed every check (the supervisor's sign of life)
+        self.forwarded = [0, 0]  # messages and bytes the supervisor forwarded that this worker has read
+        self._acked = [0, 0]  # what of that the supervisor was last told
         self.outbox = self.ctx.socket(zmq.PULL)
         self.outbox.bind(f"inproc://out-{id(self)}")
         self.poller = zmq.Poller()
@@ -177,28 +181,46 @@ class Worker:
                     except zmq.Again:
                         break
             if self.sock in events:
-                frames = self.sock.recv_multipart(copy=False)
-                kind = frames[0].bytes
-                if kind == internal.ATTACH:
-                    self.client = frames[1].bytes
-                    conf = protocol.unpack_body(frames[2].bytes) if len(frames) > 2 else {}
-                    cache = conf.get("cache") or {}
-                    if cache.get("bytes"):
-                        self.executor.cache = ContentCache(cache["bytes"], cache["policy"])
-                    self.token = conf.get("token") or b""
-                    if conf.get("key"):
-                        self.keys = auth.Peer(conf["key"], auth.G2C)
-                    self.executor.codecs = tuple(conf.get("codecs") or ())
-                    for early in self.early:
-                        self._on_direct(early)
-                    self.early = []
-                elif kind == internal.MSG:
-                    self._on_client_message(frames[1:])
-                elif kind == internal.CLOSE:
-                    self._close()
-                    self.inbox.put(None)
-                elif kind == internal.LOST:
-                    self.executor.parts.lost()
+                for _ in range(64):  # (a batch: the supervisor forwards faster than one a poll)
+                    try:
+                        self._on_supervisor(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                    except zmq.Again:
+                        break
+
+    def _on_supervisor(self, frames: list) -> None:
+        """A message from the supervisor: the session, a client's forwarded message, its end."""
+        kind = frames[0].bytes
+        if kind == internal.ATTACH:
+            self.client = frames[1].bytes
+            conf = protocol.unpack_body(frames[2].bytes) if len(frames) > 2 else {}
+            cache = conf.get("cache") or {}
+            if cache.get("bytes"):
+                self.executor.cache = ContentCache(cache["bytes"], cache["policy"])
+            self.token = conf.get("token") or b""
+            if conf.get("key"):
+                self.keys = auth.Peer(conf["key"], auth.G2C)
+            self.executor.codecs = tuple(conf.get("codecs") or ())
+            for early in self.early:
+                self._on_direct(early)
+            self.early = []
+        elif kind == internal.MSG:
+            self._read_forwarded(frames[1:])
+            self._on_client_message(frames[1:])
+        elif kind == internal.CLOSE:
+            self._close()
+            self.inbox.put(None)
+        elif kind == internal.LOST:
+            self.executor.parts.lost()
+
+    def _read_forwarded(self, frames: list) -> None:
+        """Count a forwarded message read, and tell the supervisor now and then (internal.READ): it
+        holds what it forwarded and this worker has not read, up to a bound (gateway.MAX_UNREAD_*)."""
+        self.forwarded[0] += 1
+        self.forwarded[1] += sum(len(f) for f in frames)
+        if self.forwarded[0] - self._acked[0] >= READ_ACK_MESSAGES \
+                or self.forwarded[1] - self._acked[1] >= READ_ACK_BYTES:
+            self._acked = list(self.forwarded)
+            self.sock.send_multipart([internal.READ, *(str(n).encode() for n in self.forwarded)])
 
     def _in_use(self, ident: bytes) -> bool:
         """Whether a data-port connection serves the session, or waits for a copy it pulls."""

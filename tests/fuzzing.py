@@ -321,7 +321,7 @@ class GoodClient(threading.Thread):
             self.failure = e
         finally:
             c.close()
-            c.ctx.term()
+            c.ctx.destroy(linger=0)
 
     def progresses(self) -> None:
         """It completes a round trip more (the gateway did not stall it), or failed."""

@@ -66,7 +66,7 @@ def test_fuzzing_every_connection_kind_while_a_client_works(tokened, monkeypatch
         good.join(120)
         if campaign is not None:
             campaign.close()
-        ctx.term()
+        ctx.destroy(linger=0)
     assert not good.is_alive(), "the well-behaved client hung"
     assert good.failure is None, good.failure
     assert tokened.proc.poll() is None
@@ -203,7 +203,7 @@ class Flood(threading.Thread):
         finally:
             self.c.close()
             self.sock.close(0)
-            self.ctx.term()
+            self.ctx.destroy(linger=0)
 
 
 def test_a_flooding_client_does_not_stall_another():
