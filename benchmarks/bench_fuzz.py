@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import results_md  # noqa: E402
 
-SECTION = "# Part 10: hostile peers, a fuzzing campaign (benchmarks/bench_fuzz.py)"
+SECTION = "# Part 11: hostile peers, a fuzzing campaign (benchmarks/bench_fuzz.py)"
 TOKEN = "benchmark-fuzz-token-" + "0123456789abcdef" * 2
 
 
@@ -165,8 +165,8 @@ that stopped answering, a wrong result of the second client). Supervisor RSS {r[
 before, {r['rss_peak'] / mib:.0f} MiB at most, {r['rss_after'] / mib:.0f} MiB after; {r['workers']} worker
 processes at the end (the sessions and the 2 spares). Refusals the gateway counted (STATUS `refused`): {refused}.
 
-What the gateway answered, by reason (digits elided; the answers a fuzzed connection reads; the rest
-of the {sum(r['answers'].values()):,}: {rest:,}):
+What the gateway answered the fuzzed connections, by reason (numbers in messages elided): the 25
+most frequent of {sum(r['answers'].values()):,} answers; the other reasons account for {rest:,}.
 
 | answer | count |
 | --- | --- |
