@@ -1,11 +1,12 @@
-"""A long fuzzing campaign against a gateway with a token: issue 15's ≥ 100,000 hostile frames.
+"""A long fuzzing campaign against a gateway with a token: issue 15's ≥ 100,000 hostile frames (120,000).
 
     python benchmarks/bench_fuzz.py [--quick] [--json OUT] [--write]
 
 The fuzzer of tests/test_hostile_load.py (tests/fuzzing.py): mutated, truncated, replayed and
 oversized messages, made from valid ones and sealed with the session's key where the connection
 authenticated, 20,000 on each connection kind (the front port in a session, the session's data
-port and its bulk connection, the front port authenticated without a session, a stranger's), while
+port and its bulk connection, a stranger on that data port, the front port authenticated without a
+session, a stranger on the front port), while
 a well-behaved client on a session of its own checks every result against local PyTorch. Reports
 frames per second, what the gateway answered (by reason), the refusals the gateway counted
 (STATUS), the supervisor's memory before and after, and every crash: the gateway's exit, a

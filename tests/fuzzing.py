@@ -1,8 +1,8 @@
 """Hostile frames for a real gateway, seeded: the fuzzer of tests/test_hostile_load.py and of
 benchmarks/bench_fuzz.py's longer campaign. ``Campaign`` opens every kind of connection a peer
 can hold (the front port in a session and without one, authenticated or not, the session's data
-port and bulk connection) and sends each a stream of mutated, truncated, replayed and oversized
-messages made from valid ones, reading what the gateway answers."""
+port and bulk connection, a stranger on that data port) and sends each a stream of mutated,
+truncated, replayed and oversized messages made from valid ones, reading what the gateway answers."""
 from __future__ import annotations
 
 import collections
@@ -81,12 +81,14 @@ def _swap(rng: random.Random, body: dict, handles: int) -> dict:
 class Fuzzer:
     """Seeded hostile frames on one socket: mutated, truncated, replayed and oversized messages, made
     from valid ones (sealed with ``peer`` for ``channel`` when the connection has authenticated).
-    ``parts``: the connection is a bulk one, whose valid messages are PARTs."""
+    ``parts``: the connection is a bulk one, whose valid messages are PARTs; ``pulls``: a stranger's
+    on a worker's data port, whose valid messages are other workers' (PULLs of a copy)."""
 
     def __init__(self, seed: int, sock: zmq.Socket, client: Client, peer: auth.Peer | None, channel: int,
-                 parts: bool = False):
+                 parts: bool = False, pulls: bool = False):
         self.rng = random.Random(seed)
-        self.sock, self.client, self.peer, self.channel, self.parts = sock, client, peer, channel, parts
+        self.sock, self.client, self.peer, self.channel = sock, client, peer, channel
+        self.parts, self.pulls = parts, pulls
         self.sent: list[list] = []
         self.frames = 0  # messages sent
         self.answers: collections.Counter = collections.Counter()  # what came back, by reason
@@ -100,6 +102,11 @@ class Fuzzer:
             total = data[0][0] * r.randint(1, 3)
             return self._both(protocol.PART, {"h": c.handle(), "off": 0 if kind < 2 else data[0][0],
                                               "total": total}, [data])
+        if self.pulls and kind < 3:  # a copy's PULL, with a token no offer holds, or a HELLO with a wrong token
+            if kind == 2:
+                return self._both(protocol.HELLO, {"token": r.randbytes(16)})
+            return self._both(protocol.PULL, {"token": r.randbytes(16), "rid": r.randrange(1 << 31),
+                                              "codecs": ["zstd"]})
         if kind == 0:
             ops, pls, hc = c.add_ops(torch.arange(float(r.randint(1, 64))), torch.ones(1))
             ops = [*ops, ["rc::fetch", [hc], None, {"base": None}]]
@@ -144,7 +151,8 @@ class Fuzzer:
         if what < 0.55:  # a mangled body, consistent and sealed: it reaches the parser
             return _frames(r.choice(FUZZ_TYPES), _flip(r, frames[1]), frames[2:], self.peer, self.channel)
         if what < 0.7:  # well-formed msgpack, sealed, with one value swapped: it reaches the executor
-            kind = r.choice(FUZZ_TYPES) if r.random() < 0.2 else protocol.PART if self.parts else protocol.OPS
+            kind = r.choice(FUZZ_TYPES) if r.random() < 0.2 else \
+                protocol.PART if self.parts else protocol.PULL if self.pulls else protocol.OPS
             return self._sealed(kind, _swap(r, body, self.client.h), payloads)
         if what < 0.85:  # truncated: frames dropped, or a frame cut short
             if r.random() < 0.5:
@@ -214,9 +222,16 @@ def until(sock: zmq.Socket, want, what: str, timeout: float = 60.0) -> None:
 
 
 def pong(fuzzer: Fuzzer) -> None:
-    """A PING through the backlog the fuzzer left, answered: the connection's reader is alive."""
-    fuzzer.sock.send_multipart(fuzzer._sealed(protocol.PING, {}))
-    until(fuzzer.sock, lambda head, _: head.type == protocol.PONG, "a PING")
+    """A PING through the backlog the fuzzer left, answered: the connection's reader is alive (a
+    stranger on a data port is answered PINGs by no one: its PULL, then)."""
+    if not fuzzer.pulls:
+        fuzzer.sock.send_multipart(fuzzer._sealed(protocol.PING, {}))
+        until(fuzzer.sock, lambda head, _: head.type == protocol.PONG, "a PING")
+        return
+    rid = 1 << 40
+    fuzzer.sock.send_multipart(fuzzer._sealed(protocol.PULL, {"token": fuzzer.rng.randbytes(16), "rid": rid}))
+    until(fuzzer.sock, lambda head, frames: head.type in (protocol.PONG, protocol.REPLY)
+          and protocol.decode(frames).body.get("rid") == rid, "a PULL")
 
 
 def session_still_works(c: Client, sock: zmq.Socket, channel: int) -> None:
@@ -258,8 +273,10 @@ class Campaign:
         self.fuzz.hello()
         self.loner.hello(device=None)
         self.direct, _ = self.fuzz.direct()
-        self.bulk = self.fuzz._dealer(f"{endpoint.rsplit(':', 1)[0]}:{self.fuzz.welcome['direct']['port']}")
-        self.socks += [self.direct, self.bulk]
+        data_port = f"{endpoint.rsplit(':', 1)[0]}:{self.fuzz.welcome['direct']['port']}"
+        self.bulk = self.fuzz._dealer(data_port)
+        self.port_stranger = self.fuzz._dealer(data_port)
+        self.socks += [self.direct, self.bulk, self.port_stranger]
         self.fuzz.send(protocol.HELLO, {"token": self.fuzz.welcome["token"], "bulk": True}, sock=self.bulk,
                        channel=auth.BULK)
         assert self.fuzz.recv(sock=self.bulk).type == protocol.WELCOME
@@ -269,6 +286,8 @@ class Campaign:
         self.kinds = {"front, in a session": Fuzzer(seed + 1, f.sock, f, peer, auth.FRONT),
                       "data port": Fuzzer(seed + 2, self.direct, f, peer, auth.DIRECT),
                       "bulk": Fuzzer(seed + 3, self.bulk, f, peer, auth.BULK, parts=True),
+                      "data port, a stranger": Fuzzer(seed + 6, self.port_stranger, f, None, auth.DIRECT,
+                                                      pulls=True),
                       "front, authenticated, no session": Fuzzer(seed + 4, self.loner.sock, self.loner,
                                                                  self.loner.peer, auth.FRONT),
                       "front, a stranger": Fuzzer(seed + 5, self.stranger, f, None, auth.FRONT)}

@@ -37,9 +37,10 @@ def _rss(gw: GatewayProcess) -> int:
 
 def test_fuzzing_every_connection_kind_while_a_client_works(tokened, monkeypatch):
     """≥ 10,000 hostile frames on each connection kind: the front port in a session, the session's
-    data port and its bulk connection, the front port authenticated without a session, and a
-    stranger's; the gateway stays up, its memory bounded, the fuzzed connections' readers answer,
-    the fuzzed session still computes right, and a second client's results stay correct throughout."""
+    data port and its bulk connection, a stranger on that data port, the front port authenticated
+    without a session, and a stranger on it; the gateway stays up, its memory bounded, the fuzzed
+    connections' readers answer, the fuzzed session still computes right, and a second client's
+    results stay correct throughout."""
     monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
     monkeypatch.delenv(auth.TOKEN_FILE_ENV, raising=False)
     good = GoodClient(tokened.endpoint)
