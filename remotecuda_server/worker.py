@@ -57,6 +57,7 @@ class Run:
     msg: protocol.Message
     prepared: dict  # uploaded handle → its Upload, already on the device, or why it could not be
     ops: int = 0  # how many ops it holds (the queued work a GPU reports, until they have run)
+    nbytes: int = 0  # the bytes of its uploads (in the session's backlog until it has run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,7 @@ class Rejected:
 
     why: str
     ops: int = 0  # the ops its message held (counted in the session's backlog until answered)
+    nbytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,7 @@ class Cancelled:
 
     rid: Any
     ops: int = 0
+    nbytes: int = 0
 
 
 #: what the I/O thread queues for the executor thread, in order; None: the session is over
@@ -462,23 +465,26 @@ class Worker:
             self.backlog.received += 1  # (never refused: it is how a client empties its queue)
             self.inbox.put(Cancelled(msg.body.get("rid")))
             return
-        ops = msg.body.get("ops")
+        ops = msg.body.get("ops") if msg.type == protocol.OPS else None
         n = len(ops) if isinstance(ops, list) else 0
-        if not self._admit(n):  # before its payloads are decompressed and placed
+        sizes = _upload_sizes(ops, len(msg.payloads))
+        nbytes = sum(size for size in sizes if size is not None)
+        if not self._admit(n, nbytes):  # before its payloads are decompressed and placed
             return
         try:
-            prepared = self._prepare(msg)
+            prepared = self._prepare(msg, sizes, nbytes)
         except ProtocolError as e:
-            self.inbox.put(Rejected(str(e), n))
+            self.inbox.put(Rejected(str(e), n, nbytes))
             return
         except Exception as e:  # a malformed message must never take down the I/O thread
-            self.inbox.put(Rejected(f"malformed OPS message ({type(e).__name__}: {e})", n))
+            self.inbox.put(Rejected(f"malformed OPS message ({type(e).__name__}: {e})", n, nbytes))
             return
-        self.inbox.put(Run(msg, prepared, n))
+        self.inbox.put(Run(msg, prepared, n, nbytes))
 
-    def _admit(self, n: int) -> bool:
-        """Count a message of ``n`` ops into the session's backlog, or refuse it at once (backlog.py)."""
-        why = self.backlog.admit(n)
+    def _admit(self, n: int, nbytes: int = 0) -> bool:
+        """Count a message of ``n`` ops and ``nbytes`` of uploads into the session's backlog, or
+        refuse it at once (backlog.py)."""
+        why = self.backlog.admit(n, nbytes)
         if why is not None:
             self._to_client(protocol.encode(protocol.ERROR, {"msg": why, "kind": "limit"}))
         return why is None
@@ -512,7 +518,7 @@ class Worker:
         finally:
             self.executor.parts.arrived()
 
-    def _prepare(self, msg: protocol.Message) -> dict:
+    def _prepare(self, msg: protocol.Message, sizes: list, nbytes: int) -> dict:
         """Check and decompress payloads, and copy uploads to the device, while earlier ops run;
         return the prepared uploads (handle → ``Upload``, or the error the executor raises in order).
         Copies from other workers start here too: ``rc::receive`` sends its PULL, ``rc::offer``
@@ -522,7 +528,6 @@ class Worker:
         digests (and so the content key) in the ``Upload`` it gets."""
         digests = [d[2] if isinstance(d, list) and len(d) == 3 else None for d, _ in msg.payloads]
         ops = msg.body.get("ops") if msg.type == protocol.OPS else None
-        sizes = _upload_sizes(ops, len(msg.payloads))
         for i, (desc, _) in enumerate(msg.payloads):  # before anything is decompressed
             if sizes[i] is None:
                 raise ProtocolError(f"payload {i} is not named by a well-formed rc::upload of its message")
@@ -530,7 +535,10 @@ class Worker:
                     and 0 <= desc[0] <= protocol.MAX_PAYLOAD_BYTES and desc[0] != sizes[i]:
                 raise ProtocolError(f"payload {i} declares {desc[0]!r} bytes; its upload's dtype and shape "
                                     f"hold {sizes[i]}")
-        over = self._over_quota(ops, sizes)
+        # uploads queued ahead of this message count against the quota too; on a GPU they are
+        # already on the device, in memory_allocated
+        queued = self.backlog.bytes - nbytes if self.device.type != "cuda" else 0
+        over = self._over_quota(ops, sizes, queued)
         msg.payloads = [None if i in over else protocol.decode_payload(d, f) for i, (d, f) in enumerate(msg.payloads)]
         prepared: dict = {}
         if msg.type != protocol.OPS:
@@ -561,14 +569,15 @@ class Worker:
         if quota is not None:
             quota.check_upload(self.executor.allocated_bytes() + self.executor.parts.building_bytes(), n)
 
-    def _over_quota(self, ops: Any, sizes: list) -> dict:
+    def _over_quota(self, ops: Any, sizes: list, queued: int) -> dict:
         """A message's payloads that would take the session past its quota (payload → the error
-        its upload raises in order), found before any is decompressed: those are not."""
+        its upload raises in order), with ``queued`` bytes of uploads ahead of them, found before
+        any is decompressed: those are not."""
         over: dict = {}
         quota = self.executor.quota
         if quota is None or not isinstance(ops, list):
             return over
-        held = self.executor.allocated_bytes() + self.executor.parts.building_bytes()
+        held = self.executor.allocated_bytes() + self.executor.parts.building_bytes() + queued
         for i, n in enumerate(sizes):
             try:
                 quota.check_upload(held, n)
@@ -614,7 +623,7 @@ class Worker:
             if item is None:
                 break
             if self.closing:  # BYE or CLOSE: what was queued before it is dropped
-                self.backlog.ran(item.ops)
+                self.backlog.ran(item.ops, item.nbytes)
                 continue
             if type(item) is Run:
                 done = self._busy[0]
@@ -624,9 +633,9 @@ class Worker:
                     self._run_message(item, out)
                 finally:
                     self._busy = (done + time.perf_counter() - start, None)
-                    self.backlog.ran(item.ops)
+                    self.backlog.ran(item.ops, item.nbytes)
                 continue
-            self.backlog.ran(item.ops)
+            self.backlog.ran(item.ops, item.nbytes)
             if type(item) is Rejected:
                 out.send_multipart(protocol.encode(protocol.ERROR, {"msg": item.why, "kind": "protocol"}))
             else:

@@ -236,3 +236,22 @@ def test_a_flooding_client_does_not_stall_another():
             f.join(60)
         c.close()
         gw.stop()
+
+
+
+def test_the_backlog_bounds_ops_and_upload_bytes():
+    """remotecuda_server/backlog.py's arithmetic: each message counts at least one op; past either
+    bound a message is refused (counted), never when the queue is empty; what has run leaves it."""
+    from remotecuda_server import backlog
+    b = backlog.Backlog(10)
+    assert b.admit(0) is None and b.admit(9) is None and b.queued() == 10
+    assert "--max-queued" in (b.admit(1) or "") and b.refused == 1
+    b.ran(9)
+    assert b.admit(5, backlog.MAX_BYTES) is None  # (up to the bytes bound itself)
+    assert b.admit(1, 1) is not None and b.refused == 2  # past the bytes bound
+    b.ran(0)
+    b.ran(5, backlog.MAX_BYTES)
+    assert b.queued() == 0 and b.bytes == 0
+    assert b.admit(1000, 1 << 40) is None  # an empty queue refuses nothing
+    with pytest.raises(ValueError):
+        backlog.Backlog(0)
