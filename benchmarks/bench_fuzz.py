@@ -154,7 +154,7 @@ messages on each connection kind (mutated, truncated, replayed, oversized; seale
 where the connection authenticated, so most reach the parsers and the executor), reading the answers as
 it goes, while a well-behaved client on its own session checks every result against local PyTorch
 ({r['good_round_trips']:,} round trips, all correct). After each kind a PING on the fuzzed connection
-must be answered; at the end the fuzzed session must still compute right.
+(a stranger's PULL on the data port) must be answered; at the end the fuzzed session must still compute right.
 
 | connection kind | messages | s | messages/s |
 | --- | --- | --- | --- |
