@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import results_md  # noqa: E402
 
-SECTION = "# Part 11: hostile peers, a fuzzing campaign (benchmarks/bench_fuzz.py)"
+SECTION = "# Part 12: hostile peers, a fuzzing campaign (benchmarks/bench_fuzz.py)"
 TOKEN = "benchmark-fuzz-token-" + "0123456789abcdef" * 2
 
 
