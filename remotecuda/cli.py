@@ -1,5 +1,5 @@
 """The ``remotecuda`` command: ``start`` a gateway, ``run`` a script with interception on, list ``servers``,
-make a ``token``."""
+make a ``token`` or CURVE ``keys``."""
 from __future__ import annotations
 
 import argparse
@@ -35,11 +35,12 @@ def _gateway_token(a: argparse.Namespace) -> tuple[bytes | None, str | None]:
         token = auth.read_token(a.token, a.token_file)
     except (OSError, ValueError) as e:
         return None, f"remotecuda start: {e}"
-    if token is None and not a.insecure and not _is_loopback(a.host):
+    if token is None and not a.insecure and not a.curve_clients and not _is_loopback(a.host):
         return None, (f"remotecuda start: --host {a.host} is reachable from other machines, and no token is set: "
                       "anyone who reaches the port could run code on this machine's GPUs. Give a token "
                       "(--token-file FILE, REMOTECUDA_TOKEN or REMOTECUDA_TOKEN_FILE; make one with "
-                      "`remotecuda token`), or --insecure on a network you trust entirely.")
+                      "`remotecuda token`) or CURVE keys (--curve-secret, --curve-clients), or --insecure "
+                      "on a network you trust entirely.")
     return token, None
 
 
@@ -56,6 +57,18 @@ def _admin_token(a: argparse.Namespace, token: bytes | None) -> tuple[bytes | No
     if admin is not None and admin == token:
         return None, "remotecuda start: the admin token must differ from the session token"
     return admin, None
+
+
+def _keys(a: argparse.Namespace) -> int:
+    """``remotecuda keys NAME DIR``: a new CURVE key pair (remotecuda_wire/curve.py)."""
+    from remotecuda_wire import curve
+    try:
+        public, secret = curve.make_keys(a.dir, a.name)
+    except (OSError, RuntimeError) as e:
+        print(f"remotecuda keys: {e}", file=sys.stderr)
+        return 2
+    print(f"public key: {public} ({curve.load_public(str(public)).decode()})\nsecret key pair: {secret} (mode 0600)")
+    return 0
 
 
 def _start(a: argparse.Namespace, argv: list[str]) -> int:
@@ -75,7 +88,7 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
     from remotecuda_server.devices import detect, parse_size
     from remotecuda_server.gateway import VERSION, Gateway, raise_open_file_limit
     if not _is_loopback(a.host):
-        if token is None:
+        if token is None and not a.curve_clients:
             print(f"remotecuda start: WARNING: --insecure: serving {a.host} without authentication or "
                   "encryption; anyone who reaches the port runs code here", file=sys.stderr, flush=True)
         if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -89,8 +102,9 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
                      advertise=a.advertise, discovery_iface=a.discovery_iface, token=token,
                      max_sessions=a.max_sessions, max_sessions_per_peer=a.max_sessions_per_peer,
                      idle_timeout=a.idle_timeout, admin_token=admin, max_queued=a.max_queued,
-                     session_memory=parse_size(a.session_memory) if a.session_memory is not None else None)
-    except ValueError as e:
+                     session_memory=parse_size(a.session_memory) if a.session_memory is not None else None,
+                     curve_secret=a.curve_secret, curve_clients=a.curve_clients)
+    except (OSError, ValueError) as e:
         raise SystemExit(f"remotecuda start: {e}") from None
     if not a.quiet:
         print(f"RemoteCUDA gateway {VERSION}: {note}", flush=True)
@@ -102,6 +116,8 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
         print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {where}", flush=True)
         print("  authentication: " + ("token (every message sealed)" if token is not None else "none")
               + ("; STATUS rows to the admin token only" if admin is not None else ""), flush=True)
+        print("  encryption: " + (f"CURVE, public key {gw.curve.keys.public.decode()}, clients admitted from "
+                                  f"{a.curve_clients}" if gw.curve is not None else "none"), flush=True)
         print("  status: ready (Ctrl-C to stop)", flush=True)
     print(f"READY tcp://{gw.host}:{gw.port}", flush=True)
 
@@ -317,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--idle-timeout", type=float, default=30.0,
                    help="seconds a connection may stay without authenticating, or without a session and "
                         "silent, before it is closed (default 30)")
+    s.add_argument("--curve-secret", default=None, metavar="FILE",
+                   help="encrypt every port with CURVE: the gateway's key pair (a .key_secret file of "
+                        "`remotecuda keys`); needs --curve-clients")
+    s.add_argument("--curve-clients", default=None, metavar="DIR",
+                   help="with --curve-secret: the directory of client public keys (.key files) admitted; "
+                        "any other client key is refused")
     r = sub.add_parser("run", help="run a Python script with 'cuda' on the gateways")
     r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT], all their GPUs as cuda:0..N-1 "
                    "(default REMOTECUDA_SERVERS, else the gateways found on multicast)")
@@ -328,8 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--wait", type=float, default=1.5, help="seconds to listen (default 1.5: one beacon round)")
     v.add_argument("--json", action="store_true", help="print the list as JSON")
     sub.add_parser("token", help="print a new random token (for --token-file / REMOTECUDA_TOKEN_FILE)")
+    k = sub.add_parser("keys", help="make a CURVE key pair: DIR/NAME.key (public) and DIR/NAME.key_secret (0600)")
+    k.add_argument("name", help="the pair's name, e.g. gateway, or a client's (its public key file is "
+                                "copied into a gateway's --curve-clients directory)")
+    k.add_argument("dir", help="the directory to write them to (created if missing)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
+    if a.cmd == "keys":
+        return _keys(a)
     if a.cmd == "servers":
         return _servers(a)
     if a.cmd == "token":

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from remotecuda_wire import auth, beacon
+from remotecuda_wire import auth, beacon, curve
 
 #: how often the table looks for gateways gone quiet: the most a drop is late past EXPIRY
 SWEEP = 0.25
@@ -204,22 +204,42 @@ class Answer(NamedTuple):
     rtt_ms: float  # from sending the question to reading the answer
 
 
-def ask(ctx: Any, endpoints: list[str], timeout: float) -> list[Answer | None]:
+def ask(ctx: Any, endpoints: list[str], timeout: float, why: dict[str, str] | None = None) -> list[Answer | None]:
     """The one place discovery talks to a gateway: a STATUS to each, all at once; each answer
     with its round trip (what latency-optimized placement weighs), or None where none came
-    within ``timeout`` seconds."""
+    within ``timeout`` seconds. ``why`` gets, by endpoint, why a connection's security
+    handshake failed (CURVE: ZeroMQ itself says nothing)."""
     import zmq
+    from zmq.utils.monitor import recv_monitor_message
 
     from remotecuda_wire import protocol
 
+    from .errors import GatewayAuthError
     from .session import connect
-    socks = [connect(ctx, ep) for ep in endpoints]
+    socks: list[Any] = []
+    for ep in endpoints:
+        try:
+            socks.append(connect(ctx, ep))
+        except GatewayAuthError as e:  # (no CURVE key known for it): it is not asked
+            socks.append(None)
+            if why is not None:
+                why[ep] = str(e)
+    monitors = {s.get_monitor_socket(curve.HANDSHAKE_EVENTS): (s, ep) for s, ep in zip(socks, endpoints) if s}
     sent: dict[Any, float] = {}
     answers: dict[Any, Answer] = {}
+    failed: set = set()
     try:
         deadline = time.monotonic() + timeout
-        while len(answers) < len(socks) and time.monotonic() < deadline:
-            for sock in socks:
+        while len(answers) + len(failed) < len(monitors) and time.monotonic() < deadline:
+            for mon in zmq.select(list(monitors), [], [], 0)[0]:
+                s, ep = monitors[mon]
+                failure = curve.handshake_failure(recv_monitor_message(mon)["event"],
+                                                  s.getsockopt(zmq.MECHANISM) == zmq.CURVE)
+                if failure is not None:
+                    failed.add(s)
+                    if why is not None:
+                        why[ep] = f"gateway {ep}: {failure}"
+            for sock, _ in monitors.values():
                 if sock in sent:
                     continue
                 try:  # (IMMEDIATE: a send fails, rather than queueing, until the TCP link is up)
@@ -227,7 +247,7 @@ def ask(ctx: Any, endpoints: list[str], timeout: float) -> list[Answer | None]:
                     sent[sock] = time.perf_counter()
                 except zmq.Again:
                     pass
-            waiting = [s for s in sent if s not in answers]
+            waiting = [s for s in sent if s not in answers and s not in failed]
             if not waiting:
                 time.sleep(0.005)
                 continue
@@ -238,9 +258,11 @@ def ask(ctx: Any, endpoints: list[str], timeout: float) -> list[Answer | None]:
                     continue
                 if msg.type == protocol.STATUS and isinstance(msg.body, dict):
                     answers[sock] = Answer(msg.body, (time.perf_counter() - sent[sock]) * 1000)
-        return [answers.get(s) for s in socks]
+        return [answers.get(s) if s is not None else None for s in socks]
     finally:
-        for sock in socks:
+        for mon, (sock, _) in monitors.items():
+            sock.disable_monitor()
+            mon.close(linger=0)
             sock.close(linger=0)
 
 
@@ -253,12 +275,13 @@ def _as_beacon_info(status: dict) -> dict:
 
 
 def servers_from_env(servers: str | list[str] | None = None) -> list[str]:
-    """``servers`` (``--server``) or ``REMOTECUDA_SERVERS`` as a list; empty: use multicast."""
+    """``servers`` (``--server``) or ``REMOTECUDA_SERVERS`` as a list of addresses (an entry's
+    ``@KEY``, its CURVE public key, is curve.py's); empty: use multicast."""
     if servers is None:
         servers = os.environ.get("REMOTECUDA_SERVERS", "")
     if isinstance(servers, str):
         servers = servers.split(",")
-    return [s.strip() for s in servers if s.strip()]
+    return [curve.split_server(s)[0] for s in servers if s.strip()]
 
 
 def source_from_env(servers: str | list[str] | None = None) -> Source:

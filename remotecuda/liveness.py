@@ -34,7 +34,8 @@ import zmq
 
 from remotecuda_wire import protocol
 
-from .errors import GatewayDownError
+from .errors import GatewayAuthError, GatewayDownError
+from .session import secure
 
 if TYPE_CHECKING:
     from .session import Session
@@ -169,6 +170,11 @@ class Liveness:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.IMMEDIATE, 1)  # no PINGs queued for a gateway not connected
                 sock.setsockopt(zmq.SNDHWM, 4)
+                try:
+                    secure(sock, ep)  # (a CURVE gateway hears only encrypted PINGs)
+                except GatewayAuthError:
+                    sock.close(linger=0)
+                    continue  # (its sessions could not have connected either)
                 sock.connect(ep)
                 self._watches[ep] = by_sock[sock] = _Watch(ep, sock, now)
                 poller.register(sock, zmq.POLLIN)

@@ -51,7 +51,7 @@ from remotecuda_wire import beacon, cache, protocol
 from remotecuda_wire.lifetime import die_with_parent
 
 from .discovery import Answer, Discovery, MulticastSource, ask
-from .errors import GatewayUnavailableError, RemoteCUDAError
+from .errors import GatewayAuthError, GatewayUnavailableError, RemoteCUDAError
 from .liveness import Liveness
 from .scheduler import ANY, DEFAULT_STRATEGY, GpuState, Pin, PlacementError, SessionProfile, check_strategy, place
 from .session import BATCH_WINDOW, PING_EVERY, STAT_KEYS, Session
@@ -150,9 +150,10 @@ class Pool:
         self._hints = threading.local()  # per thread: the module being moved to 'cuda' (``hint``)
         self._listening_since = 0.0
         pins = list(devices) if devices is not None else None
+        refused: dict[str, str] = {}  # why a security handshake failed, by endpoint
         if self.named:
-            answers = ask(self.ctx, self.named, connect_timeout)
-            unreachable = [f"no RemoteCUDA gateway answered at {ep} within {connect_timeout:.1f} s"
+            answers = ask(self.ctx, self.named, connect_timeout, refused)
+            unreachable = [refused.get(ep, f"no RemoteCUDA gateway answered at {ep} within {connect_timeout:.1f} s")
                            for ep, a in zip(self.named, answers) if a is None]
             if any(answers):
                 self._listed(answers, pins)
@@ -160,7 +161,7 @@ class Pool:
             unreachable = self._discover(pins)
         if not self.devices:
             if fallback == "error":
-                raise GatewayUnavailableError(
+                raise (GatewayAuthError if refused else GatewayUnavailableError)(
                     "no RemoteCUDA gateway is reachable (" + "; ".join(unreachable) + "); "
                     "REMOTECUDA_FALLBACK=error forbids running on the local CPU")
             warnings.warn("remotecuda: no gateway is reachable (" + "; ".join(unreachable) + "); "

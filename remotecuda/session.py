@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from remotecuda_wire import auth, cache, protocol
+from remotecuda_wire import auth, cache, curve, protocol
 from remotecuda_wire.admin import read_admin_token
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import ProtocolError
@@ -228,7 +229,7 @@ class Session:
     def _open(self, ctx: zmq.Context, endpoint: str, channel: int, via_supervisor: bool = False) -> zmq.Socket:
         """A further connection of the session: to the worker's data port (a fixed routing id, so a
         reconnect keeps it), or for the bulk connection on the gateway's port."""
-        sock = connect(ctx, endpoint, routing_id=None if via_supervisor else os.urandom(16))
+        sock = connect(ctx, endpoint, routing_id=None if via_supervisor else os.urandom(16), server=self.endpoint)
         self._channels[sock] = (channel, frozenset({channel | (auth.SUPERVISOR if via_supervisor else auth.WORKER)}))
         return sock
 
@@ -688,11 +689,18 @@ def _size(frame: Any) -> int:
     return len(frame) if isinstance(frame, bytes) else frame.nbytes
 
 
-def connect(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) -> zmq.Socket:
+def connect(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None,
+            server: str | None = None) -> zmq.Socket:
     """A DEALER to a gateway. With ``routing_id`` (a session's direct connection) a reconnect keeps
     the peer's identity, and messages wait for it: the session's worker, if it died, is reported
-    on the gateway's port at once, instead of a send blocking until SEND_TIMEOUT."""
+    on the gateway's port at once, instead of a send blocking until SEND_TIMEOUT. ``server``: the
+    gateway's front endpoint, for a connection to one of its workers' ports (see ``secure``)."""
     sock = ctx.socket(zmq.DEALER)
+    try:
+        secure(sock, server or endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -703,6 +711,23 @@ def connect(ctx: zmq.Context, endpoint: str, routing_id: bytes | None = None) ->
     sock.setsockopt(zmq.SNDTIMEO, int(SEND_TIMEOUT * 1000))  # a send never blocks forever on a dead link
     sock.connect(endpoint)
     return sock
+
+
+def secure(sock: zmq.Socket, gateway: str) -> None:
+    """With a CURVE key pair (``REMOTECUDA_CURVE_SECRET``), make ``sock`` (not connected yet) an
+    encrypted connection to the gateway whose front endpoint is ``gateway`` (remotecuda_wire/curve.py):
+    GatewayAuthError when that gateway's public key is not known."""
+    try:
+        keys = curve.client_keys()
+        if keys is None:
+            return
+        key = curve.server_key(gateway)
+    except (OSError, ValueError) as e:
+        raise GatewayAuthError(f"CURVE keys: {e}") from None
+    if key is None:
+        raise GatewayAuthError(f"{curve.SECRET_ENV} is set but no public key is known for gateway {gateway} "
+                               f"(set {curve.SERVER_ENV}, or name it HOST:PORT@KEYFILE in REMOTECUDA_SERVERS)")
+    curve.secure_client(sock, keys, key)
 
 
 #: the channels a client accepts on the gateway's port: the supervisor's messages and its worker's, forwarded
@@ -768,37 +793,56 @@ def greet(greetings: list[tuple[zmq.Socket, dict]], timeout: float, endpoint: st
     deadline = time.monotonic() + timeout
     unsent = {sock: dict(body, client=client) for sock, body in greetings}
     answers: dict[zmq.Socket, protocol.Message | Exception] = {}
-    while len(answers) < len(greetings) and time.monotonic() < deadline:
-        for sock, body in list(unsent.items()):
-            frames = protocol.encode(protocol.HELLO, body)
-            try:  # with IMMEDIATE, a send fails (rather than queueing) until the TCP link is up
-                sock.send_multipart(seal(frames, sock) if seal is not None else frames, zmq.NOBLOCK)
-                del unsent[sock]
-            except zmq.Again:
-                pass
-        waiting = [sock for sock, _ in greetings if sock not in unsent and sock not in answers]
-        if not waiting:
-            time.sleep(0.02)
-            continue
-        ready, _, _ = zmq.select(waiting, [], [], 0.05)
-        for sock in ready:
-            frames = sock.recv_multipart()
-            try:
-                head = protocol.decode_header(frames[0]) if frames else None
-                if check is not None and not (head is not None and head.type == protocol.ERROR
-                                              and not head.flags & protocol.SEALED):
-                    check(frames, sock)
-                msg = protocol.decode(frames)
-            except protocol.ProtocolError as e:
-                answers[sock] = e
-                continue
-            if msg.type in (protocol.WELCOME, protocol.CHALLENGE):
-                answers[sock] = msg
-            elif msg.type == protocol.ERROR:
-                error = GatewayAuthError if msg.body.get("kind") == "auth" else GatewayUnavailableError
-                answers[sock] = error(f"gateway {endpoint} refused the session: {msg.body.get('msg')}")
+    # a failed security handshake (CURVE) closes the connection without a word: the monitor hears it
+    monitors = {sock.get_monitor_socket(curve.HANDSHAKE_EVENTS): sock for sock, _ in greetings}
+    try:
+        while len(answers) < len(greetings) and time.monotonic() < deadline:
+            _greet_round(unsent, answers, monitors, greetings, endpoint, seal, check)
+    finally:
+        for mon, sock in monitors.items():
+            sock.disable_monitor()
+            mon.close(linger=0)
     return [answers[sock] if sock in answers else GatewayUnavailableError(
         f"no RemoteCUDA gateway answered at {endpoint} within {timeout:.1f} s") for sock, _ in greetings]
+
+
+def _greet_round(unsent: dict, answers: dict, monitors: dict, greetings: list, endpoint: str,
+                 seal: Sealer | None, check: Checker | None) -> None:
+    """One turn of ``greet``: send what can be sent, take the answers and handshake failures that came."""
+    for mon in zmq.select(list(monitors), [], [], 0)[0]:
+        sock = monitors[mon]
+        why = curve.handshake_failure(recv_monitor_message(mon)["event"],
+                                      sock.getsockopt(zmq.MECHANISM) == zmq.CURVE)
+        if why is not None and sock not in answers:
+            answers[sock] = GatewayAuthError(f"gateway {endpoint}: {why}")
+    for sock, body in list(unsent.items()):
+        frames = protocol.encode(protocol.HELLO, body)
+        try:  # with IMMEDIATE, a send fails (rather than queueing) until the TCP link is up
+            sock.send_multipart(seal(frames, sock) if seal is not None else frames, zmq.NOBLOCK)
+            del unsent[sock]
+        except zmq.Again:
+            pass
+    waiting = [sock for sock, _ in greetings if sock not in unsent and sock not in answers]
+    if not waiting:
+        time.sleep(0.02)
+        return
+    ready, _, _ = zmq.select(waiting, [], [], 0.05)
+    for sock in ready:
+        frames = sock.recv_multipart()
+        try:
+            head = protocol.decode_header(frames[0]) if frames else None
+            if check is not None and not (head is not None and head.type == protocol.ERROR
+                                          and not head.flags & protocol.SEALED):
+                check(frames, sock)
+            msg = protocol.decode(frames)
+        except protocol.ProtocolError as e:
+            answers[sock] = e
+            continue
+        if msg.type in (protocol.WELCOME, protocol.CHALLENGE):
+            answers[sock] = msg
+        elif msg.type == protocol.ERROR:
+            error = GatewayAuthError if msg.body.get("kind") == "auth" else GatewayUnavailableError
+            answers[sock] = error(f"gateway {endpoint} refused the session: {msg.body.get('msg')}")
 
 
 def gateway_status(ctx: zmq.Context, endpoint: str, timeout: float) -> dict:

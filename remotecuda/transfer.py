@@ -57,6 +57,8 @@ def _peer(src: Any, dst: Any) -> str | None:
     peer = src.data_endpoint
     if peer is None or (_loopback(peer) and not _loopback(dst.endpoint)):
         return None
+    if (src.info.get("curve") or dst.info.get("curve")) and src.endpoint != dst.endpoint:
+        return None  # a CURVE gateway's workers pull only from each other (they hold its key, not others')
     return peer
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import zmq
 
-from remotecuda_wire import auth, beacon, protocol
+from remotecuda_wire import auth, beacon, curve, protocol
 from remotecuda_wire._version import __version__ as VERSION
 from remotecuda_wire.cache import DEFAULT_BYTES as DEFAULT_CACHE_BYTES
 from remotecuda_wire.cache import POLICIES
@@ -127,14 +127,17 @@ class Gateway:
                  advertise: str | None = None, discovery_iface: str | None = None, token: bytes | None = None,
                  max_sessions: int = 64, max_sessions_per_peer: int = 16, idle_timeout: float = 30.0,
                  session_memory: int | None = None, admin_token: bytes | None = None,
-                 max_queued: int = backlog.DEFAULT):
+                 max_queued: int = backlog.DEFAULT,
+                 curve_secret: str | None = None, curve_clients: str | None = None):
         """``discovery``: announce on multicast (group from REMOTECUDA_DISCOVERY), from
         ``discovery_iface`` (else REMOTECUDA_DISCOVERY_IFACE, else announcer.interface's choice),
         giving ``advertise`` (HOST:PORT) as the address, else the bound one. ``token``: clients must
         prove they hold it (auth.py); the limits are those of ``remotecuda start``
         (``session_memory``: each session's memory quota in bytes, session_quota.py; ``max_queued``:
         each session's bound on ops queued, backlog.py).
-        ``admin_token``: per-session STATUS rows only to a connection that proved it (admin.py)."""
+        ``admin_token``: per-session STATUS rows only to a connection that proved it (admin.py).
+        ``curve_secret`` (its key pair file) with ``curve_clients`` (a directory of the client public
+        keys it admits): every port of the gateway and its workers is CURVE-encrypted (curve.py)."""
         self.devices = devices
         self.id = secrets.token_hex(8)  # this start's: a restarted gateway is another one
         self.direct = direct
@@ -152,7 +155,18 @@ class Gateway:
         #: the keys of connections that proved the admin token (they go with their connections)
         self.admins: weakref.WeakSet[auth.Peer] = weakref.WeakSet()
         self.ctx = zmq.Context()
+        if (curve_secret is None) != (curve_clients is None):
+            raise ValueError("CURVE needs both --curve-secret (the gateway's key pair) and --curve-clients "
+                             "(the client keys it admits)")
+        #: the supervisor's CURVE keys and ZAP handler; and what each worker is told to load
+        self.curve = curve.Server(self.ctx, curve.load_keypair(curve_secret), curve_clients) \
+            if curve_secret is not None and curve_clients is not None else None
+        self.curve_args = ["--curve-secret", os.path.abspath(str(curve_secret)),
+                           "--curve-clients", os.path.abspath(str(curve_clients))] \
+            if self.curve is not None else []
         self.front = self.ctx.socket(zmq.ROUTER)
+        if self.curve is not None:
+            self.curve.secure(self.front)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.front.setsockopt(zmq.LINGER, 0)
         self.front.setsockopt(zmq.MAXMSGSIZE, max_frame)
@@ -224,6 +238,7 @@ class Gateway:
                "--parent", str(os.getpid())]
         if self.direct:
             cmd += ["--host", self.host]
+        cmd += self.curve_args
         if self.session_memory is not None:
             cmd += ["--session-memory", str(self.session_memory)]
         if self.max_queued != backlog.DEFAULT:
@@ -346,7 +361,11 @@ class Gateway:
         return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(), "id": self.id,
                 "devices": [d.as_dict() for d in self.devices], "session": session,
                 "sessions": len(self.sessions), "codecs": list(protocol.CODECS),
-                "auth": "token" if self.token_key is not None else None}
+                "auth": "token" if self.token_key is not None else None, "curve": self._curve_key()}
+
+    def _curve_key(self) -> str | None:
+        """The gateway's CURVE public key (Z85), or None without CURVE."""
+        return self.curve.keys.public.decode() if self.curve is not None else None
 
     def gpus(self) -> list[dict]:
         """Each GPU's facts and current figures (STATUS's and the beacon's ``gpus``)."""
@@ -374,7 +393,8 @@ class Gateway:
 
     def _beacon_info(self) -> dict:
         return {"gateway": VERSION, "protocol": protocol.VERSION, "torch": _torch_version(),
-                "host": socket.gethostname(), "sessions": len(self.sessions), "gpus": self.gpus()}
+                "host": socket.gethostname(), "sessions": len(self.sessions), "gpus": self.gpus(),
+                "curve": self._curve_key()}
 
     def status(self, full: bool = True) -> dict:
         """Per-session and gateway-wide counters, and each GPU's figures: what the pool's
@@ -829,6 +849,8 @@ class Gateway:
         self.conns.stop()
         self.front.close()
         self.back.close()
+        if self.curve is not None:
+            self.curve.stop()
         self.ctx.term()
         self._tmp.cleanup()
         for account in self.accounts.values():

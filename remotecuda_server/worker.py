@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import zmq
 
-from remotecuda_wire import auth, protocol
+from remotecuda_wire import auth, curve, protocol
 from remotecuda_wire.cache import ContentCache
 from remotecuda_wire.lifetime import die_with_parent
 from remotecuda_wire.protocol import ProtocolError
@@ -85,7 +85,8 @@ InboxItem = Run | Rejected | Cancelled | None
 class Worker:
     def __init__(self, backend: str, ident: bytes, device: str, host: str | None = None,
                  max_frame: int = protocol.MAX_BODY_BYTES + 64, account: MemoryAccount | None = None,
-                 idle_timeout: float = 30.0, quota: int | None = None, max_queued: int = backlog.DEFAULT):
+                 idle_timeout: float = 30.0, quota: int | None = None, max_queued: int = backlog.DEFAULT,
+                 curve_keys: tuple[str, str] | None = None):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -105,6 +106,10 @@ class Worker:
         self.sock.setsockopt(zmq.IDENTITY, ident)
         self.sock.setsockopt(zmq.LINGER, 2000)
         self.sock.connect(backend)
+        #: with CURVE (the gateway's key pair file, the client keys directory): this process's own
+        #: ZAP handler, for its data port; and its pulls from other workers use the gateway's key pair
+        self.curve = curve.Server(self.ctx, curve.load_keypair(curve_keys[0]), curve_keys[1]) \
+            if curve_keys is not None else None
         self.data, self.data_port = None, 0  # the direct path's socket, on the gateway's host
         self.conns: Connections | None = None
         if host:
@@ -113,6 +118,8 @@ class Worker:
                            (zmq.SNDHWM, 0), (zmq.RCVHWM, DATA_RCVHWM), (zmq.MAXMSGSIZE, max_frame),
                            (zmq.HEARTBEAT_IVL, 2000), (zmq.HEARTBEAT_TIMEOUT, 10000)):
                 self.data.setsockopt(opt, v)
+            if self.curve is not None:
+                self.curve.secure(self.data)
             self.data_port = self.data.bind_to_random_port(f"tcp://{host}")
             self.conns = Connections(self.data, idle_timeout)
         self.token = b""
@@ -357,6 +364,8 @@ class Worker:
             for opt, v in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
                            (zmq.MAXMSGSIZE, self.max_frame + 64)):
                 sock.setsockopt(opt, v)
+            if self.curve is not None:  # (the client asks CURVE gateways for copies between their own workers only)
+                curve.secure_client(sock, self.curve.keys, self.curve.keys.public)
             try:
                 sock.connect(r.peer)
             except zmq.ZMQError as e:  # (an address that does not resolve): the op fails in its turn
@@ -713,6 +722,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slot", type=int, default=0, help="this worker's slot in the account")
     p.add_argument("--session-memory", type=int, default=None, help="the session's memory quota, in bytes")
     p.add_argument("--max-queued", type=int, default=backlog.DEFAULT, help="the session's bound on ops queued, not run")
+    p.add_argument("--curve-secret", default=None, help="the gateway's CURVE key pair file (with --curve-clients)")
+    p.add_argument("--curve-clients", default=None, help="the directory of client public keys the data port admits")
     p.add_argument("--gpu", default="{}", help="the simulated GPU's description (JSON: index, name, total_memory)")
     a = p.parse_args(argv)
     die_with_parent()
@@ -728,7 +739,7 @@ def main(argv: list[str] | None = None) -> None:
         account = MemoryAccount(a.account_fd, gpu["total_memory"], gpu["index"], gpu["name"], a.slot)
     torch.sparse.check_sparse_tensor_invariants.enable()  # a client's sparse tensors are checked as they are made
     Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account, a.idle_timeout,
-           a.session_memory, a.max_queued).serve()
+           a.session_memory, a.max_queued, (a.curve_secret, a.curve_clients) if a.curve_secret else None).serve()
     os._exit(0)
 
 
