@@ -162,6 +162,8 @@ class MulticastSource:
             if "//0.0.0.0:" in addr:  # bound to every interface: reachable where the beacon came from
                 addr = addr.replace("//0.0.0.0:", f"//{src}:", 1)
             heard.append(Heard(GatewayInfo(env["id"], addr, None, now, env["seq"], data), bool(env["leaving"])))
+            if self.key is not None and os.environ.get(curve.SECRET_ENV):  # a token-signed key: pinned
+                curve.pin(addr, (beacon.decode(data) or {}).get("curve"))
 
     def close(self) -> None:
         self.sock.close()
@@ -224,7 +226,7 @@ def ask(ctx: Any, endpoints: list[str], timeout: float, why: dict[str, str] | No
             socks.append(None)
             if why is not None:
                 why[ep] = str(e)
-    monitors = {s.get_monitor_socket(curve.HANDSHAKE_EVENTS): (s, ep) for s, ep in zip(socks, endpoints) if s}
+    monitors = {curve.watch(s): (s, ep) for s, ep in zip(socks, endpoints) if s}
     sent: dict[Any, float] = {}
     answers: dict[Any, Answer] = {}
     failed: set = set()
@@ -261,8 +263,7 @@ def ask(ctx: Any, endpoints: list[str], timeout: float, why: dict[str, str] | No
         return [answers.get(s) if s is not None else None for s in socks]
     finally:
         for mon, (sock, _) in monitors.items():
-            sock.disable_monitor()
-            mon.close(linger=0)
+            curve.unwatch(sock, mon)
             sock.close(linger=0)
 
 

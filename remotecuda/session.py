@@ -794,14 +794,13 @@ def greet(greetings: list[tuple[zmq.Socket, dict]], timeout: float, endpoint: st
     unsent = {sock: dict(body, client=client) for sock, body in greetings}
     answers: dict[zmq.Socket, protocol.Message | Exception] = {}
     # a failed security handshake (CURVE) closes the connection without a word: the monitor hears it
-    monitors = {sock.get_monitor_socket(curve.HANDSHAKE_EVENTS): sock for sock, _ in greetings}
+    monitors = {curve.watch(sock): sock for sock, _ in greetings}
     try:
         while len(answers) < len(greetings) and time.monotonic() < deadline:
             _greet_round(unsent, answers, monitors, greetings, endpoint, seal, check)
     finally:
         for mon, sock in monitors.items():
-            sock.disable_monitor()
-            mon.close(linger=0)
+            curve.unwatch(sock, mon)
     return [answers[sock] if sock in answers else GatewayUnavailableError(
         f"no RemoteCUDA gateway answered at {endpoint} within {timeout:.1f} s") for sock, _ in greetings]
 

@@ -15,11 +15,12 @@ the public key to hand out, and ``NAME.key_secret``, mode 0600). A client sets
 gateway, or per gateway in ``REMOTECUDA_SERVERS`` as ``host:port@KEYFILE``.
 
 ZeroMQ reports a failed CURVE handshake to nobody: the connection just closes and retries.
-``watch``/``handshake_failure`` turn a socket monitor's HANDSHAKE_FAILED_* events into a
+``watch`` and ``handshake_failure`` turn a socket monitor's HANDSHAKE_FAILED_* events into a
 message the client raises (docs/SECURITY.md says what CURVE and the token each protect).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from collections.abc import Mapping
@@ -183,6 +184,24 @@ def pin(endpoint: str, key: Any) -> None:
     """Remember the key a signed beacon gave for ``endpoint`` (a token holder's proof of origin)."""
     if isinstance(key, str) and len(key) == 40:
         _ANNOUNCED[_host_port(endpoint)] = key.encode()
+
+
+_watches = itertools.count()
+
+
+def watch(sock: zmq.Socket) -> zmq.Socket:
+    """A monitor of ``sock``'s handshakes (its own inproc address each time: a socket watched
+    again soon after ``unwatch`` would find pyzmq's fixed one still bound)."""
+    addr = f"inproc://remotecuda-handshake-{os.getpid()}-{next(_watches)}"
+    sock.monitor(addr, HANDSHAKE_EVENTS)
+    mon = sock.context.socket(zmq.PAIR)
+    mon.connect(addr)
+    return mon
+
+
+def unwatch(sock: zmq.Socket, mon: zmq.Socket) -> None:
+    sock.disable_monitor()
+    mon.close(linger=0)
 
 
 def handshake_failure(event: int, curve: bool) -> str | None:

@@ -128,14 +128,15 @@ def test_right_keys_run_ops_that_match_local_torch(curved, keys):
 
 
 def test_curve_and_token_compose(keys, tmp_path):
+    """Both on; the client, given no gateway key, takes it from the gateway's token-signed beacon."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     gw = GatewayProcess("--curve-secret", str(keys / "gateway.key_secret"), "--curve-clients",
-                        str(keys / "clients"), "--token-file", str(token_file))
+                        str(keys / "clients"), "--token-file", str(token_file), discovery=True)
     try:
-        env = dict(_env(keys), REMOTECUDA_SERVERS=f"{gw.address}@{keys / 'gateway.key'}", **{auth.TOKEN_ENV: TOKEN})
-        del env[curve.SERVER_ENV]  # (the key comes with the server's address)
-        r = run_python(_PROGRAM, env=env, args=["-c", _PROGRAM, gw.address])
+        env = dict(_env(keys), REMOTECUDA_DISCOVERY=os.environ["REMOTECUDA_DISCOVERY"], **{auth.TOKEN_ENV: TOKEN})
+        del env[curve.SERVER_ENV]
+        r = run_python(_PROGRAM, env=env, args=["-c", _PROGRAM.replace("activate(sys.argv[1], ", "activate(")])
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == ["OK", "True", "True"]
     finally:
@@ -173,8 +174,7 @@ def test_unknown_key_and_plaintext_client_get_a_clear_error(curved, keys):
     for line in lines.values():
         assert line.startswith("REFUSED"), r.stdout
     after = _status(curved, keys)["totals"]
-    assert after.get("sessions_opened") == before.get("sessions_opened")
-    assert after["messages_in"] == before["messages_in"] + 1  # (the STATUS that asked)
+    assert after["messages_in"] == before["messages_in"] + 1  # no HELLO reached it: only the STATUS that asked
 
 
 def _status(gw: GatewayProcess, keys) -> dict:
