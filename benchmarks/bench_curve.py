@@ -15,6 +15,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,10 +99,15 @@ def run(quick: bool) -> dict:
                     s, dt = _session(eps[name], *setup[name][1:])
                     starts[name].append(dt)
                     s.close()
-        finally:
+        finally:  # (all stopped before their key files go with the directory)
             for p in procs.values():
                 p.terminate()
-                p.wait(20)
+            for p in procs.values():
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
     out: dict = {"load": os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"),
                  "machine": _machine(), "date": datetime.date.today().isoformat(),
                  "n_small": n_small, "rounds": rounds, "direct": direct}

@@ -201,7 +201,8 @@ def test_every_port_refuses_unknown_keys_and_plaintext(curved, keys):
         assert torch.equal(c.add(x, x, sock=sock, channel=channel), x * 3)
         for endpoint in (curved.endpoint, data):  # ... an unknown one or none opens no port
             assert _handshake_event(endpoint, mallory, server) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            assert _handshake_event(endpoint, None, None) == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            assert _handshake_event(endpoint, None, None) in (  # (which one: how far the greeting got)
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         assert torch.equal(c.add(x, x, sock=sock, channel=channel), x * 3)  # the session is unharmed
         sock.close(0)
         c.send(protocol.BYE, {})
