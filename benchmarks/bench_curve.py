@@ -25,7 +25,7 @@ sys.path.insert(0, HERE)
 import results_md  # noqa: E402
 from bench_auth import TOKEN, _gateway, _small_ops, _upload  # noqa: E402
 
-SECTION = "# Part 10: encryption (benchmarks/bench_curve.py)"
+SECTION = "# Part 11: encryption (benchmarks/bench_curve.py)"
 KINDS = ("plain", "token", "curve", "both")
 
 

@@ -8,9 +8,10 @@ benchmarks/bench_transfer.py (round trips through a delay proxy, latency hiding,
 benchmarks/bench_programs.py (LSTM LM, checkpoint, GPT-2 step and generate),
 benchmarks/bench_discovery.py (200 gateways' beacons: time to the full list, listening's CPU cost),
 benchmarks/bench_placement.py (the scheduler's time per decision in a 200-gateway pool),
-benchmarks/bench_liveness.py (how soon a killed or frozen gateway is marked down) and
-benchmarks/bench_auth.py (what a token costs: small round trips, 64 MB uploads, sealed vs not) and
-benchmarks/bench_fuzz.py (100,000 hostile messages on every connection kind), each in a fresh
+benchmarks/bench_liveness.py (how soon a killed or frozen gateway is marked down),
+benchmarks/bench_auth.py (what a token costs: small round trips, 64 MB uploads, sealed vs not),
+benchmarks/bench_fuzz.py (100,000 hostile messages on every connection kind) and
+benchmarks/bench_curve.py (what CurveZMQ costs: plain, token, CURVE, both), each in a fresh
 Python process with its own gateway on 127.0.0.1, then writes one report with the machine, the
 figures, the issue's targets and a short reading of each, and the GPU figures kept in
 benchmarks/gpu_results.md. About 8-12 minutes on a 2-CPU machine.
@@ -31,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_auth  # noqa: E402
 import bench_core  # noqa: E402
+import bench_curve  # noqa: E402
 import bench_discovery  # noqa: E402
 import bench_fuzz  # noqa: E402
 import bench_liveness  # noqa: E402
@@ -101,6 +103,7 @@ def main() -> None:
     liveness = run("bench_liveness.py", quick, timeout=300)
     auth = run("bench_auth.py", quick, timeout=600)
     fuzz = run("bench_fuzz.py", quick, timeout=600)
+    encryption = run("bench_curve.py", quick, timeout=900)
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - t0
 
@@ -192,7 +195,10 @@ gateway op; `torch.save` fetches all its tensors in one round trip.
 {bench_auth.markdown(auth)}
 {bench_fuzz.SECTION}
 
-{bench_fuzz.markdown(fuzz)}"""
+{bench_fuzz.markdown(fuzz)}
+{bench_curve.SECTION}
+
+{bench_curve.markdown(encryption)}"""
     path = os.path.join(HERE, "RESULTS.md")
     with open(path, "w") as f:
         f.write(report)
