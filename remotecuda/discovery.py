@@ -282,7 +282,14 @@ def servers_from_env(servers: str | list[str] | None = None) -> list[str]:
         servers = os.environ.get("REMOTECUDA_SERVERS", "")
     if isinstance(servers, str):
         servers = servers.split(",")
-    return [curve.split_server(s)[0] for s in servers if s.strip()]
+    out = []
+    for s in servers:
+        address, key = curve.split_server(s)
+        if key:
+            curve.name(address, key)
+        if address:
+            out.append(address)
+    return out
 
 
 def source_from_env(servers: str | list[str] | None = None) -> Source:

@@ -165,19 +165,33 @@ def _host_port(endpoint: str) -> str:
 
 def server_key(endpoint: str, environ: Mapping[str, str] = os.environ) -> bytes | None:
     """The public key of the gateway at ``endpoint`` (its front port): its own in
-    ``REMOTECUDA_SERVERS``, else ``REMOTECUDA_CURVE_SERVER``, else one a signed beacon gave."""
+    ``REMOTECUDA_SERVERS`` or in a server list the program gave (``name``), else
+    ``REMOTECUDA_CURVE_SERVER``, else one a signed beacon gave."""
     for entry in environ.get("REMOTECUDA_SERVERS", "").split(","):
         address, key = split_server(entry)
         if key and _host_port(address) == _host_port(endpoint):
             return load_public(key)
+    if _host_port(endpoint) in _NAMED:
+        return _NAMED[_host_port(endpoint)]
     spec = environ.get(SERVER_ENV)
     if spec:
         return load_public(spec)
     return _ANNOUNCED.get(_host_port(endpoint))
 
 
-#: gateways' public keys from token-signed beacons (discovery.py), by HOST:PORT
+#: gateways' public keys named with their addresses (``HOST:PORT@KEY`` given to activate, --server),
+#: and from token-signed beacons (discovery.py), by HOST:PORT
+_NAMED: dict[str, bytes] = {}
 _ANNOUNCED: dict[str, bytes] = {}
+
+
+def name(address: str, spec: str) -> None:
+    """Remember the key a server list gives for ``address`` (``HOST:PORT@KEY``); ValueError at
+    once if ``spec`` is no key."""
+    try:
+        _NAMED[_host_port(address)] = load_public(spec)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{address}@{spec}: not a CURVE public key or key file ({e})") from None
 
 
 def pin(endpoint: str, key: Any) -> None:

@@ -249,7 +249,7 @@ class Relay:
 
 _SECRET_TENSOR = r"""
 import sys, torch, remotecuda
-remotecuda.activate(fallback="error")
+remotecuda.activate(sys.argv[1], fallback="error")
 x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(7))  # 256 KiB, incompressible
 assert torch.equal((x.cuda() + 0).cpu(), x)
 print("OK")
@@ -264,12 +264,10 @@ def test_the_wire_does_not_show_a_tensor(curved, keys, gateway, encrypted):
     host, port = target.address.rsplit(":", 1)
     relay = Relay((host, int(port)))
     try:
-        env = dict(_env(keys) if encrypted else {}, REMOTECUDA_DIRECT="0", REMOTECUDA_CODECS="none",
-                   REMOTECUDA_SERVERS=f"127.0.0.1:{relay.port}")
+        env = dict(_env(keys) if encrypted else {}, REMOTECUDA_DIRECT="0", REMOTECUDA_CODECS="none")
         env.pop(curve.SERVER_ENV, None)
-        if encrypted:
-            env["REMOTECUDA_SERVERS"] += f"@{keys / 'gateway.key'}"
-        r = run_python(_SECRET_TENSOR, env=env)
+        server = f"127.0.0.1:{relay.port}" + (f"@{keys / 'gateway.key'}" if encrypted else "")  # (its key with it)
+        r = run_python(_SECRET_TENSOR, env=env, args=["-c", _SECRET_TENSOR, server])
         assert r.returncode == 0 and r.stdout.split() == ["OK"], r.stderr
     finally:
         relay.close()
