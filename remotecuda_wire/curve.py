@@ -12,7 +12,8 @@ Key files are zmq.auth's certificate format (``remotecuda keys NAME DIR`` writes
 the public key to hand out, and ``NAME.key_secret``, mode 0600). A client sets
 ``REMOTECUDA_CURVE_SECRET`` (its ``.key_secret``) and names the gateway's public key:
 ``REMOTECUDA_CURVE_SERVER`` (a ``.key`` file, or the 40-character key itself) for every
-gateway, or per gateway in ``REMOTECUDA_SERVERS`` as ``host:port@KEYFILE``.
+gateway, or per gateway where servers are named (``REMOTECUDA_SERVERS``, ``--server``,
+``activate``) as ``host:port@KEYFILE``; with the token, a gateway's signed beacon gives its key.
 
 ZeroMQ reports a failed CURVE handshake to nobody: the connection just closes and retries.
 ``watch`` and ``handshake_failure`` turn a socket monitor's HANDSHAKE_FAILED_* events into a
