@@ -49,6 +49,33 @@ DATA_RCVHWM = 64
 READ_ACK_MESSAGES, READ_ACK_BYTES = 64, 8 << 20
 
 
+#: the most ops a request message may hold to run on the I/O thread (longer ones go to the executor,
+#: so that the I/O thread keeps serving copies and cancels meanwhile)
+INLINE_OPS = 16
+
+
+def _waits_on_io(ops: Any) -> bool:
+    """Whether a message has an op that waits for bytes the I/O thread brings: an upload sent in
+    PARTs, a copy pulled from another worker (rc::receive). Those never run on the I/O thread."""
+    return any(op[0] == "rc::receive" or (op[0] == "rc::upload" and isinstance(op[1], list) and len(op[1]) > 1
+                                          and op[1][1] is None)
+               for op in (ops if isinstance(ops, list) else ()) if isinstance(op, list) and op)
+
+
+def _no_wake() -> None:
+    return None
+
+
+class _Direct:
+    """The executor's outbox as a request run on the I/O thread sees it: straight to the client."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def send_multipart(self, frames: list, copy: bool = True) -> None:
+        self.worker._to_client(frames)
+
+
 # ---------------------------------------------------------------------- the executor's inbox
 @dataclass(frozen=True, slots=True)
 class Run:
@@ -133,6 +160,8 @@ class Worker:
         self._acked = [0, 0]  # what of that the supervisor was last told
         self.outbox = self.ctx.socket(zmq.PULL)
         self.outbox.bind(f"inproc://out-{id(self)}")
+        self.executor_ended = False  # the executor thread sent DONE (the session is over)
+        self._inline_out = _Direct(self)  # where a request run on the I/O thread replies
         self.poller = zmq.Poller()
         self.max_frame = max_frame
         self.peers: dict[str, zmq.Socket] = {}  # source workers this session pulls copies from, by endpoint
@@ -164,19 +193,12 @@ class Worker:
                     self.conns.events()
                     self.conns.expire(self._in_use)
             if self.outbox in events:
-                while True:
-                    try:
-                        frames = self.outbox.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    kind = frames[0].bytes
-                    if kind == internal.DONE:
-                        self.sock.send_multipart([internal.CLOSED])
-                        if self.data is not None:
-                            self.data.disable_monitor()
-                        return
-                    if kind != internal.OFFERED:
-                        self._to_client(frames)
+                self._forward_outbox()
+            if self.executor_ended:
+                self.sock.send_multipart([internal.CLOSED])
+                if self.data is not None:
+                    self.data.disable_monitor()
+                return
             if self.executor.offers.busy():
                 self._serve_pulls()
             for endpoint, sock in self.peers.items():
@@ -231,6 +253,19 @@ class Worker:
                 or self.forwarded[1] - self._acked[1] >= READ_ACK_BYTES:
             self._acked = list(self.forwarded)
             self.sock.send_multipart([internal.READ, *(str(n).encode() for n in self.forwarded)])
+
+    def _forward_outbox(self) -> None:
+        """Send the executor's messages on to the client, noting when its thread has ended."""
+        while not self.executor_ended:
+            try:
+                frames = self.outbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            kind = frames[0].bytes
+            if kind == internal.DONE:
+                self.executor_ended = True
+            elif kind != internal.OFFERED:
+                self._to_client(frames)
 
     def _in_use(self, ident: bytes) -> bool:
         """Whether a data-port connection serves the session, or waits for a copy it pulls."""
@@ -478,6 +513,7 @@ class Worker:
         n = len(ops) if isinstance(ops, list) else 0
         sizes = _upload_sizes(ops, len(msg.payloads))
         nbytes = sum(size for size in sizes if size is not None)
+        idle = self.backlog.queued() == 0  # (the executor has answered everything before this message)
         if not self._admit(n, nbytes):  # before its payloads are decompressed and placed
             return
         try:
@@ -488,7 +524,24 @@ class Worker:
         except Exception as e:  # a malformed message must never take down the I/O thread
             self.inbox.put(Rejected(f"malformed OPS message ({type(e).__name__}: {e})", n, nbytes))
             return
-        self.inbox.put(Run(msg, prepared, n, nbytes))
+        run = Run(msg, prepared, n, nbytes)
+        if (idle and n <= INLINE_OPS and "req" in msg.body and not self.closing and not self.executor.pending
+                and not _waits_on_io(ops)):
+            self._run_inline(run)
+        else:
+            self.inbox.put(run)
+
+    def _run_inline(self, item: Run) -> None:
+        """A short request with nothing queued before it (a value read, a sync): run here, on the
+        I/O thread, sparing the hops to the executor thread and back (benchmarks/bench_sync.py).
+        The executor thread is idle meanwhile: only this thread gives it work."""
+        self._forward_outbox()  # (what the executor sent before goes first)
+        wake, self.executor.offered = self.executor.offered, _no_wake  # (this thread serves PULLs next)
+        try:
+            with torch.inference_mode():
+                self._run_counted(item, self._inline_out)
+        finally:
+            self.executor.offered = wake
 
     def _admit(self, n: int, nbytes: int = 0) -> bool:
         """Count a message of ``n`` ops and ``nbytes`` of uploads into the session's backlog, or
@@ -635,14 +688,7 @@ class Worker:
                 self.backlog.ran(item.ops, item.nbytes)
                 continue
             if type(item) is Run:
-                done = self._busy[0]
-                start = time.perf_counter()
-                self._busy = (done, start)
-                try:
-                    self._run_message(item, out)
-                finally:
-                    self._busy = (done + time.perf_counter() - start, None)
-                    self.backlog.ran(item.ops, item.nbytes)
+                self._run_counted(item, out)
                 continue
             self.backlog.ran(item.ops, item.nbytes)
             if type(item) is Rejected:
@@ -651,6 +697,18 @@ class Worker:
                 self.executor.failed = None  # the interrupt was the user's answer to it
                 out.send_multipart(protocol.encode(protocol.REPLY, {"rid": item.rid, "res": None,
                                                                      "err": None, "cancelled": True}))
+
+    def _run_counted(self, item: Run, out: Any) -> None:
+        """Run one message, counting its time for the load the I/O thread reports, and its ops out
+        of the backlog once its replies are sent."""
+        done = self._busy[0]
+        start = time.perf_counter()
+        self._busy = (done, start)
+        try:
+            self._run_message(item, out)
+        finally:
+            self._busy = (done + time.perf_counter() - start, None)
+            self.backlog.ran(item.ops, item.nbytes)
 
     def _run_message(self, item: Run, out: zmq.Socket) -> None:
         msg = item.msg
