@@ -523,6 +523,11 @@ class Executor:
         """The bytes came earlier: they are in the upload cache."""
         h, key, dtype, shape = args
         parts = self.cache.get(key) if self.cache is not None else None
+        if parts is None:  # its first upload may still be on its way in PARTs (x.cuda() @ x.cuda())
+            first = next((p for p, pending in self.pending.items() if pending[3] == key), None)
+            if first is not None:
+                self._resolve(first)
+                parts = self.cache.get(key) if self.cache is not None else None
         if parts is None:
             raise RuntimeError("remotecuda: the gateway's upload cache lost a payload the client "
                                "expected it to hold")

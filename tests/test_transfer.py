@@ -294,6 +294,16 @@ def test_large_uploads_travel_in_parts_and_arrive_whole(remote, dtype, numel):
     assert torch.equal(w.cpu(), x) and remotecuda.stats()["cache_misses"] == 1
 
 
+def test_the_same_large_tensor_uploaded_twice_before_the_first_landed(remote):
+    """``x.cuda() @ x.cuda()``: the second upload sends only the key while the first one's PARTs
+    are still on their way; the gateway waits for them instead of finding its cache empty."""
+    x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(9))
+    remotecuda.stats(reset=True)
+    z = x.cuda() @ x.cuda()
+    torch.testing.assert_close(z.cpu(), x @ x)
+    assert remotecuda.stats()["cache_hits"] == 1
+
+
 def test_parted_uploads_of_compressible_and_strided_tensors(remote):
     zeros = torch.zeros(3 << 20)  # 12 MiB that compress to almost nothing
     assert torch.equal(zeros.cuda().cpu(), zeros)
