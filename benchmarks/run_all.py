@@ -10,6 +10,8 @@ benchmarks/bench_discovery.py (200 gateways' beacons: time to the full list, lis
 benchmarks/bench_placement.py (the scheduler's time per decision in a 200-gateway pool),
 benchmarks/bench_liveness.py (how soon a killed or frozen gateway is marked down),
 benchmarks/bench_auth.py (what a token costs: small round trips, 64 MB uploads, sealed vs not),
+benchmarks/bench_graphs.py (a training step eager vs a CUDA graph's replay),
+benchmarks/bench_sync.py (a value read beside a bare ZeroMQ echo),
 benchmarks/bench_fuzz.py (100,000 hostile messages on every connection kind) and
 benchmarks/bench_curve.py (what CurveZMQ costs: plain, token, CURVE, both), each in a fresh
 Python process with its own gateway on 127.0.0.1, then writes one report with the machine, the
@@ -35,9 +37,11 @@ import bench_core  # noqa: E402
 import bench_curve  # noqa: E402
 import bench_discovery  # noqa: E402
 import bench_fuzz  # noqa: E402
+import bench_graphs  # noqa: E402
 import bench_liveness  # noqa: E402
 import bench_placement  # noqa: E402
 import bench_programs  # noqa: E402
+import bench_sync  # noqa: E402
 import bench_transfer  # noqa: E402
 
 
@@ -102,6 +106,8 @@ def main() -> None:
     placement = run("bench_placement.py", quick, timeout=300)
     liveness = run("bench_liveness.py", quick, timeout=300)
     auth = run("bench_auth.py", quick, timeout=600)
+    graphs = run("bench_graphs.py", quick, timeout=300)
+    sync = run("bench_sync.py", quick, timeout=300)
     fuzz = run("bench_fuzz.py", quick, timeout=600)
     encryption = run("bench_curve.py", quick, timeout=900)
     load_after = os.getloadavg()
@@ -193,6 +199,12 @@ gateway op; `torch.save` fetches all its tensors in one round trip.
 {bench_auth.SECTION}
 
 {bench_auth.markdown(auth)}
+{bench_graphs.SECTION}
+
+{bench_graphs.markdown(graphs)}
+{bench_sync.SECTION}
+
+{bench_sync.markdown(sync)}
 {bench_fuzz.SECTION}
 
 {bench_fuzz.markdown(fuzz)}
