@@ -26,15 +26,15 @@ from .errors import (
 
 
 def __getattr__(name: str) -> Any:
-    """``remotecuda.prefetch`` and ``remotecuda.runtime`` (the module: ``runtime.active()`` is the
-    active Runtime or None), imported on first use: they need torch, and ``import remotecuda`` (the
-    RemoteCUDA kernel's start) does not wait for torch."""
+    """``remotecuda.prefetch``, ``remotecuda.runtime`` (the module: ``runtime.active()`` is the
+    active Runtime or None) and ``remotecuda.trace`` (start/stop/save a trace), imported on first
+    use: they need torch, and ``import remotecuda`` (the RemoteCUDA kernel's start) does not wait for torch."""
     if name == "prefetch":
         from .prefetch import prefetch
         globals()["prefetch"] = prefetch
         return prefetch
-    if name == "runtime":
-        return importlib.import_module(f"{__name__}.runtime")
+    if name in ("runtime", "trace"):
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'remotecuda' has no attribute {name!r}")
 
 
@@ -44,7 +44,7 @@ def fetch(tensors: Any) -> list:
     return fetch_all(tensors)
 
 
-__all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "prefetch", "fetch",
+__all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "trace", "prefetch", "fetch",
            "gateway_status", "set_strategy",
            "RemoteCUDAError", "GatewayUnavailableError", "GatewayAuthError", "GatewayLostError",
            "GatewayProtocolError", "TransferError"]

@@ -188,21 +188,47 @@ def _run(a: argparse.Namespace) -> int:
     import remotecuda
     from remotecuda.errors import hide_runtime_frames
     remotecuda.activate(a.server)
+    if a.trace:
+        remotecuda.trace.start()
     try:
-        _execute(rest)
-    except SystemExit as e:
-        return _exit_code(e.code)
-    except BaseException as e:  # noqa: BLE001 - printed as Python prints an uncaught one
-        sys.excepthook(type(e), e, hide_runtime_frames(e).__traceback__)
-        if isinstance(e, KeyboardInterrupt):
-            _INTERRUPTED.append(True)
-        return 1
-    try:  # the program's remote work is done before it ends, and an error in it is shown
-        remotecuda.synchronize()
-    except Exception as e:  # (the runtime's frames only: none shown)
-        sys.excepthook(type(e), e.with_traceback(None), None)
-        return 1
-    return 0
+        try:
+            _execute(rest)
+        except SystemExit as e:
+            return _exit_code(e.code)
+        except BaseException as e:  # noqa: BLE001 - printed as Python prints an uncaught one
+            sys.excepthook(type(e), e, hide_runtime_frames(e).__traceback__)
+            if isinstance(e, KeyboardInterrupt):
+                _INTERRUPTED.append(True)
+            return 1
+        try:  # the program's remote work is done before it ends, and an error in it is shown
+            remotecuda.synchronize()
+        except Exception as e:  # (the runtime's frames only: none shown)
+            sys.excepthook(type(e), e.with_traceback(None), None)
+            return 1
+        return 0
+    finally:
+        if a.trace:
+            _save_trace(a.trace)
+
+
+def _save_trace(path: str) -> None:
+    """Write the trace of ``remotecuda run --trace``, whatever the program's end (its work is done or
+    failed by now: a remote error is not raised twice)."""
+    import remotecuda
+    tracer = remotecuda.trace.current()
+    if tracer is None:
+        return
+    try:
+        tracer.stop()
+    except Exception:  # noqa: BLE001 - the program's error is shown already; the trace is still written
+        pass
+    try:
+        tracer.save(path)
+    except OSError as e:
+        print(f"remotecuda: could not write the trace to {path}: {e}", file=sys.stderr)
+        return
+    print(f"remotecuda: trace written to {path} (open it in https://ui.perfetto.dev or chrome://tracing)",
+          file=sys.stderr)
 
 
 def _execute(rest: list[str]) -> None:
@@ -342,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run a Python script with 'cuda' on the gateways")
     r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT], all their GPUs as cuda:0..N-1 "
                    "(default REMOTECUDA_SERVERS, else the gateways found on multicast)")
+    r.add_argument("--trace", default=None, metavar="FILE.json",
+                   help="record a trace of the program's ops, messages, transfers and waits, written to "
+                        "FILE.json at its end (Chrome trace-event format: open it in https://ui.perfetto.dev)")
     r.add_argument("command", nargs=argparse.REMAINDER,
                    help="python SCRIPT.py [ARGS...] | python -m MODULE [ARGS...] | python -c CODE [ARGS...]")
     v = sub.add_parser("servers", help="list the gateways found (multicast beacons, or --server)")

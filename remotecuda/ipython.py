@@ -351,6 +351,8 @@ class Extension:
             e = getattr(sys, "last_value", None)
         rec["error"] = None if e is None else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         self.last = rec
+        if rt.tracer is not None and rt.tracer.recording:  # (%remotecuda trace on: the cell's part of it)
+            rt.tracer.cells.append((rec["execution_count"], t0, time.monotonic()))
         self.publish(rec)
 
     # -------------------------------------------------------------- status
@@ -458,7 +460,7 @@ def _magics_class() -> type:
 
     @magics_class
     class _RemoteCUDAMagics(Magics):
-        """``%remotecuda status|servers|use DEVICES|strategy [NAME]|last|fallback on|off``"""
+        """``%remotecuda status|servers|use DEVICES|strategy [NAME]|last|fallback on|off|trace ...``"""
 
         def __init__(self, shell: Any, ext: Extension):
             super().__init__(shell)
@@ -469,7 +471,7 @@ def _magics_class() -> type:
             """RemoteCUDA: %remotecuda status | servers | use HOST:PORT[,HOST:PORT] |
             use DEVICES (REMOTECUDA_DEVICES syntax: 2, host1:55555/0,any, any/A100) |
             strategy [adaptive|load-balancing|memory-aware|latency-optimized] | last |
-            fallback on|off"""
+            fallback on|off | trace on|off|save FILE|last FILE"""
             parts = line.split()
             cmd, args = (parts[0].lower(), parts[1:]) if parts else ("status", [])
             fn = getattr(self, "_cmd_" + cmd.replace("-", "_"), None)
@@ -585,6 +587,36 @@ def _magics_class() -> type:
                   f"round trips, {rec['wait_seconds']:.3f} s waiting for the gateway of "
                   f"{rec['wall_seconds']:.3f} s; GPUs: {devs}"
                   + (f"; error: {rec['error']}" if rec.get("error") else ""))
+
+        def _cmd_trace(self, args: list) -> None:
+            """on | off | save FILE (the trace since "on") | last FILE (the last cell's)."""
+            from . import trace
+            what = args[0].lower() if args else ""
+            if what in ("save", "last") and len(args) == 2:
+                tracer = trace.current()
+                if tracer is None or what == "last" and not tracer.cells:
+                    print("remotecuda: no trace recorded (%remotecuda trace on starts one)")
+                    return
+                if what == "save":
+                    tracer.save(args[1])
+                else:
+                    _, since, until = tracer.cells[-1]
+                    tracer.save(args[1], since, until)
+                print(f"remotecuda: trace written to {args[1]} (open it in https://ui.perfetto.dev)")
+            elif what == "on" and len(args) == 1:
+                if _rt() is None:
+                    print("remotecuda: not active: nothing to trace")
+                    return
+                trace.start()
+                print("remotecuda: tracing; %remotecuda trace save FILE writes it, %remotecuda trace last "
+                      "FILE the last cell's")
+            elif what == "off" and len(args) == 1:
+                trace.stop()
+                print("remotecuda: tracing off (the trace so far stays, for %remotecuda trace save FILE)")
+            else:
+                recording = _rt() is not None and trace.is_recording()
+                print(f"trace: {'on' if recording else 'off'} "
+                      "(usage: %remotecuda trace on|off|save FILE|last FILE)")
 
         def _cmd_fallback(self, args: list) -> None:
             if not args or args[0].lower() not in ("on", "off"):

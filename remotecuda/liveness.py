@@ -68,6 +68,8 @@ class _Watch:
         self.unanswered: float | None = None  # when the first PING since the last answer went
         self.next_ping = now
         self.rtts: deque[float] = deque(maxlen=RTT_SAMPLES)
+        #: (round trip, gateway clock - client clock) from PONGs that tell the gateway's time (trace.py)
+        self.clocks: deque[tuple[float, float]] = deque(maxlen=RTT_SAMPLES)
         self.id: str | None = None
         self.down: str | None = None  # why it is down, while it is
 
@@ -111,6 +113,18 @@ class Liveness:
             w = self._watches.get(_key(address))
             samples = list(w.rtts) if w is not None else []
         return statistics.median(samples) * 1e3 if samples else None
+
+    def clock(self, address: str) -> tuple[float, float] | None:
+        """How far the gateway's monotonic clock is ahead of this client's, in seconds, and the round
+        trip that estimate came from (its error is at most half of it): the PONG of the shortest
+        recent round trip, offset = gateway time - (sent + received) / 2. None before such a PONG."""
+        with self._lock:
+            w = self._watches.get(_key(address))
+            samples = list(w.clocks) if w is not None else []
+        if not samples:
+            return None
+        rtt, offset = min(samples)
+        return offset, rtt
 
     def gateway_id(self, address: str) -> str | None:
         """The id the gateway gave in its last PONG (random per start); None before one."""
@@ -206,11 +220,13 @@ class Liveness:
             if msg.type != protocol.PONG:
                 continue
             now = time.monotonic()
-            sent, gid = msg.body.get("t"), msg.body.get("id")
+            sent, gid, theirs = msg.body.get("t"), msg.body.get("id"), msg.body.get("now")
             with self._lock:
                 w.last_answer, w.unanswered, w.down = now, None, None
                 if isinstance(sent, float) and now - sent < DOWN_AFTER:  # (not a PONG held up by a reconnect)
                     w.rtts.append(now - sent)
+                    if isinstance(theirs, float):
+                        w.clocks.append((now - sent, theirs - (sent + now) / 2))
                 if isinstance(gid, str):
                     w.id = gid
             if isinstance(gid, str):  # a session opened under another id: the gateway restarted since

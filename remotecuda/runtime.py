@@ -16,6 +16,7 @@ outlives it, and the next ``activate()`` begins afresh. What it owns:
 - ``sdpa_choices``: the attention backend each device picks, per input signature
   (attention.py), which depends on the gateways' GPUs;
 - ``codecs``: the payload codecs this client offers (``REMOTECUDA_CODECS``, read at start);
+- ``tracer``: the trace being recorded, or the last one recorded (trace.py), or None;
 - ``log_handler``: where the "remotecuda" logger's lines (a device's placement) go while no
   logging is configured (``log_to_stderr``).
 
@@ -81,6 +82,8 @@ class Runtime:
             self._unlog()
             raise
         self.interception: Installed | None = None
+        #: the trace (trace.Tracer) recording, or the last one recorded, for ``save``; None before one
+        self.tracer: Any = None
 
     def device(self, index: int | None = None) -> VirtualDevice:
         """Virtual device ``cuda:index`` (default: the current one), placed if it is not yet (its
@@ -92,7 +95,10 @@ class Runtime:
         return self.pool.session(self.current_device if index is None else index)
 
     def prime(self, session: Session) -> None:
-        """Bring a newly opened session up to what was set before it opened: the seed, the flags."""
+        """Bring a newly opened session up to what was set before it opened: the trace recording,
+        the seed, the flags."""
+        if self.tracer is not None and self.tracer.recording:
+            session.trace = self.tracer
         if self.seed is not None:
             session.enqueue("rc::seed", [self.seed], None, None)
         if self.flags:

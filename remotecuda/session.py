@@ -36,6 +36,7 @@ from .errors import (
     GatewayUnavailableError,
     remote_exception,
 )
+from .progress import Progress
 from .scheduler import SessionProfile
 
 #: flush when this many ops are queued
@@ -66,6 +67,9 @@ Locate = Callable[["Session", SessionProfile, str], tuple[str, int]]
 class Session:
     #: why the gateway is gone, once liveness.py found it down or restarted (``mark_lost``)
     lost: str | None = None
+    #: the runtime's trace.Tracer while it records (trace.py): told of each op, message, transfer
+    #: and wait; None otherwise, and then each hook costs one attribute check
+    trace: Any = None
 
     def __init__(self, ctx: zmq.Context, endpoint: str | None, gpu: int | None, vdev: int,
                  connect_timeout: float = 5.0, sync: bool = False,
@@ -268,6 +272,8 @@ class Session:
                 if self.wake is not None:
                     self.wake()
             self._ops.append([name, args, kwargs, outs])
+            if self.trace is not None:
+                self.trace.issued(self, name)
             if self.sync:
                 self.request("rc::sync", [])
             elif len(self._ops) >= BATCH_OPS:
@@ -317,6 +323,8 @@ class Session:
                     self._stats["cache_hits"] += 1
                     self._stats["cache_bytes_saved"] += n
                     self._ops.append(["rc::upload_cached", [h, key, dtype, shape], None, None])
+                    if self.trace is not None:
+                        self.trace.transfer(self, "upload", n, 0, time.monotonic(), cached=True)
                     if self.sync:
                         self.request("rc::sync", [])
                     return h
@@ -347,6 +355,8 @@ class Session:
         self._payloads.append((desc, frame))
         self._pending_bytes += sent
         self._stats["compressed_bytes_saved"] += n - sent
+        if self.trace is not None:
+            self.trace.transfer(self, "upload", n, sent, time.monotonic())
         if self._pending_bytes >= BATCH_BYTES:
             self.flush()
         elif self.sync:
@@ -358,6 +368,7 @@ class Session:
         tensor's memory, hashed just before it goes if that is not done yet. The upload op
         joins the queued ops, naming how many PARTs precede it."""
         n, t0, sent, trackers, first = buf.nbytes, time.perf_counter(), 0, [], self._parts_sent
+        began = time.monotonic()
         try:
             for i in range(-(-n // protocol.PART_BYTES)):
                 part = buf[i * protocol.PART_BYTES:(i + 1) * protocol.PART_BYTES]
@@ -368,11 +379,13 @@ class Session:
                 frames = self._seal(protocol.encode(protocol.PART, {"h": h, "off": i * protocol.PART_BYTES,
                                                                     "total": n}, [(desc, frame)], self._seq), self.bulk)
                 with HeldInterrupts():  # a part handed to ZeroMQ is counted
-                    trackers.append(self._send_frames(self.bulk, frames, track=frame is part))
+                    trackers.append((self._send_frames(self.bulk, frames, track=frame is part), part.nbytes))
                     self._parts_sent += 1
                 sent += _size(frame)
                 self._stats["messages"] += 1
                 self._stats["bytes_up"] += sum(_size(f) for f in frames)
+                if self.trace is not None:
+                    self.trace.message(self, "PART", sum(_size(f) for f in frames))
         except BaseException:  # (an interrupt): the worker drops the parts sent, when they are in
             if self._parts_sent > first:
                 self._ops.append(["rc::upload_abandon", [h, self._parts_sent], None, None])
@@ -381,27 +394,38 @@ class Session:
         self._ops.append(["rc::upload", [h, None, dtype, shape, key, self._parts_sent], None, None])
         self._stats["compressed_bytes_saved"] += n - sent
         try:
-            self._settle([tr for tr in trackers if tr is not None], sent, t0, non_blocking, t)
+            self._settle(trackers, n, sent, t0, non_blocking, t)
         except BaseException:  # interrupted while ZeroMQ sent: no tensor will ever hold h
             self.release(h)
             raise
+        if self.trace is not None:
+            self.trace.transfer(self, "upload", n, sent, began, parts=len(trackers))
         if self.sync:
             self.request("rc::sync", [])
 
-    def _settle(self, trackers: list, sent: int, t0: float, non_blocking: bool, t: torch.Tensor) -> None:
+    def _settle(self, parts: list, n: int, sent: int, t0: float, non_blocking: bool, t: torch.Tensor) -> None:
         """Hold a zero-copy upload's source until ZeroMQ is done with it: the caller's return
-        (blocking copy) or the tensor's life (non_blocking, as with pinned memory and CUDA)."""
+        (blocking copy) or the tensor's life (non_blocking, as with pinned memory and CUDA).
+        ``parts``: (tracker, or None for a part sent as a copy; its bytes). A blocking upload that
+        takes long shows its progress (progress.py)."""
+        trackers = [tr for tr, _ in parts if tr is not None]
         if non_blocking:
             self._inflight.extend((tr, t) for tr in trackers)
             return
-        for tr in trackers:
-            while not tr.done:  # (a gateway that stops reading never lets go: liveness wakes this)
-                if self.lost is not None:
-                    raise GatewayDownError(self.lost)
-                try:
-                    tr.wait(0.1)
-                except zmq.NotDone:
-                    pass
+        progress = Progress("upload", n)
+        try:
+            for tr, size in parts:
+                while tr is not None and not tr.done:  # (a gateway that stops reading never lets go: liveness)
+                    if self.lost is not None:
+                        raise GatewayDownError(self.lost)
+                    try:
+                        tr.wait(0.1)
+                    except zmq.NotDone:
+                        pass
+                    progress.update(0)
+                progress.update(size)
+        finally:
+            progress.close()
         if trackers:
             self.link.observe(sent, time.perf_counter() - t0)
 
@@ -421,6 +445,9 @@ class Session:
                 body["rel_at"] = [n for n, _ in rel]
             if req is not None:
                 body["req"] = req
+            if self.trace is not None:
+                body["trace"] = True  # the gateway times each op (docs/PROTOCOL.md, "Traces")
+                self.trace.sending(self, body)
             with HeldInterrupts():  # the queue is cleared and sent as one step
                 self._seq += 1
                 frames = self._seal(protocol.encode(protocol.OPS, body, self._payloads, self._seq), self.sock)
@@ -433,6 +460,8 @@ class Session:
                 if self._inflight:
                     self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
                 self._send_frames(self.sock, frames)
+            if self.trace is not None:
+                self.trace.message(self, "OPS", sum(_size(f) for f in frames))
 
     def _send_frames(self, sock: zmq.Socket, frames: list, track: bool = False) -> Any:
         """Send without copying; the MessageTracker when ``track``. A send that waited out
@@ -499,6 +528,8 @@ class Session:
             finally:
                 self._stats["wait_seconds"] += time.monotonic() - t_wait
             body = msg.body
+            if self.trace is not None:
+                self.trace.waited(self, name, index, t_wait, body.get("spans"))
             if body.get("err"):  # this op's own error, or (with a note) an earlier one's
                 err = body["err"]
                 raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
@@ -513,6 +544,8 @@ class Session:
             nbytes = sum(t.nbytes for t in (res if isinstance(res, list) else [res]) if isinstance(t, torch.Tensor))
             if nbytes:
                 self.link.observe(nbytes, time.perf_counter() - t0)
+                if self.trace is not None:
+                    self.trace.transfer(self, "download", nbytes, None, t_wait)
             return res
 
     def fetch_many(self, handles: list[int]) -> list[torch.Tensor]:
@@ -538,6 +571,7 @@ class Session:
         downloads: dict[int, Download] = {}
         last_heard = time.monotonic()
         last_ping = last_heard
+        progress: Progress | None = None  # (large downloads: their parts come ahead of the reply)
         try:
             while True:
                 for sock in dict(self._poller.poll(100)):
@@ -553,7 +587,10 @@ class Session:
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
                         return msg, downloads
                     if msg.type == protocol.PART and msg.body.get("rid") == rid:
-                        downloads.setdefault(msg.body.get("i", 0), Download(self.offered)).add(msg)
+                        download = downloads.setdefault(msg.body.get("i", 0), Download(self.offered))
+                        download.add(msg)
+                        progress = progress or Progress("download", 0)
+                        progress.update(download.last, sum(d.total for d in downloads.values()))
                     if msg.type == protocol.ERROR:
                         self._raise_error(msg.body)
                     # else PONG, or the reply to a request abandoned by an interrupt
@@ -570,6 +607,9 @@ class Session:
         except KeyboardInterrupt:
             self._send(protocol.CANCEL, {"rid": rid, "upto": self._seq})
             raise
+        finally:
+            if progress is not None:
+                progress.close()
 
     def cancel(self) -> None:
         """Drop this session's queued work, as an interrupt inside ``request`` does: ops the
@@ -655,15 +695,20 @@ class Download:
         self.assembly: protocol.Assembly | None = None
         self.parts = 0
         self.error: ProtocolError | None = None
+        #: the tensor's bytes, and those of the last part added (for progress)
+        self.total = self.last = 0
 
     def add(self, msg: protocol.Message) -> None:
         self.parts += 1
+        self.last = 0
         if self.error is not None:
             return
         try:
             off, total = msg.body.get("off"), msg.body.get("total")
             if len(msg.payloads) != 1 or not isinstance(off, int) or not isinstance(total, int):
                 raise ProtocolError("malformed PART message (it needs int off and total and one payload)")
+            self.total = total
+            self.last = min(protocol.PART_BYTES, max(total - off, 0))
             if self.assembly is None:
                 if off != 0 or not 0 < total <= protocol.MAX_PAYLOAD_BYTES:
                     raise ProtocolError(f"download part at byte {off} of {total}: no download of it is under way")

@@ -303,6 +303,9 @@ class Executor:
         self.graphs: dict[int, RecordedGraph] = {}  # the session's CUDA graphs (graphs.py)
         self.capturing: RecordedGraph | None = None  # the graph being captured, between begin and end
         self.out_parts: list[tuple[int, int, list]] = []  # the running message's downloads in parts
+        #: (op index, start, seconds) of each op run from a message asking for a trace ("trace" in
+        #: its body), on this host's monotonic clock; they go back with the next REPLY (``take_spans``)
+        self.spans: list[tuple[int, float, float]] = []
         self.codecs: tuple[str, ...] = ()  # what the client decodes, set when the session is attached
         self.stats = dict.fromkeys(("ops", "messages", "uploads", "downloads", "cache_hits",
                                     "cache_misses", "cache_bytes_saved", "errors",
@@ -376,6 +379,7 @@ class Executor:
         if not isinstance(ops, list) or not isinstance(first, int):
             raise ProtocolError("malformed ops list")
         frees = self._frees(body, len(ops))
+        trace = body.get("trace") is True
         k = 0
         if self.pending:
             self._resolve_arrived()
@@ -401,7 +405,13 @@ class Executor:
                     self.capturing.capturing, self.capturing = False, None
                 continue
             try:
+                if trace:
+                    start = time.monotonic()
                 r = self._execute(name, args or [], kwargs or {}, outs)
+                if trace:
+                    if self.device.type == "cuda":  # the op's run time, not its launch's
+                        torch.cuda.synchronize(self.device)
+                    self.spans.append((first + i, start, time.monotonic() - start))
                 if isinstance(outs, dict):  # a request op: its value goes back
                     result = r
             except ProtocolError:
@@ -423,6 +433,11 @@ class Executor:
             err, self.failed = self.failed, None
             result, out_payloads, self.out_parts = None, [], []
         return result, err, out_payloads
+
+    def take_spans(self) -> list[tuple[int, float, float]]:
+        """The op spans recorded since the last call (see ``spans``)."""
+        spans, self.spans = self.spans, []
+        return spans
 
     @staticmethod
     def _frees(body: dict, n_ops: int) -> list:

@@ -520,7 +520,7 @@ class Gateway:
     def _on_message(self, client: bytes, first: zmq.Frame, msg: protocol.Message, state: SessionState | None) -> None:
         """A checked message the supervisor answers itself."""
         if msg.type == protocol.PING:
-            self._say(client, protocol.PONG, {"t": msg.body.get("t"), "id": self.id})
+            self._say(client, protocol.PONG, {"t": msg.body.get("t"), "id": self.id, "now": time.monotonic()})
         elif msg.type == protocol.HELLO:
             self._on_hello(client, first, msg.body)
         elif msg.type == protocol.STATUS:
@@ -553,7 +553,8 @@ class Gateway:
             except ProtocolError as e:
                 self._error(client, str(e), peer=None)
                 return
-            self._say(client, protocol.PONG, {"t": t if isinstance(t, (int, float)) else None, "id": self.id}, None)
+            self._say(client, protocol.PONG, {"t": t if isinstance(t, (int, float)) else None, "id": self.id,
+                                              "now": time.monotonic()}, None)
             return
         if not head.flags & protocol.SEALED:  # the handshake's first step
             try:

@@ -738,8 +738,11 @@ class Worker:
                         "rid": rid, "i": index, "off": i * protocol.PART_BYTES, "total": total}, [payload]),
                         copy=False)
             self.executor.out_parts = []
+            reply = {"rid": rid, "res": result, "err": err}
+            if self.executor.spans:  # the session traces its ops (docs/PROTOCOL.md, "Traces")
+                reply["spans"] = self.executor.take_spans()
             try:
-                frames = protocol.encode(protocol.REPLY, {"rid": rid, "res": result, "err": err}, payloads)
+                frames = protocol.encode(protocol.REPLY, reply, payloads)
             except Exception as e:  # e.g. a result msgpack cannot carry
                 frames = protocol.encode(protocol.ERROR, {
                     "msg": f"cannot encode the reply to request {rid!r}: {e}", "kind": "protocol"})
