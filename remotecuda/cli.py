@@ -167,7 +167,8 @@ def _servers(a: argparse.Namespace) -> int:
     return 1
 
 
-USAGE = "usage: remotecuda run [--server HOST:PORT] python (SCRIPT.py | -m MODULE | -c CODE) [ARGS...]"
+USAGE = ("usage: remotecuda run [--server HOST:PORT] [--trace FILE.json] "
+         "python (SCRIPT.py | -m MODULE | -c CODE) [ARGS...]")
 
 
 def _run(a: argparse.Namespace) -> int:
@@ -217,6 +218,7 @@ def _save_trace(path: str) -> None:
     import remotecuda
     tracer = remotecuda.trace.current()
     if tracer is None:
+        print(f"remotecuda: no trace written to {path}: the program deactivated remotecuda", file=sys.stderr)
         return
     try:
         tracer.stop()

@@ -126,8 +126,10 @@ class Tracer:
 
     # ------------------------------------------------------------------ control
     def attach(self, sessions: Iterable[Any]) -> None:
+        """Hook into ``sessions`` (under each one's lock: its hooks run under it, and read ``trace`` twice)."""
         for s in sessions:
-            s.trace = self
+            with s.lock:
+                s.trace = self
 
     def collect(self) -> None:
         """Wait for the work queued so far: its ops' replies (and gateway spans) come back."""
@@ -142,8 +144,9 @@ class Tracer:
         finally:
             self.recording = False
             for s in list(self.pool.sessions.values()):
-                if s.trace is self:
-                    s.trace = None
+                with s.lock:
+                    if s.trace is self:
+                        s.trace = None
 
     # ------------------------------------------------------------------ the file
     def export(self, since: float | None = None, until: float | None = None) -> dict:
