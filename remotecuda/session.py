@@ -67,9 +67,6 @@ Locate = Callable[["Session", SessionProfile, str], tuple[str, int]]
 class Session:
     #: why the gateway is gone, once liveness.py found it down or restarted (``mark_lost``)
     lost: str | None = None
-    #: the runtime's trace.Tracer while it records (trace.py): told of each op, message, transfer
-    #: and wait; None otherwise, and then each hook costs one attribute check
-    trace: Any = None
 
     def __init__(self, ctx: zmq.Context, endpoint: str | None, gpu: int | None, vdev: int,
                  connect_timeout: float = 5.0, sync: bool = False,
@@ -81,6 +78,9 @@ class Session:
         full batch; see ``open``) ``locate`` places it, knowing what it queued and why."""
         self.endpoint, self.gpu, self.vdev, self.sync = endpoint or "", gpu, vdev, sync
         self.wake = wake  # tells the background flusher that ops are waiting
+        #: the runtime's trace.Tracer while it records (trace.py): told of each op, message, transfer
+        #: and wait; None otherwise, and then each hook costs one attribute check (an instance's: fast)
+        self.trace: Any = None
         self.lock = threading.RLock()
         self.ctx, self.connect_timeout, self.locate = ctx, connect_timeout, locate
         self.want_cache = {"bytes": cache_bytes, "policy": cache_policy}
