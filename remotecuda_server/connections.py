@@ -58,7 +58,10 @@ class Connections:
                     self.by_fd[fd] = Conn(announced=True)
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 self.closed += 1
-                c = self.by_fd.pop(fd, None)
+                c = self.by_fd.get(fd)
+                if c is not None and not c.announced:  # a newer connection on the reused fd, met by
+                    continue  # its message before this news of the old one's end: it is not the one gone
+                self.by_fd.pop(fd, None)
                 if c is not None and c.ident is not None:
                     if self.fd_of.get(c.ident) == fd:
                         del self.fd_of[c.ident]
@@ -72,6 +75,8 @@ class Connections:
             return
         c = self.by_fd.get(fd)
         if c is None or (c.ident is not None and c.ident != ident):  # (news of it not read yet, or a reused fd)
+            if c is not None and c.ident is not None and self.fd_of.get(c.ident) == fd:  # its old connection ended
+                del self.fd_of[c.ident]
             c = self.by_fd[fd] = Conn()
         if c.ident is None:
             c.ident = ident
