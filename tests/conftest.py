@@ -224,3 +224,16 @@ class Client:
         msg = self.recv(sock=sock)
         assert msg.type == protocol.WELCOME, msg.body
         return sock, auth.DIRECT
+
+
+def still_served_with_token(gw: GatewayProcess) -> None:
+    """The gateway is up and serves a new sealed client, which computes right."""
+    assert gw.proc.poll() is None
+    c = Client(gw.endpoint)
+    try:
+        c.hello()
+        x = torch.arange(6.0)
+        assert torch.equal(c.add(x, x), x * 3)
+        c.send(protocol.BYE, {})
+    finally:
+        c.close()

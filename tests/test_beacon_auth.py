@@ -4,8 +4,6 @@ client without a token does not list the gateway. Real gateway, real multicast o
 on a group of the test's own."""
 from __future__ import annotations
 
-import random
-import socket
 import time
 
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from remotecuda.discovery import Discovery, MulticastSource
 from remotecuda_wire import auth, beacon
 
-from conftest import GatewayProcess, wait_for
+from conftest import GatewayProcess, private_discovery, wait_for
 
 TOKEN = "beacon-signing-token-0123456789abcdef"
 KEY = auth.beacon_key(auth.token_key(TOKEN.encode()))
@@ -21,15 +19,13 @@ KEY = auth.beacon_key(auth.token_key(TOKEN.encode()))
 
 @pytest.fixture
 def group(monkeypatch):
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    addr = f"239.255.{random.randint(101, 199)}.{random.randint(1, 254)}"
-    monkeypatch.setenv("REMOTECUDA_DISCOVERY", f"{addr}:{port}")
+    where = private_discovery()
+    monkeypatch.setenv("REMOTECUDA_DISCOVERY", where)
     monkeypatch.setenv("REMOTECUDA_DISCOVERY_IFACE", "127.0.0.1")
     for name in ("REMOTECUDA_SERVERS", auth.TOKEN_ENV, auth.TOKEN_FILE_ENV):
         monkeypatch.delenv(name, raising=False)
-    return addr, port
+    addr, port = where.rsplit(":", 1)
+    return addr, int(port)
 
 
 def test_check_signed_unsigned_forged_stale():

@@ -22,7 +22,7 @@ import zstandard
 from remotecuda_wire import auth, protocol
 from remotecuda_wire.protocol import Handle
 
-from conftest import ROOT, Client, GatewayProcess, run_python, wait_for
+from conftest import ROOT, Client, GatewayProcess, run_python, still_served_with_token, wait_for
 
 TOKEN = "correct-horse-battery-staple-0123456789"
 
@@ -212,19 +212,9 @@ def test_replayed_tampered_and_unsealed_frames_are_refused(tokened, with_token):
         c.send(protocol.BYE, {})
     finally:
         c.close()
-    _still_served_with_token(tokened)
+    still_served_with_token(tokened)
 
 
-def _still_served_with_token(gw: GatewayProcess) -> None:
-    assert gw.proc.poll() is None
-    c = Client(gw.endpoint)
-    try:
-        c.hello()
-        x = torch.ones(3)
-        assert torch.equal(c.add(x, x), x * 3)
-        c.send(protocol.BYE, {})
-    finally:
-        c.close()
 
 
 # ============================================================================ the op allowlist
