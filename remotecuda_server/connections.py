@@ -30,6 +30,10 @@ class Conn:
     last: float = field(default_factory=time.monotonic)  # its last trusted message
     shut: bool = False
     announced: bool = False  # its ACCEPTED event was read (a message may come first)
+    #: it took the fd of a connection whose DISCONNECTED was not read yet: that one is not its own.
+    #: libzmq sends it before closing the fd, so the next reading of the monitor finds it (or it
+    #: was dropped, the monitor's queue being full: the flag goes then too)
+    follows: bool = False
 
 
 class Connections:
@@ -40,6 +44,8 @@ class Connections:
         self.fd_of: dict[bytes, int] = {}
         self.shut_count = 0  # connections this side closed
         self.closed = 0  # connections that ended since the owner last looked (it resets this)
+        #: fds whose connection follows one whose DISCONNECTED is still to be read (``Conn.follows``)
+        self.following: set[int] = set()
 
     def events(self) -> list[bytes]:
         """Take the monitor's news; the identities whose connection has ended."""
@@ -48,6 +54,10 @@ class Connections:
             try:
                 ev = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
+                for fd in self.following:  # (every event sent is read by now: one not seen was dropped)
+                    if fd in self.by_fd:
+                        self.by_fd[fd].follows = False
+                self.following.clear()
                 return gone
             fd = int(ev["value"])
             if ev["event"] == zmq.EVENT_ACCEPTED:
@@ -59,8 +69,9 @@ class Connections:
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 self.closed += 1
                 c = self.by_fd.get(fd)
-                if c is not None and not c.announced:  # a newer connection on the reused fd, met by
-                    continue  # its message before this news of the old one's end: it is not the one gone
+                if c is not None and c.follows:  # the end of the connection this one took the fd from
+                    c.follows = False
+                    continue
                 self.by_fd.pop(fd, None)
                 if c is not None and c.ident is not None:
                     if self.fd_of.get(c.ident) == fd:
@@ -75,9 +86,12 @@ class Connections:
             return
         c = self.by_fd.get(fd)
         if c is None or (c.ident is not None and c.ident != ident):  # (news of it not read yet, or a reused fd)
-            if c is not None and c.ident is not None and self.fd_of.get(c.ident) == fd:  # its old connection ended
+            follows = c is not None  # the fd's old connection ended; its DISCONNECTED is still to come
+            if c is not None and c.ident is not None and self.fd_of.get(c.ident) == fd:
                 del self.fd_of[c.ident]
-            c = self.by_fd[fd] = Conn()
+            c = self.by_fd[fd] = Conn(follows=follows)
+            if follows:
+                self.following.add(fd)
         if c.ident is None:
             c.ident = ident
             self.fd_of[ident] = fd
