@@ -45,7 +45,7 @@ def fetch(tensors: Any) -> list:
 
 
 __all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "trace", "prefetch", "fetch",
-           "gateway_status", "set_strategy",
+           "gateway_status", "set_strategy", "checkpoint",
            "RemoteCUDAError", "GatewayUnavailableError", "GatewayAuthError", "GatewayLostError",
            "GatewayProtocolError", "TransferError"]
 
@@ -160,6 +160,16 @@ def stats(reset: bool = False) -> dict:
     if rt is not None:
         return rt.stats(reset=reset)
     return {**dict.fromkeys(STAT_KEYS, 0), **CacheInfo(0, 0).as_stats(), "devices": []}
+
+
+def checkpoint() -> None:
+    """Snapshot every session's live tensors now, so that a failover (a gateway or its worker
+    failing; failover.py) replays only the ops issued after this; a no-op while not active or with
+    REMOTECUDA_FAILOVER=off. Snapshots are also taken by themselves when a session's replay log
+    passes REMOTECUDA_SNAPSHOT_BYTES."""
+    rt = _active()
+    if rt is not None:
+        rt.checkpoint()
 
 
 def gateway_status(server: str | None = None, timeout: float = 5.0) -> dict:

@@ -247,7 +247,7 @@ class Liveness:
         those greeted by a gateway of another id there (an earlier start of it)."""
         lost = []
         for s in list(self.sessions()):
-            if (s.endpoint == endpoint and not s.closed
+            if (s.endpoint == endpoint and not s.closed and s.lost is None
                     and (current_id is None or _welcome(s).get("id") not in (None, current_id))):
                 s.mark_lost(f"gateway {endpoint[6:]} ({_gpu(s)}) is unavailable: {why}; this session's "
                             f"tensors (cuda:{s.vdev}) are gone")

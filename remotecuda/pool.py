@@ -52,7 +52,10 @@ from remotecuda_wire.lifetime import die_with_parent
 
 from .discovery import Answer, Discovery, MulticastSource, ask
 from .errors import GatewayAuthError, GatewayUnavailableError, RemoteCUDAError
+from .failover import Failover
+from .failover import enabled as failover_enabled
 from .liveness import Liveness
+from .replay_log import ReplayLog
 from .scheduler import ANY, DEFAULT_STRATEGY, GpuState, Pin, PlacementError, SessionProfile, check_strategy, place
 from .session import BATCH_WINDOW, PING_EVERY, STAT_KEYS, Session
 
@@ -148,6 +151,8 @@ class Pool:
         self._lock = threading.Lock()  # opening sessions
         self._placing = threading.Lock()  # one placement at a time: each counts the ones before
         self._hints = threading.local()  # per thread: the module being moved to 'cuda' (``hint``)
+        #: moves a session whose GPU fails to another (failover.py); None: REMOTECUDA_FAILOVER=off
+        self.failover = Failover(self.relocate) if failover_enabled() else None
         self._listening_since = 0.0
         pins = list(devices) if devices is not None else None
         refused: dict[str, str] = {}  # why a security handshake failed, by endpoint
@@ -385,6 +390,8 @@ class Pool:
                                 connect_timeout=60.0, sync=self.sync, cache_bytes=self.cache_bytes,
                                 cache_policy=self.cache_policy, codecs=self.codecs, wake=self._pending.set,
                                 locate=self._locate)
+                    if self.failover is not None:
+                        s.log, s.failover = ReplayLog(), self.failover.recover
                     if self.prime is not None:
                         self.prime(s)
                     self.sessions[index] = s
@@ -395,6 +402,31 @@ class Pool:
         d = self.place(s.vdev, own, why) if not self.devices[s.vdev].placed else self.devices[s.vdev]
         self.liveness.check(d.endpoint)
         return d.endpoint, d.gpu
+
+    def relocate(self, s: Session, nbytes: int) -> tuple[str, int, str]:
+        """Where session ``s`` goes when its GPU failed (failover.py): the strategy's choice among
+        the GPUs that answer STATUS now and that liveness does not hold down, the same model as
+        before preferred, ``nbytes`` of free memory required. The device's placement follows it."""
+        d = self.devices[s.vdev]
+        model = d.props.get("name")
+        profile = SessionProfile(allocated_bytes=nbytes)
+        with self._placing:
+            states, statuses = self._states(ANY, profile)
+            states = [g for g in states if self.liveness.down(g.address) is None]  # (a dead one does not answer)
+            same = [g for g in states if g.name == model]
+            try:
+                p = place(same, profile, self.strategy, spread=self.spread)
+            except PlacementError:  # (none of that model can take it: any GPU that can)
+                try:
+                    p = place(states, profile, self.strategy, spread=self.spread)
+                except PlacementError as e:
+                    raise PlacementError(f"no GPU can take cuda:{s.vdev} ({nbytes} bytes): {e}") from None
+            g = p.gpus[0]
+            status = statuses[g.address]
+            d.endpoint, d.gpu, d.gateway = g.address, g.index, _inventory(status)
+            d.props = next((x for x in status.get("devices", []) if x.get("index") == g.index), {})
+            d.strategy, d.reason = "failover", f"failover: {p.reason}"
+        return d.endpoint, d.gpu, p.reason
 
     def _background(self) -> None:
         """Flush ops that waited a batch window while the user's code did something else, and
@@ -452,6 +484,8 @@ class Pool:
                 s.close()
             except Exception:  # closing must never raise at exit
                 pass
+            if s.log is not None:
+                s.log.close()
         self.sessions.clear()
         if self.fallback_gateway is not None:
             self.fallback_gateway.terminate()

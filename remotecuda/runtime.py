@@ -117,7 +117,32 @@ class Runtime:
         if reset:
             self.dispatcher.cache.reset_counters()
         total["devices"] = self.pool.placements()
+        total["failovers"] = self.failovers()
+        total["replay_log"] = self.replay_log()
         return total
+
+    def failovers(self) -> list[dict[str, Any]]:
+        """Each failover so far, oldest first (failover.py): ``when`` (UTC, ISO 8601), ``device``,
+        ``from`` and ``to`` ("host:port GPU i"), ``seconds``, ``ops_replayed``, ``snapshot_bytes``,
+        ``attempts``, ``cause``, ``placement``. Empty with REMOTECUDA_FAILOVER=off."""
+        return self.pool.failover.info() if self.pool.failover is not None else []
+
+    def replay_log(self) -> dict[str, Any]:
+        """The replay logs of all sessions together (replay_log.py's ``info``), and whether
+        failover is on."""
+        total: dict[str, Any] = {"enabled": self.pool.failover is not None, "entries": 0, "ops": 0, "bytes": 0,
+                                 "bytes_in_memory": 0, "bytes_spilled": 0, "snapshots": 0, "snapshot_bytes": 0}
+        for s in list(self.pool.sessions.values()):
+            if s.log is not None:
+                for k, v in s.log.info().items():
+                    total[k] += v
+        return total
+
+    def checkpoint(self) -> None:
+        """Snapshot every open session now (``Session.snapshot``): a failover after this replays
+        only what follows. Nothing to do with REMOTECUDA_FAILOVER=off."""
+        for s in list(self.pool.sessions.values()):
+            s.snapshot()
 
     def close(self) -> None:
         """Undo interception, then close every session (gateway memory is freed)."""

@@ -37,6 +37,7 @@ from .errors import (
     remote_exception,
 )
 from .progress import Progress
+from .replay_log import UPLOAD_OPS, ReplayLog, Snapshot
 from .scheduler import SessionProfile
 
 #: flush when this many ops are queued
@@ -55,6 +56,9 @@ SEND_TIMEOUT = 5.0
 #: how long a new session tries the direct path before it settles for the forwarded one
 DIRECT_TIMEOUT = 1.5
 
+#: an op that does nothing, in the place of one a replay must skip (message positions stay as logged)
+NOOP: list = ["rc::event_free", [], None, None]
+
 STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved",
              "wait_seconds")  # wait_seconds: wall time spent blocked in request()
@@ -62,6 +66,9 @@ STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips"
 #: places a session not placed yet (the pool's): (the session, what it shows at its first need,
 #: why it needs its device now) → the gateway endpoint and its GPU index
 Locate = Callable[["Session", SessionProfile, str], tuple[str, int]]
+#: moves a session whose gateway or worker failed to another GPU (failover.py's ``Failover.recover``):
+#: (the session, what failed) → None once it runs there, or raises GatewayUnavailableError
+Recover = Callable[["Session", BaseException], None]
 
 
 class Session:
@@ -108,6 +115,12 @@ class Session:
         self.closed = False
         #: whether the session is greeted and connected (else it is not placed yet, see ``open``)
         self.connected = False
+        #: the op stream since the last snapshot, and who moves the session when its gateway fails
+        #: (both set by the pool unless REMOTECUDA_FAILOVER=off; failover.py)
+        self.log: ReplayLog | None = None
+        self.failover: Recover | None = None
+        #: while a snapshot is taken or the log replayed: nothing sent is logged, no failover nests
+        self.unlogged = False
         if endpoint is not None and gpu is not None:
             self._connect(endpoint, gpu)
         elif locate is None:
@@ -292,16 +305,17 @@ class Session:
         the message, so a batch of several steps peaks at the memory of one, as it would locally."""
         self._release.append((len(self._ops), handle))
 
-    def upload(self, t: torch.Tensor, non_blocking: bool = False) -> int:
+    def upload(self, t: torch.Tensor, non_blocking: bool = False, handle: int | None = None) -> int:
         """Queue a CPU tensor's bytes for the gateway; return its handle.
 
         A payload the gateway's content cache already holds is sent as its key only.
         Large payloads go out at once, straight from the tensor's memory (zero-copy), in
         parts of protocol.PART_BYTES, each its own message: the gateway checks and places part k
         while part k+1 is on the wire. A blocking upload then waits until ZeroMQ has let
-        go of that memory, as a synchronous host-to-device copy would.
+        go of that memory, as a synchronous host-to-device copy would. ``handle``: upload
+        under this one (a replay, failover.py), not a new one.
         """
-        h = self.new_handle()
+        h = self.new_handle() if handle is None else handle
         t = t.detach()
         buf = protocol.tensor_bytes(t)
         n = buf.nbytes
@@ -312,9 +326,15 @@ class Session:
                 self._first_pending = time.monotonic()
                 if self.wake is not None:
                     self.wake()
+            if self.lost is not None and self._may_recover():
+                self._recover(GatewayDownError(self.lost))
             self._stats["uploads"] += 1
             mirror = self.cache if n >= cache.MIN_BYTES else None
             digests = [protocol.payload_digest(buf[:protocol.PART_BYTES])]
+            if self.log is not None and not self.unlogged:  # a replay sends these bytes again
+                if n > protocol.PART_BYTES:
+                    digests = cache.part_digests(buf, protocol.PART_BYTES)
+                self.log.upload(h, cache.content_key(digests), buf, dtype, shape)
             if mirror is not None and (n <= protocol.PART_BYTES or mirror.may_hold((n, digests[0]))):
                 if n > protocol.PART_BYTES:  # it may be cached: hash it all before deciding
                     digests = cache.part_digests(buf, protocol.PART_BYTES)
@@ -329,7 +349,16 @@ class Session:
                         self.request("rc::sync", [])
                     return h
             send = self._send_whole if n < BATCH_BYTES else self._send_parts
-            send(h, buf, digests, self.link.choose(buf, self.codecs), dtype, shape, mirror, non_blocking, t)
+            try:
+                send(h, buf, digests, self.link.choose(buf, self.codecs), dtype, shape, mirror, non_blocking, t)
+            except GatewayLostError as e:
+                if not self._may_recover():
+                    raise
+                queued = any(op[0] == "rc::upload" and op[1][0] == h for op in self._ops)
+                self._ops = [op for op in self._ops if not (op[0] == "rc::upload_abandon" and op[1][0] == h)]
+                self._recover(e)  # replays the queued ops, this upload among them if it was queued
+                if not queued:
+                    self.upload(t, non_blocking, handle=h)
         return h
 
     def _enter(self, mirror: cache.CacheMirror | None, digests: list, n: int) -> bytes | None:
@@ -357,6 +386,8 @@ class Session:
         self._stats["compressed_bytes_saved"] += n - sent
         if self.trace is not None:
             self.trace.transfer(self, "upload", n, sent, time.monotonic())
+        if self.unlogged:  # (a replay keeps each logged message whole)
+            return
         if self._pending_bytes >= BATCH_BYTES:
             self.flush()
         elif self.sync:
@@ -438,6 +469,9 @@ class Session:
                 self.open("flush")
                 if not self.connected:
                     raise GatewayLostError("this remotecuda session is closed")
+            if self.lost is not None and self._may_recover():  # the queued ops go with the replay
+                self._recover(GatewayDownError(self.lost), req)
+                return
             body: dict = {"ops": self._ops, "n0": self._op_index}
             if self._release:
                 rel, self._release = self._release, []
@@ -448,20 +482,31 @@ class Session:
             if self.trace is not None:
                 body["trace"] = True  # the gateway times each op (docs/PROTOCOL.md, "Traces")
                 self.trace.sending(self, body)
-            with HeldInterrupts():  # the queue is cleared and sent as one step
-                self._seq += 1
-                frames = self._seal(protocol.encode(protocol.OPS, body, self._payloads, self._seq), self.sock)
-                self._op_index += len(self._ops)
-                self._stats["ops"] += len(self._ops)
-                self._stats["messages"] += 1
-                self._stats["bytes_up"] += sum(_size(f) for f in frames)
-                self._ops, self._payloads, self._pending_bytes = [], [], 0
-                self._last_send = time.monotonic()
-                if self._inflight:
-                    self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
-                self._send_frames(self.sock, frames)
+            try:
+                with HeldInterrupts():  # the queue is cleared and sent as one step
+                    self._seq += 1
+                    frames = protocol.encode(protocol.OPS, body, self._payloads, self._seq)
+                    if self.log is not None and not self.unlogged:
+                        self.log.record(frames[1], self._ops, req is not None)
+                    frames = self._seal(frames, self.sock)
+                    self._op_index += len(self._ops)
+                    self._stats["ops"] += len(self._ops)
+                    self._stats["messages"] += 1
+                    self._stats["bytes_up"] += sum(_size(f) for f in frames)
+                    self._ops, self._payloads, self._pending_bytes = [], [], 0
+                    self._last_send = time.monotonic()
+                    if self._inflight:
+                        self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
+                    self._send_frames(self.sock, frames)
+            except GatewayLostError as e:
+                if not self._may_recover():
+                    raise
+                self._recover(e)  # (the message is logged: the replay sends it)
+                return
             if self.trace is not None:
                 self.trace.message(self, "OPS", sum(_size(f) for f in frames))
+            if req is None:
+                self._maybe_snapshot()
 
     def _send_frames(self, sock: zmq.Socket, frames: list, track: bool = False) -> Any:
         """Send without copying; the MessageTracker when ``track``. A send that waited out
@@ -483,8 +528,8 @@ class Session:
         if not self.lock.acquire(blocking=False):
             return bool(self._ops)
         try:
-            if self.closed or not self.connected:  # (not placed: its ops wait for its first need)
-                return False
+            if self.closed or not self.connected or self.lost is not None:  # (not placed: its ops wait
+                return False  # for its first need; lost: the user's next call moves it)
             if ((self._ops and now - self._first_pending >= BATCH_WINDOW)
                     or (self._release and len(self._release) > 1024)):
                 self.flush()
@@ -524,9 +569,19 @@ class Session:
             self._stats["blocking_round_trips"] += 1
             t_wait = time.monotonic()
             try:
-                msg, downloads = self._wait(rid)
+                while True:
+                    try:
+                        msg, downloads = self._wait(rid)
+                        break
+                    except GatewayLostError as e:
+                        if not self._may_recover():
+                            raise
+                        self._recover(e)  # replays the stream, this request last: wait for it there
             finally:
                 self._stats["wait_seconds"] += time.monotonic() - t_wait
+            if self.log is not None and not self.unlogged:
+                self.log.answered()
+                self._maybe_snapshot()
             body = msg.body
             if self.trace is not None:
                 self.trace.waited(self, name, index, t_wait, body.get("spans"))
@@ -630,30 +685,156 @@ class Session:
             raise GatewayLostError(f"gateway {self.endpoint}: {text}")
         raise GatewayProtocolError(f"gateway {self.endpoint} rejected a message: {text}")
 
+    # ------------------------------------------------------------------ failover (failover.py)
+    def _may_recover(self) -> bool:
+        return self.failover is not None and self.log is not None and not self.unlogged
+
+    def _recover(self, cause: BaseException, req: int | None = None) -> None:
+        """Move to another GPU (``failover``): the queued ops (with request ``req``, if one is
+        being sent) join the log first, so the replay sends them with the rest."""
+        assert self.failover is not None and self.log is not None
+        if self._ops or self._release or req is not None:
+            body: dict = {"ops": self._ops, "n0": self._op_index}
+            if self._release:
+                rel, self._release = self._release, []
+                body["rel"], body["rel_at"] = [h for _, h in rel], [n for n, _ in rel]
+            if req is not None:
+                body["req"] = req
+            self.log.record(protocol.pack_body(body), self._ops, req is not None)
+            self._op_index += len(self._ops)
+            self._ops, self._payloads, self._pending_bytes = [], [], 0
+        self.failover(self, cause)
+
+    def reconnect(self, endpoint: str, gpu: int) -> None:
+        """Drop the failed connections and greet ``gpu`` of ``endpoint`` afresh (the handle
+        counter, the request ids and the op index go on: the replay reuses the client's ids)."""
+        for sock in list(self._channels):
+            self._forget(sock)
+        self._channels, self.peer, self.data_endpoint = {}, None, None
+        self._parts_sent, self._inflight = 0, []
+        self.connected, self.closed, self.lost = False, False, None
+        self._connect(endpoint, gpu)
+
+    def restore(self, snap: Snapshot, sticky: list[list]) -> None:
+        """Put a snapshot back on a fresh session: each storage uploaded once, each tensor a view
+        of it under its own handle, the flags set so far, the generators' states."""
+        assert self.log is not None
+        storages = {}
+        for sid, (key, _) in snap.storages.items():
+            storages[sid] = self.upload(torch.frombuffer(bytearray(self.log.blob(key)), dtype=torch.uint8)
+                                        if _ else torch.empty(0, dtype=torch.uint8))
+        for h, sid, dtype, shape, stride, offset in snap.handles:
+            self._ops.append(["rc::restore_view", [storages[sid], dtype, shape, stride, offset], None, [h]])
+        self._ops.extend(sticky)
+        self._ops.append(["rc::rng_set", [snap.rng], None, None])
+        for gid, state in snap.generators:
+            self._ops.append(["rc::gen_set", [gid, state], None, None])
+        self._release = [(len(self._ops), h) for h in storages.values()]
+        self._op_index = snap.op_index - len(self._ops)
+        self.flush()
+
+    def resend(self, body: dict, answered: bool) -> int:
+        """Send one logged OPS message again, on this (new) connection: its uploads from the log's
+        bytes, its releases where they were. A request already answered asks nothing back (a
+        fetch becomes a sync); one not answered keeps its request id, for the caller waiting on
+        it. Returns the number of ops sent."""
+        assert self.log is not None
+        ops = body.get("ops") or []
+        req = body.get("req")
+        for i, op in enumerate(ops):
+            name = op[0]
+            if name in UPLOAD_OPS:
+                key, dtype, shape = self.log.uploads[op[1][0]]
+                data = self.log.blob(key)
+                self.upload(protocol.tensor_from_bytes(memoryview(bytearray(data)), dtype, shape)
+                            if data else torch.empty(shape, dtype=dtype), handle=op[1][0])
+            elif name == "rc::upload_abandon":  # (its parts went to the old gateway)
+                self._ops.append(NOOP)
+            elif req is not None and answered and i == len(ops) - 1 and name in ("rc::fetch", "rc::fetch_many"):
+                self._ops.append(["rc::sync", [], None, op[3]])
+            else:
+                self._ops.append(op)
+        rel, at = body.get("rel") or [], body.get("rel_at") or []
+        self._release = list(zip(at, rel)) + self._release  # (a finalizer's meanwhile: after the replay's)
+        self._op_index = body.get("n0", self._op_index)
+        if req is not None and answered:
+            self._rid += 1
+            req = self._rid
+        self.flush(req)
+        return len(ops)
+
+    def _maybe_snapshot(self) -> None:
+        if self.log is not None and not self.unlogged and self.log.due():
+            self.snapshot()
+
+    def snapshot(self) -> Snapshot | None:
+        """Download the live tensors (by storage, so views keep their aliasing) and the generators'
+        states, and truncate the log to them: a failover then replays only what follows. None
+        without a log or a connection. A gateway failing meanwhile moves the session instead."""
+        with self.lock:
+            if self.log is None or not self.connected or self.closed or self.unlogged:
+                return None
+            t0 = time.perf_counter()
+            self.flush()
+            self.unlogged = True
+            try:
+                live = self.request("rc::live", [])
+                first: dict[int, int] = {}
+                for h, sid, *_ in live["handles"]:
+                    first.setdefault(sid, h)
+                whole = {sid: self.new_handle() for sid in first}
+                for sid, h in first.items():
+                    self._ops.append(["rc::storage", [h], None, [whole[sid]]])
+                data = self.fetch_many(list(whole.values())) if whole else []
+                for h in whole.values():
+                    self.release(h)
+                snap = Snapshot(self._op_index + len(self._ops), handles=live["handles"], rng=live["rng"],
+                                generators=live["gens"])
+                for i, (sid, t) in enumerate(zip(whole, data)):
+                    key = b"snapshot-%d" % i
+                    self.log.blobs.put(key, protocol.tensor_bytes(t))
+                    snap.storages[sid] = (key, t.nbytes)
+            except GatewayLostError as e:
+                self.unlogged = False
+                if self.failover is None:
+                    raise
+                self._recover(e)  # (the log is whole: no snapshot this time)
+                return None
+            finally:
+                self.unlogged = False
+            snap.seconds = time.perf_counter() - t0
+            self.log.truncate(snap)
+            return snap
+
     # ------------------------------------------------------------------ lifetime
     def mark_lost(self, why: str) -> None:
         """The gateway is down or restarted (liveness.py, from its own thread, without the lock):
         a wait blocked on it raises GatewayDownError(why) within a poll, and so does every later
-        request, as a CUDA sticky error does; nothing more is sent to it."""
+        request, as a CUDA sticky error does; nothing more is sent to it. With failover the
+        session stays open: its next flush or request moves it to another GPU instead."""
         self.lost = why
-        self.closed = True
+        if self.failover is None:
+            self.closed = True
 
     def close(self) -> None:
         with self.lock:
+            self.failover = None  # (a gateway gone at exit is no reason to move)
             if not self.connected:  # never placed: its queued ops never ran, nothing to say BYE to
                 self.closed = True
                 return
-            if not self.closed:
+            if not self.closed and self.lost is None:
                 try:
                     self.sock.setsockopt(zmq.SNDTIMEO, 1000)  # a gone gateway must not hang the exit
                     self.flush()
                     self._send(protocol.BYE, {})
                 except (zmq.ZMQError, GatewayLostError):
                     pass
-                self.closed = True
+            self.closed = True
             for sock in (self.bulk, self.sock, self.front):
                 if not sock.closed:
-                    sock.close(linger=1000)
+                    sock.close(linger=1000 if self.lost is None else 0)
+            if self.log is not None:
+                self.log.close()
 
 
 SIGINT = int(signal.SIGINT)

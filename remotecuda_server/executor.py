@@ -685,6 +685,40 @@ class Executor:
         else:
             torch.set_rng_state(state)
 
+    # --- snapshots for failover (the client's replay_log.py): live tensors by storage, generators
+    @internal_op("live", "[]")
+    def _live(self, args: list) -> dict:
+        """What a snapshot must keep: every live handle as [handle, storage id, dtype, shape,
+        stride, offset] (views share their base's storage id), the default generator's state and
+        each ``rc::gen_new`` generator's, as [id, state bytes]."""
+        self._sync([])
+        rows = [[h, t.untyped_storage()._cdata, t.dtype, list(t.shape), list(t.stride()), t.storage_offset()]
+                for h, t in list(self.handles.items())]
+        return {"handles": rows, "rng": self._rng_get([]),
+                "gens": [[gid, g.get_state().numpy().tobytes()] for gid, g in self.generators.items()]}
+
+    @internal_op("storage", "[handle]", stores=True)
+    def _storage(self, args: list) -> torch.Tensor:
+        """The whole storage under a handle, as one uint8 tensor (a snapshot downloads it)."""
+        t = self._arg(Handle(args[0]))
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+    @internal_op("restore_view", "[storage handle, dtype, shape, stride, offset]", stores=True)
+    def _restore_view(self, args: list) -> torch.Tensor:
+        """A snapshot's tensor put back: a view of a restored storage, so aliasing is kept."""
+        src, dtype, shape, stride, offset = args
+        base = self._arg(Handle(src))
+        return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, shape, stride)
+
+    @internal_op("gen_set", "[generator id, state bytes]")
+    def _gen_set(self, args: list) -> None:
+        """A snapshot's generator put back (made if the gateway does not hold it)."""
+        gid, state = args
+        g = self.generators.get(gid)
+        if g is None:
+            g = self.generators[gid] = torch.Generator(device=self.device)
+        g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
     @internal_op("sdp_choice", "[q, k, v, mask or nil, dropout_p, is_causal, scale, enable_gqa, grad]")
     def _sdp_choice(self, args: list) -> int:
         tensors: list[Any] = [None if h is None else self._arg(Handle(h)).detach() for h in args[:4]]

@@ -118,7 +118,8 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 
 def _client(mode: str, a: GatewayProcess, b: GatewayProcess) -> subprocess.Popen:
-    env = dict(os.environ, REMOTECUDA_SERVERS=f"{a.address},{b.address}")
+    env = dict(os.environ, REMOTECUDA_SERVERS=f"{a.address},{b.address}", REMOTECUDA_FAILOVER="off")  # (the
+    # errors without failover; tests/test_failover.py has the sessions moved instead)
     return subprocess.Popen([sys.executable, "-c", CLIENT, mode, a.address], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
@@ -207,7 +208,8 @@ def test_a_new_gateway_at_the_same_address_is_noticed(gateways, other):
     a = gateways[4]
     proxy = DelayProxy(int(a.address.rsplit(":", 1)[1])).start()
     p = subprocess.Popen([sys.executable, "-c", RESTART, proxy.address], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, REMOTECUDA_FAILOVER="off"))
     try:
         first = _expect(p, "ID").split()[1]
         proxy.stop()

@@ -438,7 +438,8 @@ def test_a_dead_worker_is_reported_on_the_direct_path():
     gw = GatewayProcess("--spare", "0")
     try:
         p = subprocess.Popen([sys.executable, "-c", LOSER, gw.address], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             env=dict(os.environ, REMOTECUDA_FAILOVER="off"))  # (with it: tests/test_failover.py)
         assert p.stdout.readline().strip() == "direct True"
         workers = psutil.Process(gw.proc.pid).children()
         assert len(workers) == 1
