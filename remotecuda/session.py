@@ -58,6 +58,10 @@ DIRECT_TIMEOUT = 1.5
 
 #: an op that does nothing, in the place of one a replay must skip (message positions stay as logged)
 NOOP: list = ["rc::event_free", [], None, None]
+#: handles a snapshot reserves for the storages it downloads: the most storages one may hold
+SNAPSHOT_STORAGES = 1 << 20
+#: a snapshot downloads at most this many bytes per request (as ``remotecuda.fetch`` does)
+FETCH_BYTES = 256 << 20
 
 STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved",
@@ -719,17 +723,19 @@ class Session:
         """Put a snapshot back on a fresh session: each storage uploaded once, each tensor a view
         of it under its own handle, the flags set so far, the generators' states."""
         assert self.log is not None
-        storages = {}
-        for sid, (key, _) in snap.storages.items():
-            storages[sid] = self.upload(torch.frombuffer(bytearray(self.log.blob(key)), dtype=torch.uint8)
-                                        if _ else torch.empty(0, dtype=torch.uint8))
+        storages, landed = {}, []
+        for sid, (key, n) in snap.storages.items():
+            landed.append(self.upload(torch.frombuffer(bytearray(self.log.blob(key)), dtype=torch.uint8)
+                                      if n else torch.empty(0, dtype=torch.uint8)))
+            storages[sid] = self.new_handle()  # a storage of its own (an upload may land inside a larger one)
+            self._ops.append(["aten::clone.default", [protocol.handle_ext(landed[-1])], None, [storages[sid]]])
         for h, sid, dtype, shape, stride, offset in snap.handles:
             self._ops.append(["rc::restore_view", [storages[sid], dtype, shape, stride, offset], None, [h]])
         self._ops.extend(sticky)
         self._ops.append(["rc::rng_set", [snap.rng], None, None])
         for gid, state in snap.generators:
             self._ops.append(["rc::gen_set", [gid, state], None, None])
-        self._release = [(len(self._ops), h) for h in storages.values()]
+        self._release = [(len(self._ops), h) for h in (*landed, *storages.values())]
         self._op_index = snap.op_index - len(self._ops)
         self.flush()
 
@@ -778,22 +784,26 @@ class Session:
             self.flush()
             self.unlogged = True
             try:
-                live = self.request("rc::live", [])
-                first: dict[int, int] = {}
-                for h, sid, *_ in live["handles"]:
-                    first.setdefault(sid, h)
-                whole = {sid: self.new_handle() for sid in first}
-                for sid, h in first.items():
-                    self._ops.append(["rc::storage", [h], None, [whole[sid]]])
-                data = self.fetch_many(list(whole.values())) if whole else []
-                for h in whole.values():
+                base = self.reserve(SNAPSHOT_STORAGES)
+                live = self.request("rc::live", [base, SNAPSHOT_STORAGES])
+                whole, data, nbytes = [base + k for k in range(len(live["storages"]))], [], 0
+                batch: list[int] = []
+                for h, n in zip(whole, live["storages"]):  # (fetched in requests of at most FETCH_BYTES)
+                    if batch and nbytes + n > FETCH_BYTES:
+                        data += self.fetch_many(batch)
+                        batch, nbytes = [], 0
+                    batch.append(h)
+                    nbytes += n
+                if batch:
+                    data += self.fetch_many(batch)
+                for h in whole:
                     self.release(h)
                 snap = Snapshot(self._op_index + len(self._ops), handles=live["handles"], rng=live["rng"],
                                 generators=live["gens"])
-                for i, (sid, t) in enumerate(zip(whole, data)):
-                    key = b"snapshot-%d" % i
+                for k, t in enumerate(data):
+                    key = b"snapshot-%d-%d" % (self.log.snapshots, k)  # (the last one's blobs stay until then)
                     self.log.blobs.put(key, protocol.tensor_bytes(t))
-                    snap.storages[sid] = (key, t.nbytes)
+                    snap.storages[k] = (key, t.nbytes)
             except GatewayLostError as e:
                 self.unlogged = False
                 if self.failover is None:

@@ -686,22 +686,28 @@ class Executor:
             torch.set_rng_state(state)
 
     # --- snapshots for failover (the client's replay_log.py): live tensors by storage, generators
-    @internal_op("live", "[]")
+    @internal_op("live", "[first handle, how many]")
     def _live(self, args: list) -> dict:
-        """What a snapshot must keep: every live handle as [handle, storage id, dtype, shape,
-        stride, offset] (views share their base's storage id), the default generator's state and
-        each ``rc::gen_new`` generator's, as [id, state bytes]."""
+        """What a snapshot must keep, taken at one point of the stream: each live handle as
+        [handle, storage number, dtype, shape, stride, offset] (views share their base's number),
+        storage k's bytes stored as one uint8 tensor under handle first + k (the client fetches
+        them), the default generator's state and each ``rc::gen_new`` generator's."""
+        base, limit = args
         self._sync([])
-        rows = [[h, t.untyped_storage()._cdata, t.dtype, list(t.shape), list(t.stride()), t.storage_offset()]
-                for h, t in list(self.handles.items())]
-        return {"handles": rows, "rng": self._rng_get([]),
+        numbers: dict[int, int] = {}
+        rows = []
+        for h, t in list(self.handles.items()):
+            storage = t.untyped_storage()
+            k = numbers.get(storage._cdata)
+            if k is None:
+                k = numbers[storage._cdata] = len(numbers)
+                if k >= limit:
+                    raise RuntimeError(f"remotecuda: a snapshot of more than {limit} storages")
+                self.handles[base + k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            rows.append([h, k, t.dtype, list(t.shape), list(t.stride()), t.storage_offset()])
+        sizes = [self.handles[base + k].numel() for k in range(len(numbers))]
+        return {"handles": rows, "storages": sizes, "rng": self._rng_get([]),
                 "gens": [[gid, g.get_state().numpy().tobytes()] for gid, g in self.generators.items()]}
-
-    @internal_op("storage", "[handle]", stores=True)
-    def _storage(self, args: list) -> torch.Tensor:
-        """The whole storage under a handle, as one uint8 tensor (a snapshot downloads it)."""
-        t = self._arg(Handle(args[0]))
-        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
     @internal_op("restore_view", "[storage handle, dtype, shape, stride, offset]", stores=True)
     def _restore_view(self, args: list) -> torch.Tensor:

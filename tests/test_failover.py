@@ -1,0 +1,145 @@
+"""Failover (remotecuda/failover.py, replay_log.py): a gateway killed with SIGKILL, or a session's
+worker killed, in the middle of a 200-step training run, and the run finishes with parameters
+bit-identical to the same run without the failure. Real gateway processes on loopback (CPU
+devices), a client process of its own that trains twice in one session (once undisturbed, once
+killing its own gateway at a random step) and compares. Dropout and ``torch.rand`` on the
+device make the gateway's random stream part of the result. Timings are printed, not asserted:
+benchmarks/bench_failover.py measures them (and repeats the kill 20 times)."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import ROOT, GatewayProcess
+
+#: the client: argv = steps, kill step, "item" (a value read every step) or not, what to kill
+#: ("gateway", "worker", "three": the gateway of cuda:0 three times, 20 steps apart), and the
+#: gateways' pids by address. Prints RESULT (identical?), the failovers and the replay log's figures.
+CLIENT = textwrap.dedent(r'''
+    import json, os, signal, sys, time
+    import psutil, torch, remotecuda
+
+    steps, kill_at, reads, kill = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "item", sys.argv[4]
+    pids = json.loads(sys.argv[5])
+    remotecuda.activate(fallback="error")
+
+    def do_kill():
+        pid = pids[remotecuda.stats()["devices"][0]["gateway"][6:]]
+        if kill == "worker":  # the gateway runs no spare worker: its one child is this session's
+            (worker,) = psutil.Process(pid).children()
+            worker.kill()
+        else:
+            os.kill(pid, signal.SIGKILL)
+
+    def run(kill_at, kills=1):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(64, 1)).cuda()
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for i in range(steps):
+            if kill_at >= 0 and i >= kill_at and (i - kill_at) % 20 == 0 and (i - kill_at) // 20 < kills:
+                do_kill()
+            x = torch.randn(32, 16, generator=g).cuda()
+            y = torch.randn(32, 1, generator=g).cuda()
+            noise = torch.rand(32, 1, device="cuda")  # the gateway's random stream
+            loss = ((m(x) + 0.01 * noise - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if reads:
+                losses.append(loss.item())
+        return [p.detach().cpu() for p in m.parameters()], losses
+
+    ref = run(-1)
+    try:
+        got = run(kill_at, 3 if kill == "three" else 1)
+    except remotecuda.GatewayUnavailableError as e:
+        print("ERROR", type(e).__name__, str(e).replace("\n", " "), flush=True)
+        print("FAILOVERS", json.dumps(remotecuda.stats()["failovers"]), flush=True)
+        sys.exit(0)
+    same = all(torch.equal(a, b) for a, b in zip(ref[0], got[0])) and ref[1] == got[1]
+    st = remotecuda.stats()
+    print("RESULT", same, flush=True)
+    print("FAILOVERS", json.dumps(st["failovers"]), flush=True)
+    print("LOG", json.dumps(st["replay_log"]), flush=True)
+    remotecuda.deactivate()
+''')
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """Six gateways, started at once (a gateway takes seconds to start on a loaded machine); each
+    test takes those it needs, in order: a gateway a test kills is not handed out again. The
+    fourth runs no spare worker (the worker test finds the session's worker as its one child)."""
+    with ThreadPoolExecutor(6) as pool:
+        gws = list(pool.map(lambda i: GatewayProcess(*(["--spare", "0"] if i == 3 else [])), range(6)))
+    yield gws
+    for gw in gws:
+        gw.stop()
+
+
+def _train(gws: list[GatewayProcess], kill_at: int, reads: bool, kill: str, env: dict | None = None,
+           steps: int = 200) -> dict:
+    import os
+    pids = {gw.address: gw.proc.pid for gw in gws}
+    e = dict(os.environ, REMOTECUDA_SERVERS=",".join(gw.address for gw in gws), **(env or {}))
+    r = subprocess.run([sys.executable, "-c", CLIENT, str(steps), str(kill_at), "item" if reads else "-",
+                        kill, json.dumps(pids)], capture_output=True, text=True, timeout=150, cwd=ROOT, env=e)
+    out = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in r.stdout.splitlines() if " " in line}
+    print(f"kill {kill} at step {kill_at}: {r.stdout[-2000:]}")
+    assert "RESULT" in out or "ERROR" in out, r.stdout + r.stderr[-3000:]
+    out["stderr"] = r.stderr
+    return out
+
+
+KILLS = random.Random().sample(range(20, 180), 3)  # (printed with each result: rerun by hand to repeat one)
+
+
+@pytest.mark.parametrize("case", [0, 1, 2], ids=["ops-only", "item-each-step", "item-and-snapshots"])
+def test_a_killed_gateway_is_replaced_and_the_run_is_bit_identical(fleet, case):
+    """kill -9 of the gateway at a random step: cuda:0 moves to the other gateway, and the final
+    parameters (and every loss read) equal those of the run without the failure. The third case
+    bounds the log at 40 kB, so snapshots are taken (every few steps) before the kill."""
+    gws = [fleet[case], fleet[case + 1] if case < 2 else fleet[4]]
+    env = {"REMOTECUDA_SNAPSHOT_BYTES": "40000"} if case == 2 else {}
+    out = _train(gws, KILLS[case], reads=case > 0, kill="gateway", env=env)
+    assert out.get("RESULT") == "True", out
+    (event,) = json.loads(out["FAILOVERS"])
+    assert event["from"] == f"{gws[0].address} GPU 0" and event["to"] == f"{gws[1].address} GPU 0", event
+    assert event["ops_replayed"] > 0 and event["attempts"] == 1 and event["device"] == "cuda:0"
+    assert "moved from" in out["stderr"] and gws[1].address in out["stderr"]
+    log = json.loads(out["LOG"])
+    if case == 2:
+        assert log["snapshots"] > 0 and event["snapshot_bytes"] > 0, (log, event)
+    else:
+        assert log["snapshots"] == 0 and event["snapshot_bytes"] == 0
+
+
+def test_a_killed_worker_is_replaced_and_the_run_is_bit_identical(fleet):
+    """The session's worker killed (as a sticky CUDA error would end it): the gateway reports the
+    session lost, and the session is rebuilt (on a new worker, here or on the other gateway)."""
+    out = _train([fleet[3]], random.randrange(20, 180), reads=False, kill="worker")
+    assert out.get("RESULT") == "True", out
+    (event,) = json.loads(out["FAILOVERS"])
+    assert "worker exited" in event["cause"], event
+    assert event["to"] == f"{fleet[3].address} GPU 0"
+
+
+def test_three_gateways_killed_in_a_row_give_a_clear_error(fleet):
+    """cuda:0's gateway killed three times, 20 steps apart: it moves twice, and the third time no
+    gateway is left: GatewayUnavailableError after REMOTECUDA_RETRIES (3) attempts, naming them."""
+    gws = [fleet[4], fleet[5], fleet[3]]
+    out = _train(gws, 10, reads=True, kill="three", steps=60)
+    assert "ERROR" in out, out
+    kind, msg = out["ERROR"].split(" ", 1)
+    assert kind == "GatewayDownError" and "in 3 attempts" in msg and "attempt 3:" in msg, msg
+    moves = json.loads(out["FAILOVERS"])
+    assert len(moves) == 2 and moves[0]["to"] == moves[1]["from"], moves
