@@ -24,8 +24,9 @@ worker gone (``session_lost``). The session's next flush, upload or request then
 
 An attempt that fails (that GPU fails too, none answers) is retried, ``REMOTECUDA_RETRIES``
 attempts in all (3); then a ``GatewayUnavailableError`` (a ``GatewayDownError``, which is also a
-``GatewayLostError``) says what was tried, and the session is lost as without failover. ``REMOTECUDA_FAILOVER=off`` keeps the old behaviour: no log is kept, and
-a lost gateway is an error at the next sync.
+``GatewayLostError``) says what was tried, and the session is lost as without failover.
+``REMOTECUDA_FAILOVER=off`` keeps the old behaviour: no log is kept, and a lost gateway is an
+error at the next sync.
 
 Limits: copies between virtual devices (``rc::offer``/``rc::receive``) cannot be replayed (their
 source's one-time token is spent); CUDA events recorded before a snapshot are not kept; a
