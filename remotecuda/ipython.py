@@ -389,6 +389,8 @@ class Extension:
         st["metadata_cache"] = {k: v for k, v in tot.items() if k.startswith("metadata_cache_")}
         st["metadata_cache_hit_rate"] = _rate(tot["metadata_cache_hits"], tot["metadata_cache_misses"])
         st["sessions_open"] = len(rt.pool.sessions) if rt is not None else 0
+        st["failovers"] = tot.get("failovers", [])  # each device moved off a failed GPU (failover.py)
+        st["replay_log"] = tot.get("replay_log")
         return st
 
     # -------------------------------------------------------------- comm
@@ -517,6 +519,15 @@ def _magics_class() -> type:
                   f"{_fmt_bytes(s['bytes_up'])} up, {_fmt_bytes(s['bytes_down'])} down, "
                   f"{s['blocking_round_trips']} blocking round trips, "
                   f"{s.get('wait_seconds', 0):.3f} s waiting")
+            log = st["replay_log"] or {}
+            if log.get("enabled"):
+                print(f"  failover: on; replay log {log['ops']} ops, {_fmt_bytes(log['bytes'])} "
+                      f"({_fmt_bytes(log['bytes_spilled'])} spilled), {log['snapshots']} snapshot(s)")
+            else:
+                print("  failover: off (REMOTECUDA_FAILOVER=off)")
+            for f in st["failovers"]:
+                print(f"  failover {f['when']}: {f['device']} moved from {f['from']} to {f['to']} in "
+                      f"{f['seconds']:.2f} s, {f['ops_replayed']} ops replayed ({f['cause']})")
 
         def _cmd_servers(self, args: list) -> None:
             st = self.ext.status()

@@ -8,8 +8,8 @@ their seeds. So the log keeps exactly that stream, since the session's last snap
   it costs no second encoding), and whether its request was answered;
 - **blobs**: the bytes of every upload an entry refers to, by content key (the same digest the
   upload cache uses, so a tensor uploaded again costs nothing more), in memory up to
-  ``REMOTECUDA_LOG_MEMORY`` bytes and past that in a local folder (``REMOTECUDA_LOG_DIR``, a
-  temporary one by default), removed when the log is dropped;
+  ``REMOTECUDA_LOG_MEMORY`` bytes and past that in a local folder of the log's own (inside
+  ``REMOTECUDA_LOG_DIR``, else the system's temporary folder), removed when the log is closed;
 - **a snapshot**: the session's live tensors, downloaded by storage (views share their base's,
   so aliasing survives), its generators' states and the op index it was taken at. Taking one
   truncates the entries (``Session.snapshot``): when the log passes ``REMOTECUDA_SNAPSHOT_BYTES``
@@ -69,12 +69,13 @@ class Snapshot:
 
 
 class BlobStore:
-    """Bytes by content key, in memory up to a bound and in a folder past it."""
+    """Bytes by content key, in memory up to a bound and past it in a folder of its own (made
+    on the first spill, inside ``parent`` or the system's temporary folder; removed by ``close``)."""
 
-    def __init__(self, memory_bytes: int, folder: str | None = None) -> None:
+    def __init__(self, memory_bytes: int, parent: str | None = None) -> None:
         self.memory_bytes = memory_bytes
-        self._folder = folder  # made on the first spill
-        self._own_folder = folder is None
+        self.parent = parent
+        self._folder: str | None = None
         self._mem: dict[bytes, bytes] = {}
         self._disk: dict[bytes, int] = {}  # key → size
         self.in_memory = 0
@@ -93,8 +94,9 @@ class BlobStore:
             self.in_memory += len(raw)
             return len(raw)
         if self._folder is None:
-            self._folder = tempfile.mkdtemp(prefix="remotecuda-log-")
-        os.makedirs(self._folder, exist_ok=True)
+            if self.parent is not None:
+                os.makedirs(self.parent, exist_ok=True)
+            self._folder = tempfile.mkdtemp(prefix="remotecuda-log-", dir=self.parent)
         with open(self._path(key), "wb") as f:
             f.write(raw)
         self._disk[key] = len(raw)
@@ -123,8 +125,9 @@ class BlobStore:
         self._mem.clear()
         self._disk.clear()
         self.in_memory = self.spilled = 0
-        if self._folder is not None and self._own_folder:
+        if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
 
     def _path(self, key: bytes) -> str:
         assert self._folder is not None

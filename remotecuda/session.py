@@ -716,6 +716,8 @@ class Session:
             self._forget(sock)
         self._channels, self.peer, self.data_endpoint = {}, None, None
         self._parts_sent, self._inflight = 0, []
+        # the new address first, with no WELCOME yet: liveness must not judge it by the old gateway's id
+        self.info, self.endpoint, self.gpu = {}, endpoint, gpu
         self.connected, self.closed, self.lost = False, False, None
         self._connect(endpoint, gpu)
 

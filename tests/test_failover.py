@@ -143,3 +143,29 @@ def test_three_gateways_killed_in_a_row_give_a_clear_error(fleet):
     assert kind == "GatewayDownError" and "in 3 attempts" in msg and "attempt 3:" in msg, msg
     moves = json.loads(out["FAILOVERS"])
     assert len(moves) == 2 and moves[0]["to"] == moves[1]["from"], moves
+
+
+def test_the_log_keeps_uploads_once_and_spills_past_its_memory_bound(tmp_path):
+    """The replay log's uploads: each content once, in memory up to the bound and in the spill
+    folder past it, read back whole; a snapshot drops the rest, closing removes the folder."""
+    import torch
+
+    from remotecuda.replay_log import ReplayLog, Snapshot
+    log = ReplayLog(memory_bytes=1000, snapshot_bytes=5000, folder=str(tmp_path))
+    a, b = bytes(range(200)) * 4, bytes(range(100)) * 30  # 800 bytes (in memory), 3000 (spilled)
+    log.upload(1, b"ka", a, torch.float32, [200])
+    log.upload(2, b"ka", a, torch.float32, [200])  # the same content again: kept once
+    log.upload(3, b"kb", b, torch.uint8, [3000])
+    log.record(b"x" * 100, [["aten::add.Tensor", [], None, [4]]], request=False)
+    (folder,) = tmp_path.iterdir()  # (the log's own, in the one it was given)
+    assert log.blobs.in_memory == 800 and log.blobs.spilled == 3000 and len(list(folder.iterdir())) == 1
+    assert log.blob(b"ka") == a and log.blob(b"kb") == b and log.uploads[2][0] == b"ka"
+    assert not log.due()
+    log.record(b"y" * 2000, [], request=True)
+    assert log.due() and log.info()["bytes"] == 3800 + 2100
+    log.blobs.put(b"snap", b"z" * 10)
+    log.truncate(Snapshot(5, storages={0: (b"snap", 10)}))
+    assert log.entries == [] and log.uploads == {} and log.blobs.spilled == 0 and not log.due()
+    assert log.blob(b"snap") == b"z" * 10 and log.info()["snapshots"] == 1
+    log.close()
+    assert not folder.exists() and tmp_path.exists()
