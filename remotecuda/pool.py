@@ -320,10 +320,14 @@ class Pool:
         return SessionProfile(allocated_bytes=max(own.allocated_bytes, held), ops=ops, syncs=syncs,
                               dtypes=own.dtypes | frozenset(dtypes))
 
-    def _states(self, pin: Pin, profile: SessionProfile) -> tuple[list[GpuState], dict[str, dict]]:
+    def _states(self, pin: Pin, profile: SessionProfile,
+                skip_down: bool = False) -> tuple[list[GpuState], dict[str, dict]]:
         """Every candidate GPU as the scheduler reads it, from STATUS asked now (the figures of
-        this moment, and its round trip), and each gateway's STATUS by address."""
+        this moment, and its round trip), and each gateway's STATUS by address. ``skip_down``:
+        not asking the gateways liveness holds down (their silence would cost STATUS_TIMEOUT)."""
         addresses = self._candidates(pin, profile)
+        if skip_down:
+            addresses = [a for a in addresses if self.liveness.down(a) is None]
         answers = ask(self.ctx, addresses, STATUS_TIMEOUT)
         states, statuses = [], {}
         placed: dict[tuple[str, int], int] = {}
@@ -411,8 +415,7 @@ class Pool:
         model = d.props.get("name")
         profile = SessionProfile(allocated_bytes=nbytes)
         with self._placing:
-            states, statuses = self._states(ANY, profile)
-            states = [g for g in states if self.liveness.down(g.address) is None]  # (a dead one does not answer)
+            states, statuses = self._states(ANY, profile, skip_down=True)
             same = [g for g in states if g.name == model]
             try:
                 p = place(same, profile, self.strategy, spread=self.spread)

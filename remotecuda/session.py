@@ -125,6 +125,7 @@ class Session:
         self.failover: Recover | None = None
         #: while a snapshot is taken or the log replayed: nothing sent is logged, no failover nests
         self.unlogged = False
+        self._snapshotting = False
         if endpoint is not None and gpu is not None:
             self._connect(endpoint, gpu)
         elif locate is None:
@@ -772,7 +773,7 @@ class Session:
         return len(ops)
 
     def _maybe_snapshot(self) -> None:
-        if self.log is not None and not self.unlogged and self.log.due():
+        if self.log is not None and not self.unlogged and not self._snapshotting and self.log.due():
             self.snapshot()
 
     def snapshot(self) -> Snapshot | None:
@@ -783,11 +784,24 @@ class Session:
             if self.log is None or not self.connected or self.closed or self.unlogged:
                 return None
             t0 = time.perf_counter()
-            self.flush()
+            self._snapshotting = True  # (the flush below must not start another)
+            try:
+                self.flush()  # logged: should the gateway fail during the snapshot, the log is whole
+            finally:
+                self._snapshotting = False
             self.unlogged = True
             try:
                 base = self.reserve(SNAPSHOT_STORAGES)
-                live = self.request("rc::live", [base, SNAPSHOT_STORAGES])
+                try:
+                    live = self.request("rc::live", [base, SNAPSHOT_STORAGES])
+                except GatewayLostError:
+                    raise
+                except Exception:  # an earlier op's error, reported here, which cleared it on the
+                    # gateway: a replay must clear it at the same point (an answered sync request)
+                    ops: list = [["rc::sync", [], None, {"base": None}]]
+                    self.log.record(protocol.pack_body({"ops": ops, "n0": self._op_index - 1, "req": 0}), ops, True)
+                    self.log.answered()
+                    raise
                 whole, data, nbytes = [base + k for k in range(len(live["storages"]))], [], 0
                 batch: list[int] = []
                 for h, n in zip(whole, live["storages"]):  # (fetched in requests of at most FETCH_BYTES)

@@ -19,7 +19,8 @@ import pytest
 from conftest import ROOT, GatewayProcess
 
 #: the client: argv = steps, kill step, "item" (a value read every step) or not, what to kill
-#: ("gateway", "worker", "three": the gateway of cuda:0 three times, 20 steps apart), and the
+#: ("gateway", "worker", "three": the gateway of cuda:0 three times, 20 steps apart; with reads the
+#: batches come through ``remotecuda.prefetch``, so uploads are in flight at the kill), and the
 #: gateways' pids by address. Prints RESULT (identical?), the failovers and the replay log's figures.
 CLIENT = textwrap.dedent(r'''
     import json, os, signal, sys, time
@@ -43,12 +44,13 @@ CLIENT = textwrap.dedent(r'''
                                 torch.nn.Linear(64, 1)).cuda()
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(1)
+        batches = ((torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps))
+        # with reads, the batches also go through remotecuda.prefetch: two uploads in flight ahead of the step
+        batches = remotecuda.prefetch(batches) if reads else ((x.cuda(), y.cuda()) for x, y in batches)
         losses = []
-        for i in range(steps):
+        for i, (x, y) in enumerate(batches):
             if kill_at >= 0 and i >= kill_at and (i - kill_at) % 20 == 0 and (i - kill_at) // 20 < kills:
                 do_kill()
-            x = torch.randn(32, 16, generator=g).cuda()
-            y = torch.randn(32, 1, generator=g).cuda()
             noise = torch.rand(32, 1, device="cuda")  # the gateway's random stream
             loss = ((m(x) + 0.01 * noise - y) ** 2).mean()
             opt.zero_grad()
