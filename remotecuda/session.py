@@ -341,7 +341,7 @@ class Session:
                     digests = cache.part_digests(buf, protocol.PART_BYTES)
                 self.log.upload(h, cache.content_key(digests), buf, dtype, shape)
             if mirror is not None and (n <= protocol.PART_BYTES or mirror.may_hold((n, digests[0]))):
-                if n > protocol.PART_BYTES:  # it may be cached: hash it all before deciding
+                if n > protocol.PART_BYTES and len(digests) == 1:  # it may be cached: hash it all before deciding
                     digests = cache.part_digests(buf, protocol.PART_BYTES)
                 key = cache.content_key(digests)
                 if mirror.get(key) is not None:

@@ -43,6 +43,9 @@ CLIENT = textwrap.dedent(r'''
         m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(64, 1)).cuda()
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        big = torch.arange(1_500_000, dtype=torch.float32).cuda()  # 6 MB: sent in PARTs
+        check = (big - torch.arange(1_500_000, dtype=torch.float32).cuda()).abs().sum()  # (an upload cache hit)
+        del big
         g = torch.Generator().manual_seed(1)
         batches = ((torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)) for _ in range(steps))
         # with reads, the batches also go through remotecuda.prefetch: two uploads in flight ahead of the step
@@ -58,7 +61,7 @@ CLIENT = textwrap.dedent(r'''
             opt.step()
             if reads:
                 losses.append(loss.item())
-        return [p.detach().cpu() for p in m.parameters()], losses
+        return [p.detach().cpu() for p in m.parameters()] + [check.cpu()], losses
 
     ref = run(-1)
     try:
@@ -67,7 +70,7 @@ CLIENT = textwrap.dedent(r'''
         print("ERROR", type(e).__name__, str(e).replace("\n", " "), flush=True)
         print("FAILOVERS", json.dumps(remotecuda.stats()["failovers"]), flush=True)
         sys.exit(0)
-    same = all(torch.equal(a, b) for a, b in zip(ref[0], got[0])) and ref[1] == got[1]
+    same = all(torch.equal(a, b) for a, b in zip(ref[0], got[0])) and ref[1] == got[1] and got[0][-1] == 0
     st = remotecuda.stats()
     print("RESULT", same, flush=True)
     print("FAILOVERS", json.dumps(st["failovers"]), flush=True)
