@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import results_md  # noqa: E402
 from bench_core import machine, start_gateway  # noqa: E402
 
-SECTION = "# Part 11: failover (benchmarks/bench_failover.py)"
+SECTION = "# Part 14: failover (benchmarks/bench_failover.py)"
 
 
 def kills(reps: int) -> list[dict]:
