@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import warnings
 from typing import Any
@@ -36,6 +37,9 @@ from remotecuda_wire.limits import CACHE_BYTES
 from .scheduler import STRATEGIES, check_strategy, parse_devices
 
 COMM_TARGET = "remotecuda"
+#: the panel's live view: at most this many seconds between two pushes (≤ 2 a second), and a push
+#: at least this often while a cell runs (its clock and ops move), from a background thread
+PUSH_INTERVAL = 0.5
 #: per-cell counters published for each cell (differences of remotecuda.stats())
 CELL_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "wait_seconds")
@@ -137,6 +141,9 @@ class Extension:
         self._before: tuple | None = None
         self._in_cell = False
         self._activation_pending = False
+        self._cell_started: tuple[Any, float] | None = None  # (execution_count, monotonic) of the running cell
+        self._pusher: threading.Thread | None = None
+        self._push_seq = 0
 
     # -------------------------------------------------------------- activation
     def activate(self) -> bool:
@@ -271,6 +278,7 @@ class Extension:
 
     def pre_run_cell(self, info: Any = None) -> None:
         self._in_cell = True
+        self._cell_started = (getattr(self.ip, "execution_count", None), time.monotonic())
         if not self._notices_shown:
             self.show_notices()
 
@@ -306,6 +314,7 @@ class Extension:
 
     def post_run_cell(self, result: Any) -> None:
         self._in_cell = False
+        self._cell_started = None
         failed = result is not None and not result.success
         interrupted = failed and isinstance(result.error_in_exec, KeyboardInterrupt)
         err = self._end_of_cell(interrupted)
@@ -423,6 +432,12 @@ class Extension:
                 c.send(self.status())
             elif req == "last":
                 c.send(self.last or {"type": "cell", "execution_count": None})
+            elif req == "strategy":
+                try:
+                    self.set_strategy(str(data.get("name", "")))
+                except ValueError as e:
+                    c.send({"type": "error", "request": "strategy", "error": str(e)})
+                c.send(self.status())
 
         def on_close(m: dict) -> None:
             self.comms.pop(c.comm_id, None)
@@ -430,6 +445,59 @@ class Extension:
         c.on_msg(on_msg)
         c.on_close(on_close)
         c.send(self.status())
+        if self.last is not None:
+            c.send(self.last)
+        self._start_pusher()
+
+    def set_strategy(self, name: str) -> str:
+        """The strategy for devices placed from now on (ValueError naming the valid ones)."""
+        import remotecuda
+        name = check_strategy(name)
+        self.config.strategy = name
+        if _rt() is not None:
+            remotecuda.set_strategy(name)
+        return name
+
+    def live(self) -> dict:
+        """The running cell so far (``None`` between cells): what the panel shows while it runs."""
+        started, before = self._cell_started, self._before
+        if started is None:
+            return {"type": "live", "seq": self._push_seq, "running": None}
+        running: dict = {"execution_count": started[0], "seconds": round(time.monotonic() - started[1])}
+        rt = _rt()
+        if rt is not None and before is not None and before[0] is rt:
+            now = rt.stats(wait=False)
+            running.update({k: now.get(k, 0) - before[1].get(k, 0) for k in ("ops", "bytes_up", "bytes_down")})
+        return {"type": "live", "seq": self._push_seq, "running": running}
+
+    def _start_pusher(self) -> None:
+        if self._pusher is None or not self._pusher.is_alive():
+            self._pusher = threading.Thread(target=self._push_loop, name="remotecuda-panel-push", daemon=True)
+            self._pusher.start()
+
+    def _push_loop(self) -> None:
+        """While a panel listens: the status when it changed and, during a cell, its progress,
+        at most every PUSH_INTERVAL, from this thread (the shell is busy with the cell; ipykernel's
+        IOPub socket takes messages from any thread)."""
+        sent_status: dict | None = None
+        sent_live: dict | None = None
+        while self.comms:
+            time.sleep(PUSH_INTERVAL)
+            try:
+                st = self.status()
+                live = self.live()
+            except Exception:  # noqa: BLE001 - a runtime being replaced mid-read; next tick
+                continue
+            msgs = []
+            if st != sent_status:
+                msgs.append(st)
+                sent_status = st
+            if dict(live, seq=0) != sent_live:
+                self._push_seq += 1
+                sent_live = dict(live, seq=0)
+                msgs.append(dict(live, seq=self._push_seq))
+            for m in msgs:
+                self.publish(m)
 
     def publish(self, rec: dict) -> None:
         for cid, c in list(self.comms.items()):
@@ -570,16 +638,12 @@ def _magics_class() -> type:
                 raise RuntimeError(f"remotecuda: not active ({self.ext.activation_error})")
 
         def _cmd_strategy(self, args: list) -> None:
-            import remotecuda
             rt = _rt()
             if not args:
                 current = rt.pool.strategy if rt is not None else self.ext.config.strategy
                 print(f"strategy: {current} (one of {', '.join(STRATEGIES)})")
                 return
-            name = check_strategy(args[0])  # an unknown one raises ValueError listing the valid ones
-            self.ext.config.strategy = name
-            if rt is not None:
-                remotecuda.set_strategy(name)
+            name = self.ext.set_strategy(args[0])  # an unknown one raises ValueError listing the valid ones
             placed = [d for d in rt.pool.devices if d.placed] if rt is not None else []
             print(f"strategy: {name} (for devices placed from now on"
                   + ("; placed already: " + ", ".join(f"cuda:{d.index} on {d.endpoint[6:]} GPU {d.gpu}"
