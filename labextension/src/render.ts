@@ -7,8 +7,8 @@ import {
   memoryFraction, PoolGateway, PoolGpu, PoolSnapshot, sparklinePoints, STRATEGIES, usedGpus
 } from './model';
 
-const SPARK_W = 120;
-const SPARK_H = 24;
+const SPARK_W = 180;
+const SPARK_H = 22;
 
 export function renderPanel(pool: PoolSnapshot | null, poolError: string | null, kernel: KernelView): string {
   return `<div class="rc-panel">
@@ -58,11 +58,12 @@ function renderGpu(addr: string, gpu: PoolGpu, span: number, mine: string[] | un
   <div class="rc-bar" title="memory used"><div class="rc-bar-fill" style="width:${((mem ?? 0) * 100).toFixed(1)}%"></div></div>
   <div class="rc-gpu-figures rc-muted">memory ${memText} · util <span data-rc="util">${fmtPercent(gpu.utilization)}</span>`
     + ` · queued ${e(gpu.queued ?? '-')} · sessions ${e(gpu.sessions ?? '-')}</div>
+  <div class="rc-spark-row"><span class="rc-muted">load, ${Math.round(span / 60)} min</span>
   <svg class="rc-spark" width="${SPARK_W}" height="${SPARK_H}" viewBox="0 0 ${SPARK_W} ${SPARK_H}" data-rc="spark">
     <title>utilization over the last ${Math.round(span / 60)} minutes</title>
     <rect x="0" y="0" width="${SPARK_W}" height="${SPARK_H}" class="rc-spark-bg"></rect>
     ${points ? `<polyline points="${points}" class="rc-spark-line"></polyline>` : ''}
-  </svg>
+  </svg></div>
 </div>`;
 }
 
