@@ -43,11 +43,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _notebook(path: str) -> None:
-    cells = [TRAIN, "%remotecuda strategy", "import time\ntime.sleep(10)"]
+def _notebook(path: str, cells: list[str], kernel: str, display_name: str) -> None:
     nb = {"nbformat": 4, "nbformat_minor": 5,
-          "metadata": {"kernelspec": {"name": "remotecuda", "display_name": "Python (RemoteCUDA)",
-                                      "language": "python"}},
+          "metadata": {"kernelspec": {"name": kernel, "display_name": display_name, "language": "python"}},
           "cells": [{"cell_type": "code", "id": uuid.uuid4().hex[:8], "metadata": {}, "execution_count": None,
                      "outputs": [], "source": src} for src in cells]}
     with open(path, "w") as f:
@@ -96,7 +94,13 @@ def test_panel_end_to_end(chromium, tmp_path):
     env.pop("REMOTECUDA_DEVICES", None)
     root = tmp_path / "notebooks"
     root.mkdir()
-    _notebook(str(root / "panel.ipynb"))
+    _notebook(str(root / "panel.ipynb"), [TRAIN, "%remotecuda strategy", "import time\ntime.sleep(10)"],
+              "remotecuda", "Python (RemoteCUDA)")
+    _notebook(str(root / "plain.ipynb"), ["1 + 1"], "python3", "Python 3 (ipykernel)")
+    # no "Jupyter news?" prompt over the panel in the screenshots
+    news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    news.mkdir(parents=True)
+    (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     gateways = [Gateway("Sim A100", env), Gateway("Sim H100", env)]
     port, token = _free_port(), uuid.uuid4().hex
     url = f"http://127.0.0.1:{port}/"
@@ -123,11 +127,13 @@ def test_panel_end_to_end(chromium, tmp_path):
         run = subprocess.run(
             ["node", os.path.join(LABEXT, "e2e", "panel.e2e.mjs")], cwd=LABEXT, capture_output=True, text=True,
             timeout=420, env=dict(env, CHROMIUM=chromium, LAB_URL=url, TOKEN=token, NOTEBOOK="panel.ipynb",
+                                  PLAIN_NOTEBOOK="plain.ipynb",
                                   ARTIFACTS=ARTIFACTS, GATEWAYS=",".join(g.address for g in gateways),
                                   KILL_PID=str(-gateways[1].proc.pid), KILL_ADDRESS=gateways[1].address))
         print(run.stdout, run.stderr)
         assert run.returncode == 0, f"browser steps failed (screenshots in {ARTIFACTS}):\n{run.stdout}\n{run.stderr}"
-        for name in ("1-pool-before-training", "2-after-training", "3-while-sleeping", "4-one-gateway-left"):
+        for name in ("1-pool-before-training", "2-after-training", "3-while-sleeping", "4-one-gateway-left",
+                     "5-plain-kernel", "6-plain-kernel-loaded"):
             assert os.path.getsize(os.path.join(ARTIFACTS, f"{name}.png")) > 0
     finally:
         os.killpg(lab.pid, signal.SIGTERM)

@@ -123,6 +123,15 @@ try {
     (await gatewayCount()) === 1
     && (await page.locator(`[data-rc="gateway"][data-address="${env.KILL_ADDRESS}"]`).count()) === 0, 30000);
   await shot('4-one-gateway-left');
+
+  step('follow another notebook, on a plain Python kernel');
+  await page.locator('.jp-DirListing-itemText', { hasText: env.PLAIN_NOTEBOOK }).dblclick();
+  await page.locator('[data-rc="not-remotecuda"]').waitFor({ timeout: 120000 });
+  await shot('5-plain-kernel');
+  step('the panel offers %load_ext remotecuda; use it');
+  await page.locator('button[data-rc="load-ext"]').click();
+  await page.locator('select[data-rc="strategy"]').waitFor({ timeout: 120000 });
+  await shot('6-plain-kernel-loaded');
   step('done');
 } catch (err) {
   failed = true;
