@@ -422,8 +422,15 @@ class Extension:
             pass
 
     def _on_comm_open(self, c: Any, msg: dict) -> None:
-        self._activate_if_pending()  # the panel asks what the kernel uses
+        if threading.current_thread() is threading.main_thread():  # not on a subshell: the
+            self._activate_if_pending()  # interception belongs to the thread that activates
         self.comms[c.comm_id] = c
+        if hasattr(c, "_reply_subshell_for"):
+            # ipykernel ≥ 7.2 sends a comm's incoming messages to the subshell its last outgoing one
+            # came from (for widgets that await replies): here the main shell, whose parent the
+            # pushes carry, so a request would wait for the running cell. The panel's requests go
+            # to the subshell the frontend addressed (docs/JUPYTER.md).
+            c._reply_subshell_for = lambda data, default: default
 
         def on_msg(m: dict) -> None:
             data = (m.get("content") or {}).get("data") or {}

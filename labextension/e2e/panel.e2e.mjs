@@ -117,6 +117,14 @@ try {
   }
   await shot('3-while-sleeping');
 
+  step('change the strategy while the cell sleeps: the kernel answers at once (comms on a subshell)');
+  await page.locator('select[data-rc="strategy"]').selectOption('latency-optimized');
+  await waitFor('the kernel to report latency-optimized while the cell still runs', async () =>
+    (await page.locator('[data-rc="kernel"]').getAttribute('data-strategy')) === 'latency-optimized', 5000);
+  if (!/running for/.test((await live.textContent()) ?? '')) {
+    throw new Error('the cell ended before the kernel answered: answered by the busy shell, not a subshell');
+  }
+
   step(`stop gateway ${env.KILL_ADDRESS}`);
   process.kill(Number(env.KILL_PID), 'SIGKILL');
   await waitFor('the stopped gateway to leave the panel', async () =>

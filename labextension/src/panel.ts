@@ -146,6 +146,9 @@ export class PoolPanel extends Widget {
     const prev = this.kernelView.state === 'remotecuda' ? this.kernelView
       : { state: 'remotecuda' as const, kernelName, status: null, cell: null, live: null, error: null };
     if (data.type === 'status') {
+      if (this.kernelView.state !== 'remotecuda') {
+        this.useSubshell();
+      }
       this.setView({ ...prev, status: data as unknown as KernelStatus, error: null });
     } else if (data.type === 'cell') {
       this.setView({ ...prev, cell: data as unknown as CellRecord });
@@ -153,6 +156,18 @@ export class PoolPanel extends Widget {
       this.setView({ ...prev, live: data as unknown as LiveRecord });
     } else if (data.type === 'error') {
       this.setView({ ...prev, error: String(data.error) });
+    }
+  }
+
+  /**
+   * Requests (a strategy change) go to a kernel subshell from now on, where the kernel has them
+   * (ipykernel 7, JEP 91): answered while a cell runs, not after it. The comm was opened on the
+   * main shell, so the kernel activates on its main thread.
+   */
+  private useSubshell(): void {
+    const kernel = this.notebook?.sessionContext.session?.kernel;
+    if (this.comm && kernel?.supportsSubshells) {
+      this.comm.commsOverSubshells = 'perCommTarget' as Kernel.IComm['commsOverSubshells'];
     }
   }
 

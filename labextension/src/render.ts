@@ -89,7 +89,7 @@ export function renderKernel(k: KernelView): string {
     : 'not placed yet'}</li>`).join('');
   const s = st.session ?? {};
   const running = k.live?.running;
-  return `<div class="rc-section" data-rc="kernel">
+  return `<div class="rc-section" data-rc="kernel" data-strategy="${e(st.strategy)}">
   <h3>This notebook</h3>
   ${st.active ? '' : `<div class="rc-error">Not active${st.error ? ': ' + e(st.error) : ''}</div>`}
   ${st.fallback_gateway ? '<div class="rc-error">Running on the local CPU fallback</div>' : ''}
