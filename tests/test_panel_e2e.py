@@ -82,6 +82,12 @@ def chromium() -> str:
         pytest.fail("node is needed to drive the browser (scripts/test.sh's environment has it)")
     if not os.path.isdir(os.path.join(LABEXT, "node_modules", "playwright-core")):
         pytest.fail("labextension/node_modules is missing: run `npm ci` in labextension/ (scripts/test.sh does)")
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_core.paths import jupyter_path
+    if not any(os.path.isfile(os.path.join(d, "remotecuda-labextension", "package.json"))
+               for d in jupyter_path("labextensions")) or "remotecuda" not in KernelSpecManager().find_kernel_specs():
+        pytest.fail("the JupyterLab extension or the kernelspec is not installed: run `pip install -e .` "
+                    "(it builds labextension/; scripts/test.sh does)")
     return CHROMIUM
 
 
