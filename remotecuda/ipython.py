@@ -141,8 +141,9 @@ class Extension:
         self._before: tuple | None = None
         self._in_cell = False
         self._activation_pending = False
-        self._cell_started: tuple[Any, float] | None = None  # (execution_count, monotonic) of the running cell
-        self._pusher: threading.Thread | None = None
+        self._cell_started: float | None = None  # time.monotonic() at the start of the running cell
+        self._pusher: threading.Thread | None = None  # running while a comm is open
+        self._pusher_lock = threading.Lock()
         self._push_seq = 0
 
     # -------------------------------------------------------------- activation
@@ -278,7 +279,7 @@ class Extension:
 
     def pre_run_cell(self, info: Any = None) -> None:
         self._in_cell = True
-        self._cell_started = (getattr(self.ip, "execution_count", None), time.monotonic())
+        self._cell_started = time.monotonic()
         if not self._notices_shown:
             self.show_notices()
 
@@ -470,17 +471,29 @@ class Extension:
         started, before = self._cell_started, self._before
         if started is None:
             return {"type": "live", "seq": self._push_seq, "running": None}
-        running: dict = {"execution_count": started[0], "seconds": round(time.monotonic() - started[1])}
+        running: dict = {"seconds": round(time.monotonic() - started)}
         rt = _rt()
         if rt is not None and before is not None and before[0] is rt:
             now = rt.stats(wait=False)
-            running.update({k: now.get(k, 0) - before[1].get(k, 0) for k in ("ops", "bytes_up", "bytes_down")})
+            running.update({k: now.get(k, 0) - before[1].get(k, 0) for k in ("bytes_up", "bytes_down")})
+            # issued, sent or still queued in a batch
+            running["ops"] = sum(_per_session_ops(rt).values()) - sum(before[2].values())
         return {"type": "live", "seq": self._push_seq, "running": running}
 
     def _start_pusher(self) -> None:
-        if self._pusher is None or not self._pusher.is_alive():
-            self._pusher = threading.Thread(target=self._push_loop, name="remotecuda-panel-push", daemon=True)
-            self._pusher.start()
+        with self._pusher_lock:
+            if self._pusher is None:
+                self._pusher = threading.Thread(target=self._push_loop, name="remotecuda-panel-push", daemon=True)
+                self._pusher.start()
+
+    def _pusher_done(self) -> bool:
+        """True (and the thread forgotten) when no comm is left; under the lock, so a comm opened
+        meanwhile finds either this thread still going or none and starts one."""
+        with self._pusher_lock:
+            if self.comms:
+                return False
+            self._pusher = None
+            return True
 
     def _push_loop(self) -> None:
         """While a panel listens: the status when it changed and, during a cell, its progress,
@@ -488,7 +501,7 @@ class Extension:
         IOPub socket takes messages from any thread)."""
         sent_status: dict | None = None
         sent_live: dict | None = None
-        while self.comms:
+        while not self._pusher_done():
             time.sleep(PUSH_INTERVAL)
             try:
                 st = self.status()

@@ -308,12 +308,12 @@ def test_comm_publishes_per_cell_accounting(rc, jgw):
     # a cell without remote work: zeros, still published
     rc.comm_msgs.clear()
     rc.ok("x = 1 + 1")
-    cells = [c["data"] for c in rc.comm_msgs if c["comm_id"] == comm_id]
+    cells = [c["data"] for c in rc.comm_msgs if c["comm_id"] == comm_id and c["data"]["type"] == "cell"]
     assert len(cells) == 1 and cells[0]["ops"] == 0 and cells[0]["bytes_up"] == 0, cells
     # an error cell is published with status error
     rc.comm_msgs.clear()
     rc.run("torch.zeros(2, device='cuda')[torch.tensor([7], device='cuda')]")
-    cells = [c["data"] for c in rc.comm_msgs if c["comm_id"] == comm_id]
+    cells = [c["data"] for c in rc.comm_msgs if c["comm_id"] == comm_id and c["data"]["type"] == "cell"]
     assert cells and cells[0]["status"] == "error" and "IndexError" in cells[0]["error"], cells
     # the panel may ask for a status snapshot
     rc.comm_msgs.clear()

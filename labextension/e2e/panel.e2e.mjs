@@ -105,14 +105,14 @@ try {
   step('run a cell that sleeps 10 s; the panel keeps updating');
   await runCell(2);
   const live = page.locator('[data-rc="live"]');
-  await waitFor('the running cell in the panel', async () => /running for/.test((await live.textContent()) ?? ''), 8000);
+  await waitFor('the running cell in the panel', async () => /a cell is running/.test((await live.textContent()) ?? ''), 8000);
   const seq1 = Number(await live.getAttribute('data-seq'));
   const text1 = await live.textContent();
   await page.waitForTimeout(3000);
   const seq2 = Number(await live.getAttribute('data-seq'));
   const text2 = await live.textContent();
   step(`during the sleep: "${text1}" (push ${seq1}) then "${text2}" (push ${seq2})`);
-  if (!(seq2 > seq1) || text1 === text2 || !/running for/.test(text2)) {
+  if (!(seq2 > seq1) || text1 === text2 || !/a cell is running/.test(text2)) {
     throw new Error('the panel did not update while the cell ran');
   }
   await shot('3-while-sleeping');
@@ -121,7 +121,7 @@ try {
   await page.locator('select[data-rc="strategy"]').selectOption('latency-optimized');
   await waitFor('the kernel to report latency-optimized while the cell still runs', async () =>
     (await page.locator('[data-rc="kernel"]').getAttribute('data-strategy')) === 'latency-optimized', 5000);
-  if (!/running for/.test((await live.textContent()) ?? '')) {
+  if (!/a cell is running/.test((await live.textContent()) ?? '')) {
     throw new Error('the cell ended before the kernel answered: answered by the busy shell, not a subshell');
   }
 

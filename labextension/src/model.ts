@@ -81,7 +81,7 @@ export interface CellRecord {
 export interface LiveRecord {
   type: 'live';
   seq: number;
-  running: { execution_count: number | null; seconds: number; ops?: number; bytes_up?: number; bytes_down?: number } | null;
+  running: { seconds: number; ops?: number; bytes_up?: number; bytes_down?: number } | null;
 }
 
 /** What the panel knows of the active notebook's kernel. */

@@ -100,7 +100,7 @@ export function renderKernel(k: KernelView): string {
   <div data-rc="cache">upload cache: ${fmtPercent(st.cache_hit_rate)} hits, ${fmtBytes(s.cache_bytes_saved)} not re-sent;`
     + ` compression saved ${fmtBytes(s.compressed_bytes_saved)} (${fmtPercent(compressionSavings(s))})</div>
   <div data-rc="live" data-seq="${e(k.live?.seq ?? 0)}">${running
-    ? `cell [${e(running.execution_count ?? ' ')}] running for ${e(running.seconds)} s: ${e(running.ops ?? 0)} ops so far`
+    ? `a cell is running: ${e(running.seconds)} s, ${e(running.ops ?? 0)} ops so far`
     : 'idle'}</div>
   ${renderCell(k.cell)}
 </div>`;

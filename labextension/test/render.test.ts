@@ -51,13 +51,13 @@ describe('render', () => {
   it('shows the strategy selected, the devices, the cache and the running cell', () => {
     const html = renderKernel({
       state: 'remotecuda', kernelName: 'k', status, cell: null, error: null,
-      live: { type: 'live', seq: 7, running: { execution_count: 3, seconds: 12, ops: 40 } }
+      live: { type: 'live', seq: 7, running: { seconds: 12, ops: 40 } }
     });
     expect(html).toContain('<option value="memory-aware" selected>');
     expect(html).toContain('cuda:0 → Sim &lt;A100&gt; @ 127.0.0.1:5000 GPU 0');
     expect(html).toContain('50 % hits, 2.0 KiB not re-sent');
     expect(html).toContain('data-seq="7"');
-    expect(html).toContain('cell [3] running for 12 s: 40 ops so far');
+    expect(html).toContain('a cell is running: 12 s, 40 ops so far');
   });
 
   it('shows the last cell\'s accounting', () => {
