@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch._C import _DisableTorchDispatch
 
+from remotecuda_wire import layouts
 from remotecuda_wire.protocol import DTYPE_EXT
 
 from . import dispatch_cache as dc
@@ -358,6 +359,8 @@ class Dispatcher:
             if _is_data_dependent(e):
                 return _META_NEEDS_DATA
             raise
+        if m.name in layouts.CONVOLUTIONS:  # (its layout is the backend's choice: the shared rule)
+            out = layouts.conform(m.name, margs, mkw, out)
         rets = out if m.multi else (out,)
         items: list[Any] = []
         for r, alias in zip(rets, m.ret_alias):

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from remotecuda_wire import layouts
+
 from .guards import guarded
 
 #: allowed namespaces, and the torch module that registers their ops (torch imports it lazily)
@@ -59,7 +61,10 @@ class OpResolver:
         """What running op ``name`` calls: its kernel, behind its guard if it has one (guards.py)."""
         fn = self._callables.get(name)
         if fn is None:
-            fn = self._callables[name] = guarded(self.resolve(name))
+            fn = guarded(self.resolve(name))
+            if name in layouts.CONVOLUTIONS:
+                fn = _conforming(name, fn)
+            self._callables[name] = fn
         return fn
 
     @staticmethod
@@ -85,3 +90,10 @@ class OpResolver:
             raise UnknownOpError(
                 f"the gateway's torch {torch.__version__} has no overload {name}")
         return ov
+
+
+def _conforming(name: str, fn: Callable) -> Callable:
+    """A convolution whose outputs take the layout the client expects (remotecuda_wire/layouts.py)."""
+    def run(*args: object, **kwargs: object) -> object:
+        return layouts.conform(name, args, kwargs, fn(*args, **kwargs))
+    return run

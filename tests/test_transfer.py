@@ -325,7 +325,9 @@ def test_large_downloads_come_in_parts_and_arrive_whole(remote, monkeypatch, mak
     x = make()
     y = x.cuda()
     assert torch.equal(y.cpu(), x)
-    assert seen == list(range(0, x.nbytes, protocol.PART_BYTES))
+    want = list(range(0, x.nbytes, protocol.PART_BYTES))
+    # in order, in one run (a failover snapshot the large upload set off may download its own parts)
+    assert any(seen[i:i + len(want)] == want for i in range(len(seen) - len(want) + 1)), seen
     assert torch.equal((y + 1).cpu(), x + 1)
     assert torch.equal(torch.ones(3, device="cuda").cpu(), torch.ones(3))  # the stream goes on
 

@@ -38,6 +38,37 @@ def test_optimizer_built_before_cuda_trains_the_cuda_parameters():
     assert not torch.equal(cpu_copy(model.weight), w0), "the optimizer must update the cuda parameters"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_channels_last_convolutions_keep_one_layout_on_both_sides(dtype):
+    """A convolution's output layout is its backend's choice, unknown to meta kernels: the client
+    and the gateway follow one rule (cuDNN's), so views of the output run on the same strides
+    there as here (``y.view(-1)`` of a channels-last output failed on the gateway)."""
+    torch.manual_seed(0)
+    convs = [nn.Conv2d(4, 4, 3, groups=4, padding=1), nn.Conv2d(4, 4, 3, padding=1),
+             nn.ConvTranspose2d(4, 2, 2, stride=2), nn.Conv2d(4, 3, 1)]
+    x = torch.randn(2, 4, 6, 6, dtype=dtype).to(memory_format=torch.channels_last)
+    for conv in convs:
+        conv = conv.to(dtype)
+        local = conv(x.requires_grad_())
+        local.sum().backward()
+        remote_conv = copy.deepcopy(conv).cuda()
+        rx = x.detach().cuda().requires_grad_()
+        y = remote_conv(rx)
+        y.sum().backward()
+        want = torch.channels_last if dtype == torch.float32 else torch.contiguous_format
+        assert y.is_contiguous(memory_format=want), (conv, y.stride())
+        flat = y.view(-1) if y.is_contiguous() else y.permute(0, 2, 3, 1).reshape(-1)
+        ref = local.reshape(-1) if y.is_contiguous() else local.permute(0, 2, 3, 1).reshape(-1)
+        assert torch.allclose(flat.cpu(), ref.detach(), atol=1e-6)
+        # the gateway's storage holds the values in the order the client's strides say
+        in_order = local.detach().contiguous(memory_format=want)
+        assert torch.allclose(y.as_strided((8,), (1,)).cpu(), in_order.as_strided((8,), (1,)), atol=1e-6)
+        assert torch.allclose(rx.grad.cpu(), x.grad, atol=1e-6)
+        assert torch.allclose(remote_conv.weight.grad.cpu(), conv.weight.grad, atol=1e-6)
+        x.grad = None
+        conv.zero_grad()
+
+
 def test_half_changes_the_gateway_tensor_too():
     m = nn.Linear(3, 2).cuda()
     ref = cpu_copy(m.weight).half()

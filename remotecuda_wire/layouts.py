@@ -1,0 +1,43 @@
+"""The memory layout of a convolution's output, as client and gateway both give it.
+
+A convolution's output layout is chosen by its backend at run time (cuDNN, oneDNN, the slow
+path), so no meta kernel knows it: torch's own meta kernel returns a contiguous tensor and
+FakeTensor asks the real device. The client cannot ask (a round trip per op), and a gateway
+whose layout differed from the client's idea of it would run later views on other strides
+(``y.view(-1)`` of a channels-last output fails there). So both sides follow one rule, cuDNN's
+(what a GPU gives): channels-last when the input or the weight is laid out so, except in
+float64; the gateway makes its output conform where its backend chose otherwise.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._prims_common import suggest_memory_format
+
+#: the convolution ops a client sends (conv1d/2d/3d and transposed ones arrive as these)
+CONVOLUTIONS = frozenset({"aten::convolution.default", "aten::_convolution.default",
+                          "aten::_convolution.deprecated", "aten::convolution_backward.default"})
+
+
+def conv_memory_format(input: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
+    """cuDNN's choice (``cudnn_conv_suggest_memory_format``) for a convolution's outputs."""
+    if torch.float64 in (input.dtype, weight.dtype):
+        return torch.contiguous_format
+    wanted = {4: torch.channels_last, 5: torch.channels_last_3d}.get(weight.dim())
+    if wanted is not None and wanted in (suggest_memory_format(input), suggest_memory_format(weight)):
+        return wanted
+    return torch.contiguous_format
+
+
+def conform(name: str, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``out`` of convolution op ``name`` in the rule's layout: for conv_backward the input and
+    weight gradients (the bias gradient is 1-d), else the output. ``args`` are the op's own."""
+    if name == "aten::convolution_backward.default":
+        fmt = conv_memory_format(args[1], args[2])
+        return tuple(t if t is None or i == 2 else _laid_out(t, fmt) for i, t in enumerate(out))
+    return _laid_out(out, conv_memory_format(args[0], args[1]))
+
+
+def _laid_out(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    return t if t.is_contiguous(memory_format=fmt) else t.contiguous(memory_format=fmt)
