@@ -40,6 +40,9 @@ COMM_TARGET = "remotecuda"
 #: the panel's live view: at most this many seconds between two pushes (≤ 2 a second), and a push
 #: at least this often while a cell runs (its clock and ops move), from a background thread
 PUSH_INTERVAL = 0.5
+#: the largest last-cell trace the panel is sent (serialised JSON); a larger one is refused with
+#: a pointer to %remotecuda trace last FILE, which has no limit (docs/JUPYTER.md)
+TRACE_MAX_BYTES = 32 * 2**20
 #: per-cell counters published for each cell (differences of remotecuda.stats())
 CELL_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "wait_seconds")
@@ -360,9 +363,10 @@ class Extension:
         if e is None and display_failed:
             e = getattr(sys, "last_value", None)
         rec["error"] = None if e is None else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        self.last = rec
-        if rt.tracer is not None and rt.tracer.recording:  # (%remotecuda trace on: the cell's part of it)
+        rec["traced"] = rt.tracer is not None and rt.tracer.recording
+        if rec["traced"]:  # (%remotecuda trace on: the cell's part of it)
             rt.tracer.cells.append((rec["execution_count"], t0, time.monotonic()))
+        self.last = rec
         self.publish(rec)
 
     # -------------------------------------------------------------- status
@@ -401,7 +405,34 @@ class Extension:
         st["sessions_open"] = len(rt.pool.sessions) if rt is not None else 0
         st["failovers"] = tot.get("failovers", [])  # each device moved off a failed GPU (failover.py)
         st["replay_log"] = tot.get("replay_log")
+        st["tracing"] = rt is not None and rt.tracer is not None and rt.tracer.recording
         return st
+
+    def set_tracing(self, on: bool) -> None:
+        """``%remotecuda trace on|off`` for the panel (RuntimeError when not active)."""
+        from . import trace
+        if not on:
+            trace.stop()
+        elif _rt() is None:
+            raise RuntimeError("remotecuda is not active: nothing to trace")
+        elif not trace.is_recording():
+            trace.start()
+
+    def last_trace(self) -> dict:
+        """The last traced cell's trace, as the panel downloads it (ValueError: none, or too large)."""
+        import json
+
+        from . import trace
+        tracer = trace.current()
+        if tracer is None or not tracer.cells:
+            raise ValueError("no cell traced yet (turn tracing on, then run a cell)")
+        count, since, until = tracer.cells[-1]
+        data = tracer.export(since, until)
+        size = len(json.dumps(data))
+        if size > TRACE_MAX_BYTES:
+            raise ValueError(f"the trace of cell [{count}] is {_fmt_bytes(size)}, over the panel's "
+                             f"{_fmt_bytes(TRACE_MAX_BYTES)}: %remotecuda trace last FILE writes it")
+        return {"type": "trace", "execution_count": count, "bytes": size, "trace": data}
 
     # -------------------------------------------------------------- comm
     def _register_comm_target(self) -> None:
@@ -446,6 +477,17 @@ class Extension:
                 except ValueError as e:
                     c.send({"type": "error", "request": "strategy", "error": str(e)})
                 c.send(self.status())
+            elif req == "trace":
+                try:
+                    self.set_tracing(bool(data.get("on")))
+                except Exception as e:  # noqa: BLE001 - said to the panel, not raised in the kernel
+                    c.send({"type": "error", "request": "trace", "error": str(e)})
+                c.send(self.status())
+            elif req == "last_trace":
+                try:
+                    c.send(self.last_trace())
+                except Exception as e:  # noqa: BLE001
+                    c.send({"type": "error", "request": "last_trace", "error": str(e)})
 
         def on_close(m: dict) -> None:
             self.comms.pop(c.comm_id, None)

@@ -98,3 +98,40 @@ def test_pushes_while_a_cell_runs_and_requests_on_a_subshell(kernel):
     kc.shell_channel.send(bad)
     errs = _until(kc, lambda m: bool(_comm_data([m], "error")), 30)
     assert "fastest" in _comm_data(errs, "error")[0]["error"]
+
+
+def test_tracing_turned_on_and_the_last_cells_trace_returned(kernel):
+    kc = kernel
+    comm_id = uuid.uuid4().hex
+
+    def request(data: dict) -> dict:
+        msg = kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+        kc.shell_channel.send(msg)
+        return msg
+
+    kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": comm_id, "target_name": "remotecuda", "data": {}}))
+    first = _comm_data(_until(kc, lambda m: bool(_comm_data([m], "status")), 120), "status")[0]
+    assert first["tracing"] is False and first["failovers"] == []
+
+    request({"request": "last_trace"})  # nothing traced yet: said, not raised
+    assert "no cell traced" in _comm_data(_until(kc, lambda m: bool(_comm_data([m], "error")), 30), "error")[0]["error"]
+
+    request({"request": "trace", "on": True})
+    _until(kc, lambda m: any(d["tracing"] for d in _comm_data([m], "status")), 30)
+
+    kc.execute("import torch\ny = (torch.arange(8., device='cuda') + 1).relu()\nprint(y.sum().item())")
+    cell = _comm_data(_until(kc, lambda m: bool(_comm_data([m], "cell")), 60), "cell")[-1]
+    assert cell["status"] == "ok" and cell["traced"] is True
+
+    request({"request": "last_trace"})
+    got = _comm_data(_until(kc, lambda m: bool(_comm_data([m], "trace")), 60), "trace")[0]
+    assert got["execution_count"] == cell["execution_count"] and got["bytes"] > 0
+    events = got["trace"]["traceEvents"]
+    ops = [e for e in events if e["ph"] == "X" and e["cat"] == "ops"]
+    assert ops and all(isinstance(e["ts"], float | int) and e["dur"] >= 0 for e in ops)
+    assert any("add" in e["name"] for e in ops)
+
+    request({"request": "trace", "on": False})
+    _until(kc, lambda m: any(d["tracing"] is False for d in _comm_data([m], "status")), 30)
+    kc.execute("z = y * 2")
+    assert _comm_data(_until(kc, lambda m: bool(_comm_data([m], "cell")), 60), "cell")[-1]["traced"] is False

@@ -141,6 +141,10 @@ def test_panel_end_to_end(chromium, tmp_path):
         for name in ("1-pool-before-training", "2-after-training", "3-while-sleeping", "4-one-gateway-left",
                      "5-plain-kernel", "6-plain-kernel-loaded"):
             assert os.path.getsize(os.path.join(ARTIFACTS, f"{name}.png")) > 0
+        traces = [f for f in os.listdir(ARTIFACTS) if f.endswith(".trace.json")]  # the trace link's download
+        assert len(traces) == 1, traces
+        with open(os.path.join(ARTIFACTS, traces[0])) as f:
+            assert any(e["ph"] == "X" and e["cat"] == "ops" for e in json.load(f)["traceEvents"])
     finally:
         os.killpg(lab.pid, signal.SIGTERM)
         try:

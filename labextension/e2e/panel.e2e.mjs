@@ -73,6 +73,11 @@ try {
     && (await page.locator('select[data-rc="strategy"]').inputValue()) === 'adaptive', 120000);
   await shot('1-pool-before-training');
 
+  step('turn tracing on in the panel');
+  await page.locator('button[data-rc="trace-on"]').click();
+  await waitFor('the kernel to report tracing', async () =>
+    /the next cell gets a trace link/.test((await page.locator('[data-rc="trace-row"]').textContent()) ?? ''), 30000);
+
   step('run the training cell');
   await runCell(0);
   const ops = await waitFor('a nonzero op count for the cell', async () => {
@@ -86,7 +91,22 @@ try {
     throw new Error(`training cell output: ${out0}`);
   }
   await page.locator('[data-rc="mine"]').first().waitFor();
+  await page.locator('[data-rc="trace-link"]').waitFor({ timeout: 30000 });
   await shot('2-after-training');
+
+  step('download the training cell\'s trace from its link');
+  const [download] = await Promise.all([page.waitForEvent('download', { timeout: 30000 }),
+    page.locator('[data-rc="trace-link"]').click()]);
+  const traceFile = path.join(ART, download.suggestedFilename());
+  await download.saveAs(traceFile);
+  if (!/^cell-\d+\.trace\.json$/.test(download.suggestedFilename())) {
+    throw new Error(`trace file named ${download.suggestedFilename()}`);
+  }
+  const traceOps = JSON.parse(fs.readFileSync(traceFile, 'utf8')).traceEvents.filter(ev => ev.ph === 'X' && ev.cat === 'ops');
+  step(`downloaded ${download.suggestedFilename()}: ${traceOps.length} op events`);
+  if (traceOps.length === 0) {
+    throw new Error('the downloaded trace has no op event');
+  }
 
   step('change the strategy in the panel');
   await page.locator('select[data-rc="strategy"]').selectOption('memory-aware');

@@ -62,6 +62,43 @@ export interface KernelStatus {
   devices: KernelDevice[];
   session: Record<string, number>;
   cache_hit_rate: number | null;
+  /** %remotecuda trace on: the cells run from now on are traced (absent from older kernels) */
+  tracing?: boolean;
+  /** each device moved off a failed gateway, oldest first (remotecuda/failover.py) */
+  failovers?: Failover[];
+  /** the replay log failover rebuilds a device from; absent or not enabled: failover is off */
+  replay_log?: ReplayLog | null;
+}
+
+export interface Failover {
+  when: string;
+  device: string;
+  from: string;
+  to: string;
+  seconds: number;
+  ops_replayed: number;
+  cause?: string;
+}
+
+export interface ReplayLog {
+  enabled: boolean;
+  ops?: number;
+  bytes?: number;
+  bytes_spilled?: number;
+  snapshots?: number;
+}
+
+/** The last traced cell's trace (the answer to a "last_trace" request). */
+export interface TraceRecord {
+  type: 'trace';
+  execution_count: number | null;
+  bytes: number;
+  trace: { traceEvents: unknown[] };
+}
+
+/** The file name a cell's trace downloads as. */
+export function traceFileName(executionCount: number | null): string {
+  return `cell-${executionCount ?? 'unnumbered'}.trace.json`;
 }
 
 export interface CellRecord {
@@ -76,6 +113,8 @@ export interface CellRecord {
   blocking_round_trips?: number;
   wait_seconds?: number;
   wall_seconds?: number;
+  /** recorded while tracing: its trace can be asked for ("last_trace") */
+  traced?: boolean;
 }
 
 export interface LiveRecord {

@@ -7,7 +7,7 @@ import { INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/no
 import { Kernel, KernelMessage, ServerConnection } from '@jupyterlab/services';
 import { Widget } from '@lumino/widgets';
 
-import { CellRecord, KernelStatus, KernelView, LiveRecord, PoolSnapshot, Throttle } from './model';
+import { CellRecord, KernelStatus, KernelView, LiveRecord, PoolSnapshot, Throttle, traceFileName, TraceRecord } from './model';
 import { renderKernel, renderPool } from './render';
 
 export const COMM_TARGET = 'remotecuda';
@@ -154,9 +154,25 @@ export class PoolPanel extends Widget {
       this.setView({ ...prev, cell: data as unknown as CellRecord });
     } else if (data.type === 'live') {
       this.setView({ ...prev, live: data as unknown as LiveRecord });
+    } else if (data.type === 'trace') {
+      this.download(data as unknown as TraceRecord);
     } else if (data.type === 'error') {
       this.setView({ ...prev, error: String(data.error) });
     }
+  }
+
+  /** Save a cell's trace as a file (the browser's download), for ui.perfetto.dev or chrome://tracing. */
+  private download(rec: TraceRecord): void {
+    const blob = new Blob([JSON.stringify(rec.trace)], { type: 'application/json' });
+    const url = URL.createObjectURL(blob);
+    const a = document.createElement('a');
+    a.href = url;
+    a.download = traceFileName(rec.execution_count);
+    a.style.display = 'none';
+    document.body.appendChild(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60_000);
   }
 
   /**
@@ -198,7 +214,11 @@ export class PoolPanel extends Widget {
 
   private onClick(ev: Event): void {
     const target = ev.target as HTMLElement;
-    if (target.getAttribute('data-rc') === 'load-ext') {
+    const what = target.getAttribute('data-rc');
+    if (what === 'trace-link' || what === 'trace-on' || what === 'trace-off') {
+      ev.preventDefault();
+      this.comm?.send(what === 'trace-link' ? { request: 'last_trace' } : { request: 'trace', on: what === 'trace-on' });
+    } else if (what === 'load-ext') {
       const kernel = this.notebook?.sessionContext.session?.kernel;
       if (kernel) {
         const future = kernel.requestExecute({ code: '%load_ext remotecuda', store_history: false });

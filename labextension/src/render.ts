@@ -4,7 +4,7 @@
  */
 import {
   addressKey, CellRecord, compressionSavings, escapeHtml as e, fmtBytes, fmtPercent, KernelView,
-  memoryFraction, PoolGateway, PoolGpu, PoolSnapshot, sparklinePoints, STRATEGIES, usedGpus
+  Failover, KernelStatus, memoryFraction, PoolGateway, PoolGpu, PoolSnapshot, sparklinePoints, STRATEGIES, usedGpus
 } from './model';
 
 const SPARK_W = 180;
@@ -102,13 +102,48 @@ export function renderKernel(k: KernelView): string {
   <div data-rc="live" data-seq="${e(k.live?.seq ?? 0)}">${running
     ? `a cell is running: ${e(running.seconds)} s, ${e(running.ops ?? 0)} ops so far`
     : 'idle'}</div>
-  ${renderCell(k.cell)}
+  ${renderFailover(st)}
+  ${renderCell(k.cell, st.tracing ?? false)}
 </div>`;
 }
 
-export function renderCell(c: CellRecord | null): string {
+/** Failover on/off with the replay log it rebuilds from, and each device it moved. */
+export function renderFailover(st: KernelStatus): string {
+  const log = st.replay_log;
+  const state = log?.enabled
+    ? `failover: on <span class="rc-muted">(replay log ${e(log.ops ?? 0)} ops, ${fmtBytes(log.bytes)}`
+      + `${log.bytes_spilled ? `, ${fmtBytes(log.bytes_spilled)} spilled` : ''}; ${e(log.snapshots ?? 0)} snapshot(s))</span>`
+    : 'failover: off <span class="rc-muted">(REMOTECUDA_FAILOVER=off)</span>';
+  const moves = (st.failovers ?? []).map((f: Failover) => `<li data-rc="failover">${e(f.when)}: ${e(f.device)} moved from`
+    + ` ${e(addressKey(f.from))} to ${e(addressKey(f.to))} in ${Number(f.seconds ?? 0).toFixed(2)} s,`
+    + ` ${e(f.ops_replayed ?? 0)} ops replayed${f.cause ? ` <span class="rc-muted">(${e(f.cause)})</span>` : ''}</li>`).join('');
+  return `<div data-rc="failover-state" data-enabled="${log?.enabled ? 'true' : 'false'}">${state}</div>`
+    + (moves ? `<ul class="rc-failovers" data-rc="failovers">${moves}</ul>` : '');
+}
+
+/** The trace link of a traced cell, or the control that turns tracing on (for the next cell). */
+export function renderTrace(c: CellRecord | null, tracing: boolean): string {
+  const hint = '<span class="rc-muted">(opens in <a href="https://ui.perfetto.dev" target="_blank" rel="noopener">ui.perfetto.dev</a>'
+    + ' or chrome://tracing)</span>';
+  if (c?.traced && c.execution_count !== null && !(c.ops ?? 0)) {
+    return '<div data-rc="trace-row" class="rc-muted">traced: no remote op in this cell'
+      + ' <button class="jp-mod-styled" data-rc="trace-off">stop tracing</button></div>';
+  }
+  if (c?.traced && c.execution_count !== null) {
+    return `<div data-rc="trace-row"><a href="#" data-rc="trace-link">trace of cell [${e(c.execution_count)}]</a> ${hint}`
+      + ` <button class="jp-mod-styled" data-rc="trace-off">stop tracing</button></div>`;
+  }
+  if (tracing) {
+    return '<div data-rc="trace-row" class="rc-muted">tracing: the next cell gets a trace link'
+      + ' <button class="jp-mod-styled" data-rc="trace-off">stop tracing</button></div>';
+  }
+  return '<div data-rc="trace-row"><button class="jp-mod-styled" data-rc="trace-on">trace the next cells</button>'
+    + ' <span class="rc-muted">(%remotecuda trace on)</span></div>';
+}
+
+export function renderCell(c: CellRecord | null, tracing = false): string {
   if (!c || c.execution_count === null) {
-    return '<div class="rc-muted" data-rc="cell">No cell accounted yet.</div>';
+    return '<div class="rc-muted" data-rc="cell">No cell accounted yet.</div>' + renderTrace(null, tracing);
   }
   return `<div data-rc="cell" data-ops="${e(c.ops ?? 0)}"><b>Last cell [${e(c.execution_count)}]</b>`
     + ` ${c.status === 'error' ? `<span class="rc-error">${e(c.error ?? 'error')}</span>` : ''}
@@ -117,5 +152,5 @@ export function renderCell(c: CellRecord | null): string {
     <tr><td>up / down</td><td>${fmtBytes(c.bytes_up)} / ${fmtBytes(c.bytes_down)}</td></tr>
     <tr><td>round trips</td><td>${e(c.blocking_round_trips ?? 0)}</td></tr>
     <tr><td>remote wait</td><td>${(c.wait_seconds ?? 0).toFixed(3)} s of ${(c.wall_seconds ?? 0).toFixed(3)} s</td></tr>
-  </table></div>`;
+  </table>${renderTrace(c, tracing)}</div>`;
 }

@@ -2,7 +2,7 @@ import { describe, expect, it, vi } from 'vitest';
 
 import {
   addressKey, compressionSavings, escapeHtml, fmtBytes, fmtPercent, KernelStatus, memoryFraction, sparklinePoints,
-  Throttle, usedGpus
+  Throttle, traceFileName, usedGpus
 } from '../src/model';
 
 function status(devices: KernelStatus['devices']): KernelStatus {
@@ -73,5 +73,10 @@ describe('model', () => {
     expect(fn).toHaveBeenCalledTimes(2);
     t.dispose();
     vi.useRealTimers();
+  });
+
+  it('names a cell\'s trace file after the cell', () => {
+    expect(traceFileName(12)).toBe('cell-12.trace.json');
+    expect(traceFileName(null)).toBe('cell-unnumbered.trace.json');
   });
 });

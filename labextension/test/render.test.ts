@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 
 import { KernelStatus, PoolSnapshot } from '../src/model';
-import { renderCell, renderKernel, renderPool } from '../src/render';
+import { renderCell, renderFailover, renderKernel, renderPool, renderTrace } from '../src/render';
 
 const pool: PoolSnapshot = {
   time: 0, error: null, history_seconds: 300, source: 'multicast 239.255.1.1:5000',
@@ -66,5 +66,43 @@ describe('render', () => {
     expect(html).toContain('data-ops="69"');
     expect(html).toContain('2.0 KiB / 10 B');
     expect(renderCell(null)).toContain('No cell accounted yet');
+  });
+
+  it('links a traced cell to its trace, and offers tracing when it is off', () => {
+    const traced = renderCell({ type: 'cell', execution_count: 12, ops: 3, traced: true }, true);
+    expect(traced).toContain('data-rc="trace-link"');
+    expect(traced).toContain('trace of cell [12]');
+    expect(traced).toContain('ui.perfetto.dev');
+    expect(traced).toContain('data-rc="trace-off"');
+    const untraced = renderCell({ type: 'cell', execution_count: 13, ops: 3, traced: false }, false);
+    expect(untraced).not.toContain('data-rc="trace-link"');
+    expect(untraced).toContain('data-rc="trace-on"');
+    // on, but the last cell ran before: the next one gets the link
+    expect(renderTrace({ type: 'cell', execution_count: 13, traced: false }, true)).toContain('the next cell gets a trace link');
+    expect(renderCell(null, false)).toContain('data-rc="trace-on"');
+    const html = renderKernel({ state: 'remotecuda', kernelName: 'k', status: { ...status, tracing: true },
+      cell: { type: 'cell', execution_count: 2, ops: 5, traced: true }, live: null, error: null });
+    expect(html).toContain('data-rc="trace-link"');
+    expect(renderTrace({ type: 'cell', execution_count: 3, ops: 0, traced: true }, true)).toContain('no remote op');
+  });
+
+  it('shows failover off, on with its replay log, and each device moved', () => {
+    expect(renderFailover(status)).toContain('failover: off');
+    expect(renderFailover(status)).toContain('data-enabled="false"');
+    expect(renderFailover(status)).not.toContain('data-rc="failovers"');
+    const moved = {
+      ...status,
+      replay_log: { enabled: true, ops: 120, bytes: 4096, bytes_spilled: 0, snapshots: 1 },
+      failovers: [{ when: '2026-12-05T18:00:00', device: 'cuda:0', from: '127.0.0.1:5000 GPU 0', to: '127.0.0.1:5001 GPU 1',
+        seconds: 1.234, ops_replayed: 57, cause: 'gateway <gone>' }]
+    };
+    const html = renderFailover(moved);
+    expect(html).toContain('data-enabled="true"');
+    expect(html).toContain('replay log 120 ops, 4.0 KiB; 1 snapshot(s)');
+    expect(html.match(/data-rc="failover"/g)).toHaveLength(1);
+    expect(html).toContain('2026-12-05T18:00:00: cuda:0 moved from 127.0.0.1:5000 GPU 0 to 127.0.0.1:5001 GPU 1 in 1.23 s, 57 ops replayed');
+    expect(html).toContain('gateway &lt;gone&gt;');
+    expect(renderKernel({ state: 'remotecuda', kernelName: 'k', status: moved, cell: null, live: null, error: null }))
+      .toContain('data-rc="failovers"');
   });
 });
