@@ -38,6 +38,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'remotecuda' has no attribute {name!r}")
 
 
+def server_decode(model: Any, input_ids: Any, max_new_tokens: int, **kwargs: Any) -> Any:
+    """Decode ``max_new_tokens`` tokens with one blocking round trip per call (see decode.py)."""
+    from .decode import server_decode as decode
+    return decode(model, input_ids, max_new_tokens, **kwargs)
+
+
 def fetch(tensors: Any) -> list:
     """``[t.cpu() for t in tensors]`` in one round trip per gateway session (see downloads.py)."""
     from .downloads import fetch as fetch_all
@@ -45,7 +51,7 @@ def fetch(tensors: Any) -> list:
 
 
 __all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runtime", "trace", "prefetch", "fetch",
-           "gateway_status", "set_strategy", "checkpoint",
+           "gateway_status", "set_strategy", "checkpoint", "server_decode",
            "RemoteCUDAError", "GatewayUnavailableError", "GatewayAuthError", "GatewayLostError",
            "GatewayProtocolError", "TransferError"]
 

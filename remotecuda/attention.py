@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import runtime
-from .tensor import RemoteTensor
+from .tensor import RemoteTensor, contiguous_strides, layout, wrap
 
 aten = torch.ops.aten
 MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
@@ -58,6 +58,20 @@ def _cuda_flash(q: Any, k: Any, v: Any, p: float, causal: bool, scale: float | N
     return out[..., :e] if out.shape[-1] != e else out
 
 
+def _on_gateway(q: Any, k: Any, v: Any, mask: Any, causal: bool, scale: float | None, gqa: bool) -> Any:
+    """One ``rc::sdpa``: the gateway's own ``scaled_dot_product_attention`` (its backend its
+    device's pick), the output contiguous. A decode's every step has a new key length, so asking
+    for the choice (``rc::sdp_choice``) would be a round trip per token."""
+    s = q._s
+    h = s.new_handle()
+    s.enqueue("rc::sdpa", [q._w, k._w, v._w, None if mask is None else mask._w, causal, scale, gqa], None, [h])
+    return wrap(s, h, _dense((*q.shape[:-1], v.shape[-1]), q.dtype))
+
+
+def _dense(shape: tuple, dtype: torch.dtype) -> tuple:
+    return layout(shape, contiguous_strides(shape), 0, dtype)
+
+
 def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     q, k, v, mask, p, causal, scale, gqa = _bind(*args, **kwargs)
     if not all(isinstance(t, RemoteTensor) for t in (q, k, v)) or \
@@ -69,6 +83,8 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     key = (kind, q._k, k._k, v._k, None if mask is None else mask._k, p > 0, causal, scale, gqa, grad)
     if kind == "cpu" and mask is not None and mask.requires_grad:
         return func(*args, **kwargs)  # CPU's check_attn_mask_shape; the gateway's mask has no grad
+    if rt.decoding and not grad and not p:
+        return _on_gateway(q, k, v, mask, causal, scale, gqa)
     choice = rt.sdpa_choices.get(key)
     if choice is None:  # asked with `grad`: the gateway's tensors never require it, and the choice depends on it
         choice = rt.sdpa_choices[key] = int(q._s.request("rc::sdp_choice", [

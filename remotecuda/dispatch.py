@@ -31,7 +31,7 @@ from remotecuda_wire import layouts
 from remotecuda_wire.protocol import DTYPE_EXT
 
 from . import dispatch_cache as dc
-from . import downloads, transfer
+from . import downloads, known, transfer
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import RemoteCUDAError
 from .generator import wire_ref
@@ -248,9 +248,16 @@ class Dispatcher:
         self.ops: dict[int, OpMeta] = {}
         self.cache = cache
         self.local = ThreadState()
+        #: inside ``known.propagating``: ops on known values are computed here too (known.py)
+        self.propagate = False
 
     # ------------------------------------------------------------------ entry points
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.propagate:
+            return known.run(func, args, kwargs, self._dispatch)
+        return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         m = self.ops.get(id(func)) or self.op_meta(func)
         dev = kwargs.get("device") if kwargs else None
         if self.local.user_meta or (type(dev) is torch.device and dev.type == "cpu" and m.special is None):
@@ -273,6 +280,11 @@ class Dispatcher:
 
     def factory(self, func: Any, args: tuple, kwargs: dict, vdev: int | None) -> Any:
         """An op with no remote tensor argument whose output goes to a 'cuda' device."""
+        if self.propagate and func is not aten._to_copy.default:
+            return known.run(func, args, kwargs, lambda f, a, k: self._factory(f, a, k, vdev))
+        return self._factory(func, args, kwargs, vdev)
+
+    def _factory(self, func: Any, args: tuple, kwargs: dict, vdev: int | None) -> Any:
         m = self.op_meta(func)
         s = self.session_of(vdev)
         if func is aten._to_copy.default:
@@ -479,8 +491,10 @@ class Dispatcher:
                 t = make(s, s.upload(base, non_blocking), base.shape, base.stride(), 0, base.dtype)
                 return t.permute([perm.index(d) for d in range(cpu.dim())])
         contiguous = cpu.contiguous()
-        return make(s, s.upload(contiguous, non_blocking), contiguous.shape, contiguous.stride(), 0,
-                    contiguous.dtype)
+        t = make(s, s.upload(contiguous, non_blocking), contiguous.shape, contiguous.stride(), 0,
+                 contiguous.dtype)
+        known.remember(t, contiguous)
+        return t
 
     def target_vdev(self, dev: Any) -> int | None:
         """Where a CPU tensor goes: an explicit cuda index, the one ``Tensor.to`` asked for, else current."""

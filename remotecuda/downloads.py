@@ -115,20 +115,21 @@ def _safetensors_tensors(tensors: Any, *args: Any, **kwargs: Any) -> Iterable[An
 
 
 class _OnImport(MetaPathFinder):
-    """Patches safetensors.torch when it is imported (importing it here would slow every start).
-    Deactivation turns ``active`` off (through the patches); the finder then removes itself."""
+    """Patches a module when it is imported (importing it here would slow every start): calls
+    ``patch(patches, module)`` once ``name`` has run. Deactivation turns ``active`` off (through
+    the patches); the finder then removes itself."""
 
     active = False
 
-    def __init__(self, patches: Any):
-        self.patches = patches
+    def __init__(self, patches: Any, name: str, patch: Callable[[Any, Any], None]):
+        self.patches, self.name, self.patch = patches, name, patch
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if not self.active:
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
             return None
-        if name != "safetensors.torch":
+        if name != self.name:
             return None
         spec = PathFinder.find_spec(name, path)
         loader = None if spec is None else spec.loader
@@ -139,9 +140,19 @@ class _OnImport(MetaPathFinder):
         def exec_and_patch(module: Any) -> None:
             exec_module(module)
             if self.active:
-                _patch_safetensors(self.patches, module)
+                self.patch(self.patches, module)
         setattr(loader, "exec_module", exec_and_patch)  # (this spec's own loader)  # noqa: B010
         return spec
+
+
+def on_import(patches: Any, name: str, patch: Callable[[Any, Any], None]) -> None:
+    """``patch(patches, module)`` for module ``name``: now if it is imported, else when it is."""
+    if name in sys.modules:
+        patch(patches, sys.modules[name])
+    else:
+        finder = _OnImport(patches, name, patch)
+        patches.set(finder, "active", True)
+        sys.meta_path.insert(0, finder)
 
 
 def _patch_safetensors(patches: Any, module: Any) -> None:
@@ -153,9 +164,4 @@ def install(patches: Any) -> None:
     """Batch the reads of Module.cpu()/.to('cpu') and of safetensors while remotecuda is active."""
     patches.set(torch.nn.Module, "cpu", prefetched(torch.nn.Module.cpu, module_tensors))
     patches.set(torch.nn.Module, "to", prefetched(torch.nn.Module.to, _module_to_cpu))
-    if "safetensors.torch" in sys.modules:
-        _patch_safetensors(patches, sys.modules["safetensors.torch"])
-    else:
-        finder = _OnImport(patches)
-        patches.set(finder, "active", True)
-        sys.meta_path.insert(0, finder)
+    on_import(patches, "safetensors.torch", _patch_safetensors)

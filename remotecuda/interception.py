@@ -39,6 +39,7 @@ from . import (
     cuda_api,
     cuda_graphs,
     data_parallel,
+    decode,
     downloads,
     flags,
     rnn,
@@ -656,6 +657,7 @@ def install(rt: Runtime) -> Interception:
     data_parallel.install(p)
     serialization.install(p)
     downloads.install(p)
+    decode.install(p)
     foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)
                if RemoteTensor not in lst]
     for lst in foreach:

@@ -69,6 +69,8 @@ class Runtime:
         self.default_streams: dict[int, Any] = {}
         #: the CUDA graph being captured (cuda_graphs.py), or None
         self.capturing: Any = None
+        #: inside a decode (decode.py): attention runs as the gateway's own SDPA, with no choice asked
+        self.decoding = False
         #: (device kind, input layouts and options) → the attention backend the gateway picked
         self.sdpa_choices: dict[tuple, int] = {}
         self.codecs = protocol.enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))

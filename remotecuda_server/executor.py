@@ -730,6 +730,15 @@ class Executor:
         tensors: list[Any] = [None if h is None else self._arg(Handle(h)).detach() for h in args[:4]]
         return _sdp_choice(*tensors, *args[4:])
 
+    @internal_op("sdpa", "[q, k, v, mask or nil, is_causal, scale, enable_gqa]", stores=True)
+    def _sdpa(self, args: list) -> torch.Tensor:
+        """Attention as the device's own ``scaled_dot_product_attention`` picks it, without dropout
+        or autograd (a decode's step): the output contiguous."""
+        q, k, v, mask = (None if a is None else self._arg(a) for a in args[:4])
+        causal, scale, gqa = args[4:]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa).contiguous()
+
     @internal_op("set_flags", "[{flag: value}]")
     def _set_flags(self, args: list) -> None:
         """Backend flags such as allow_tf32."""

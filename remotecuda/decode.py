@@ -1,0 +1,206 @@
+"""Decoding at gateway speed: ``generate()`` and ``server_decode`` in one blocking round trip.
+
+A decode loop streams its ops like any other code; what makes it wait on the network is the
+values it reads. Hugging Face's ``generate()`` reads several before the first token (is the pad
+token an EOS token, is the mask all ones, is there right padding), one per token to build the
+attention mask (``fast_all(padding_mask)``), one per token for the SDPA backend of each new key
+length, and one per token to decide whether to stop (``unfinished_sequences.max() == 0``).
+While remotecuda is active, ``GenerationMixin.generate`` of a decoder-only model decoding
+greedily or by sampling (one beam, no assistant, no streamer) runs in ``decoding``, where:
+
+* the reads on its inputs are answered by the client (known.py: the ids and the mask it
+  uploaded, and what follows from them);
+* attention is one ``rc::sdpa`` op, the gateway's own backend choice, with nothing asked;
+* the stop check is ``transformers``' own deferral hook (``DeferredStopCheck``, which it uses
+  on MPS): the loop runs to ``max_length`` without reading anything, the gateway counts the
+  steps during which some row was unfinished, and one read at the end tells how many steps
+  eager decoding would not have taken; those are undone (the tokens trimmed) as HF does.
+
+So the tokens are eager's, and one call costs one blocking round trip. The price: after every
+row has met EOS, the gateway goes on decoding (discarded) tokens up to ``max_new_tokens``, and
+a sampling run then draws more numbers from the device's generator than eager's would.
+Anything else (beam search, an assistant, a streamer, a returned or user-given cache,
+encoder-decoders) takes the plain path, as before.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from . import downloads, runtime
+
+#: the module whose ``GenerationMixin`` and stop checks are patched
+GENERATION = "transformers.generation.utils"
+
+
+@contextmanager
+def decoding(rt: Any) -> Iterator[None]:
+    """Value reads on known inputs answered locally, attention without a backend question."""
+    before = rt.decoding, rt.dispatcher.propagate
+    rt.decoding = rt.dispatcher.propagate = True
+    try:
+        yield
+    finally:
+        rt.decoding, rt.dispatcher.propagate = before
+
+
+def install(patches: Any) -> None:
+    """Route ``generate()`` of Hugging Face causal LMs here while active (when transformers is
+    imported, now or later)."""
+    downloads.on_import(patches, GENERATION, _patch)
+
+
+def _patch(patches: Any, module: Any) -> None:
+    mixin = getattr(module, "GenerationMixin", None)
+    deferred = getattr(module, "DeferredStopCheck", None)
+    if mixin is None or deferred is None or not hasattr(module, "StopCheck"):
+        return  # (a transformers without the stop-check hook: generate stays as it is)
+    patches.set(mixin, "generate", _generate(mixin.generate))
+    patches.set(module, "DeferredStopCheck", _stop_check(module.StopCheck, deferred))
+
+
+def _generate(original: Any) -> Any:
+    @functools.wraps(original)
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rt = runtime.active()
+        if rt is None or rt.decoding or not _supported(self, kwargs):
+            return original(self, *args, **kwargs)
+        with decoding(rt):
+            return original(self, *args, **kwargs)
+    return generate
+
+
+def _supported(model: Any, kwargs: dict) -> bool:
+    """Whether a ``generate`` call is one decoded here: a decoder-only model on a remote device,
+    greedy or sampling (one beam, no assistant), nothing that needs every token on the client."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    try:
+        if model.device.type != "cuda":
+            return False
+    except (AttributeError, StopIteration):
+        return False
+    if any(kwargs.get(k) is not None for k in ("streamer", "assistant_model", "prompt_lookup_num_tokens",
+                                                "past_key_values", "logits_processor", "stopping_criteria")):
+        return False
+    configs = [c for c in (kwargs.get("generation_config"), getattr(model, "generation_config", None)) if c]
+    beams = kwargs.get("num_beams", getattr(configs[0], "num_beams", 1) if configs else 1)
+    return beams in (None, 1) and not kwargs.get("return_dict_in_generate")
+
+
+def _stop_check(base: type, deferred: type) -> type:
+    """transformers' ``DeferredStopCheck`` while active: on a remote device in ``decoding``, a
+    check that never reads (``RemoteStopCheck``); elsewhere transformers' own."""
+
+    class RemoteStopCheck(base):  # type: ignore[valid-type, misc]
+        """Reads nothing per step: the gateway counts the steps during which a row was still
+        unfinished; the loop runs to ``max_length``, and ``finish`` reads the count once."""
+
+        @staticmethod
+        def is_supported(device: torch.device, cache: Any, cache_is_returned: bool, is_assistant: bool) -> bool:
+            rt = runtime.active()
+            if rt is not None and rt.decoding and device.type == "cuda":
+                return not is_assistant and not cache_is_returned
+            return deferred.is_supported(device, cache, cache_is_returned, is_assistant)
+
+        def __new__(cls, input_ids: torch.Tensor, max_length: int | None, cache: Any, cache_is_returned: bool,
+                    streamer: Any = None) -> Any:
+            rt = runtime.active()
+            if rt is None or not rt.decoding or input_ids.device.type != "cuda":
+                return deferred(input_ids, max_length, cache, cache_is_returned, streamer)
+            if streamer is not None or max_length is None:
+                return base(streamer)  # (every token needed on the client, or no bound to run to)
+            return super().__new__(cls)
+
+        def __init__(self, input_ids: torch.Tensor, max_length: int, cache: Any, cache_is_returned: bool,
+                     streamer: Any = None) -> None:
+            super().__init__(None)
+            self.max_length = max_length
+            self.steps = 0
+            self.live = torch.zeros((), dtype=torch.long, device=input_ids.device)
+
+        def __call__(self, unfinished_sequences: torch.Tensor, tokens: torch.Tensor, length: int) -> bool:
+            self.steps += 1
+            self.live = self.live + (unfinished_sequences.max() != 0)
+            return length >= self.max_length
+
+        def finish(self) -> int:
+            # eager stops after the first step that leaves no row unfinished: step live + 1
+            return self.steps - min(int(self.live) + 1, self.steps)
+
+    return RemoteStopCheck
+
+
+def server_decode(model: Any, input_ids: torch.Tensor, max_new_tokens: int, *,
+                  attention_mask: torch.Tensor | None = None, do_sample: bool = False, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                  pad_token_id: int | None = None) -> torch.Tensor:
+    """Decode ``max_new_tokens`` tokens after ``input_ids`` with one blocking round trip.
+
+    A Hugging Face model goes to its ``generate()`` (above). Any other ``model(ids)`` that returns
+    logits (or an output with ``.logits``) of shape (batch, length, vocab) is run by the same
+    loop here, with no cache (the whole sequence each step): greedy, or sampling with
+    ``temperature``, ``top_k`` and ``top_p`` as transformers' processors do; rows that met
+    ``eos_token_id`` continue with ``pad_token_id``; the result is trimmed where every row had
+    finished. Runs unchanged, as the reference, on local tensors.
+    """
+    if hasattr(model, "generate") and hasattr(model, "generation_config"):
+        kw: dict = {"do_sample": do_sample}
+        if do_sample:
+            kw.update(temperature=temperature, top_k=top_k, top_p=top_p)
+        if eos_token_id is not None:
+            kw["eos_token_id"] = eos_token_id
+        if pad_token_id is not None:
+            kw["pad_token_id"] = pad_token_id
+        return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **kw)
+    rt = runtime.active()
+    if rt is None or input_ids.device.type != "cuda":
+        return _loop(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id)
+    with decoding(rt):
+        return _loop(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id)
+
+
+def _loop(model: Any, ids: torch.Tensor, n: int, do_sample: bool, temperature: float, top_k: int | None,
+          top_p: float | None, eos: int | list[int] | None, pad: int | None) -> torch.Tensor:
+    start = ids.shape[1]
+    eos_t = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=ids.device)
+    unfinished = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
+    live = torch.zeros((), dtype=torch.long, device=ids.device)
+    with torch.no_grad():
+        for _ in range(n):
+            out = model(ids)
+            scores = getattr(out, "logits", out)[:, -1].float()
+            if do_sample:
+                tokens = torch.multinomial(torch.softmax(_filtered(scores, temperature, top_k, top_p), dim=-1),
+                                           num_samples=1).squeeze(1)
+            else:
+                tokens = torch.argmax(scores, dim=-1)
+            if eos_t is not None:
+                tokens = tokens * unfinished + (pad if pad is not None else 0) * (1 - unfinished)
+                unfinished = unfinished & ~torch.isin(tokens, eos_t)
+                live = live + (unfinished.max() != 0)
+            ids = torch.cat([ids, tokens[:, None]], dim=-1)
+    if eos_t is None or n == 0:
+        return ids
+    return ids[:, :start + min(int(live) + 1, n)]
+
+
+def _filtered(scores: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Scores as transformers' temperature, top-k and top-p processors leave them."""
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k is not None and top_k > 0:
+        k = min(top_k, scores.shape[-1])
+        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[..., -1:] = 0
+        scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
+    return scores
