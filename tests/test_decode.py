@@ -1,0 +1,144 @@
+"""Decoding at gateway speed (remotecuda/decode.py): ``generate()`` of Hugging Face causal LMs
+and ``remotecuda.server_decode`` give the local CPU's tokens with one blocking round trip per
+call — greedy and sampled, a left-padded batch, EOS stopping early — and what decode.py does not
+take (beam search) still works as before."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+T = pytest.importorskip("transformers")
+
+import remotecuda  # noqa: E402
+
+IDS = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(3))
+MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # the first row left-padded
+SMALL = dict(vocab_size=64, max_position_embeddings=128)
+
+
+def _gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                          bos_token_id=1, eos_token_id=2)).eval()
+
+
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(T.LlamaConfig(**SMALL, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama}
+
+
+def _round_trips() -> float:
+    return remotecuda.stats()["blocking_round_trips"]
+
+
+def _both(model: torch.nn.Module, call, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``call(model, ids, mask)`` locally and on the gateway under one seed: (local, remote, the
+    remote call's blocking round trips)."""
+    torch.manual_seed(seed)
+    local = call(model, IDS, MASK)
+    remote_model = copy.deepcopy(model).cuda()
+    ids, mask = IDS.cuda(), MASK.cuda()
+    torch.manual_seed(seed)
+    before = _round_trips()
+    out = call(remote_model, ids, mask)
+    trips = _round_trips() - before
+    return local, out.cpu(), trips
+
+
+@pytest.mark.parametrize("arch", MODELS)
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_generate_gives_eager_tokens_in_one_round_trip(remote, arch, sample):
+    kw = dict(do_sample=True, top_k=20, top_p=0.9, temperature=0.8) if sample else dict(do_sample=False)
+    local, out, trips = _both(MODELS[arch](), lambda m, x, a: m.generate(
+        x, attention_mask=a, max_new_tokens=64, pad_token_id=0, **kw))
+    assert out.shape == (2, 6 + 64)
+    assert torch.equal(out, local)
+    assert trips == 1
+
+
+def test_eos_stops_as_eager(remote):
+    """A row that met EOS is padded, and the output ends where every row had finished, as eager's
+    does (the gateway decoded further; those steps are undone)."""
+    model = _gpt2()
+    torch.manual_seed(0)
+    greedy = model.generate(IDS, attention_mask=MASK, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    # EOS: the tokens greedy decoding picks at steps 3 and 5, so both rows finish early
+    eos = [int(greedy[0, 6 + 2]), int(greedy[1, 6 + 4])]
+    local, out, trips = _both(model, lambda m, x, a: m.generate(
+        x, attention_mask=a, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos))
+    assert local.shape[1] < 6 + 12
+    assert torch.equal(out, local)
+    assert trips == 1
+
+
+class _Bigram(torch.nn.Module):
+    """A model with no Hugging Face in it: logits from the last ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 16)
+        self.out = torch.nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.emb(ids).cumsum(1)))
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_server_decode_plain_model(remote, sample):
+    from remotecuda.decode import server_decode as local_decode  # the same loop, on local tensors
+    kw = dict(do_sample=sample, top_k=8, top_p=0.9, temperature=0.7, eos_token_id=[5, 7], pad_token_id=0)
+    ids = IDS % 32
+    model = _Bigram()
+    torch.manual_seed(11)
+    local = local_decode(model, ids, 20, **kw)
+    model.cuda()
+    x = ids.cuda()
+    torch.manual_seed(11)
+    before = _round_trips()
+    out = remotecuda.server_decode(model, x, 20, **kw)
+    assert _round_trips() - before == 1
+    assert torch.equal(out.cpu(), local)
+
+
+def test_server_decode_hf_model_goes_to_generate(remote):
+    local, out, trips = _both(_llama(), lambda m, x, a: remotecuda.server_decode(
+        m, x, 16, attention_mask=a, pad_token_id=0))
+    assert torch.equal(out, local)
+    assert trips == 1
+
+
+def test_beam_search_takes_the_plain_path(remote):
+    """Beam search is not decoded here: it reads values as before, and gives eager's tokens."""
+    local, out, trips = _both(_gpt2(), lambda m, x, a: m.generate(
+        x, attention_mask=a, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0))
+    assert torch.equal(out, local)
+    assert trips > 1
+
+
+def test_known_values_follow_writes(remote):
+    """A value read answered by the client (known.py) sees an in-place write, even through a view."""
+    from remotecuda import known
+    x = torch.tensor([1, 2, 3]).cuda()
+    rt = remotecuda.runtime.current()
+    assert known.value(x) is not None
+    x[1:].fill_(0)  # a write through a view: x's copy is stale now
+    assert known.value(x) is None
+    rt.dispatcher.propagate = True
+    try:
+        before = _round_trips()
+        y = torch.tensor([4, 5]).cuda()
+        assert bool((y == 5).any()) and int(y.sum()) == 9
+        assert _round_trips() == before
+        assert int(x.sum()) == 1  # (read from the gateway)
+        assert _round_trips() == before + 1
+    finally:
+        rt.dispatcher.propagate = False
