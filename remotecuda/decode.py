@@ -98,8 +98,7 @@ def _stop_check(base: type, deferred: type) -> type:
     check that never reads (``RemoteStopCheck``); elsewhere transformers' own."""
 
     class RemoteStopCheck(base):  # type: ignore[valid-type, misc]
-        """Reads nothing per step: the gateway counts the steps during which a row was still
-        unfinished; the loop runs to ``max_length``, and ``finish`` reads the count once."""
+        """Waits for nothing per step (``Progress``); the steps taken after eager's last are undone."""
 
         @staticmethod
         def is_supported(device: torch.device, cache: Any, cache_is_returned: bool, is_assistant: bool) -> bool:
@@ -121,19 +120,60 @@ def _stop_check(base: type, deferred: type) -> type:
                      streamer: Any = None) -> None:
             super().__init__(None)
             self.max_length = max_length
-            self.steps = 0
-            self.live = torch.zeros((), dtype=torch.long, device=input_ids.device)
+            self.progress = Progress(input_ids.device)
 
         def __call__(self, unfinished_sequences: torch.Tensor, tokens: torch.Tensor, length: int) -> bool:
-            self.steps += 1
-            self.live = self.live + (unfinished_sequences.max() != 0)
-            return length >= self.max_length
+            return self.progress.step(unfinished_sequences) or length >= self.max_length
 
         def finish(self) -> int:
-            # eager stops after the first step that leaves no row unfinished: step live + 1
-            return self.steps - min(int(self.live) + 1, self.steps)
+            return self.progress.steps - self.progress.taken()
 
     return RemoteStopCheck
+
+
+class Progress:
+    """Where eager decoding would have stopped, learnt without waiting for it.
+
+    The gateway counts the steps after which some row was still unfinished (``live``); the
+    count is asked for with ``Session.request_later`` — one question in flight at a time,
+    collected at a later step if its answer has come. A count below the steps asked about
+    means every row had finished: the loop stops (a few steps late, which are undone). At the
+    end, the one blocking read of a call is this count, unless an answer already gave it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.steps = 0
+        self.live = torch.zeros((), dtype=torch.long, device=device)
+        self.asked: tuple[int, int] | None = None  # (request id, the steps it asks about)
+        self.known: int | None = None  # live, once an answer showed that every row had finished
+
+    def step(self, unfinished: torch.Tensor) -> bool:
+        """Count one step (``unfinished``: the rows still going after it); whether eager has stopped."""
+        self.steps += 1
+        self.live = self.live + (unfinished.max() != 0)
+        if self.live.device.type != "cuda":
+            return False
+        s = self.live._s
+        if self.asked is not None:
+            came, value = s.answer(self.asked[0])
+            if not came:
+                return False
+            asked_steps, self.asked = self.asked[1], None
+            if value is not None and value < asked_steps:
+                self.known = int(value)
+                return True
+        rid = s.request_later("aten::_local_scalar_dense.default", [self.live._w])
+        self.asked = None if rid is None else (rid, self.steps)
+        return False
+
+    def taken(self) -> int:
+        """How many of the steps eager decoding takes: through the first after which no row was
+        unfinished (all of them if there was none)."""
+        if self.asked is not None:
+            self.live._s.forget(self.asked[0])
+            self.asked = None
+        live = self.known if self.known is not None else int(self.live)
+        return min(live + 1, self.steps)
 
 
 def server_decode(model: Any, input_ids: torch.Tensor, max_new_tokens: int, *,
@@ -170,7 +210,7 @@ def _loop(model: Any, ids: torch.Tensor, n: int, do_sample: bool, temperature: f
     start = ids.shape[1]
     eos_t = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=ids.device)
     unfinished = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
-    live = torch.zeros((), dtype=torch.long, device=ids.device)
+    progress = Progress(ids.device)
     with torch.no_grad():
         for _ in range(n):
             out = model(ids)
@@ -183,11 +223,12 @@ def _loop(model: Any, ids: torch.Tensor, n: int, do_sample: bool, temperature: f
             if eos_t is not None:
                 tokens = tokens * unfinished + (pad if pad is not None else 0) * (1 - unfinished)
                 unfinished = unfinished & ~torch.isin(tokens, eos_t)
-                live = live + (unfinished.max() != 0)
             ids = torch.cat([ids, tokens[:, None]], dim=-1)
+            if eos_t is not None and progress.step(unfinished):
+                break
     if eos_t is None or n == 0:
         return ids
-    return ids[:, :start + min(int(live) + 1, n)]
+    return ids[:, :start + progress.taken()]
 
 
 def _filtered(scores: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:

@@ -61,13 +61,24 @@ def _local(a: Any) -> Any:
     return a
 
 
+def _remote(args: tuple, kwargs: dict) -> list | None:
+    """The op's remote tensor arguments, or None as soon as one is not known (most ops: a
+    model's activations), cheaply: this runs for every op inside a decode."""
+    remote = []
+    for a in (*args, *kwargs.values()):
+        for t in (a if type(a) in (list, tuple) else (a,)):
+            if isinstance(t, RemoteTensor):
+                if "_known" not in t.__dict__:
+                    return None
+                remote.append(t)
+    return remote
+
+
 def run(func: Any, args: tuple, kwargs: dict, inner: Any) -> Any:
     """``inner(func, args, kwargs)`` (the dispatcher's path), with the result's values known
     when all of the op's remote arguments are; a value read of known tensors answered here."""
-    flat, _ = tree_flatten((args, kwargs))
-    remote = [a for a in flat if isinstance(a, RemoteTensor)]
-    if any(a.__dict__.get("_known") is None for a in remote) or \
-            torch.Tag.nondeterministic_seeded in func.tags or func._schema.is_mutable:
+    remote = _remote(args, kwargs)
+    if remote is None or torch.Tag.nondeterministic_seeded in func.tags or func._schema.is_mutable:
         return inner(func, args, kwargs)
     local_args, local_kwargs = tree_map(_local, (args, kwargs))
     if any(value(a) is None for a in remote):

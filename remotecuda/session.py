@@ -113,6 +113,8 @@ class Session:
         self._seq = 0  # the last sequence number sent
         self._parts_sent = 0  # PART messages so far: an upload's op names how many precede it
         self._rid = 0
+        #: request id → its reply's body, once come (None until then): the ``request_later`` ones
+        self._later: dict[int, dict | None] = {}
         self._op_index = 0
         self._last_send = time.monotonic()
         self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # counts, and wait_seconds (counters())
@@ -608,6 +610,58 @@ class Session:
                     self.trace.transfer(self, "download", nbytes, None, t_wait)
             return res
 
+    def request_later(self, name: str, args: list) -> int | None:
+        """Queue a request whose answer (a Python value: ``_local_scalar_dense`` and the like) is
+        collected later with ``answer``, without waiting: a read the program can do without, if
+        it comes in time (decode.py's early stop). Its id; None on a session not placed yet."""
+        with self.lock:
+            if self.closed or not self.connected:
+                return None
+            self._ops.append([name, args, None, {"base": None}])
+            self._rid += 1
+            rid = self._rid
+            self._later[rid] = None
+            self.flush(req=rid)
+            return rid
+
+    def answer(self, rid: int) -> tuple[bool, Any]:
+        """(True, the value) if request ``rid``'s reply has come (it is then forgotten), else
+        (False, None); never waits. A reply carrying an error counts as no answer: the error
+        comes back with the next blocking request, as any asynchronous error does."""
+        with self.lock:
+            if self._later.get(rid) is None and not self.closed:
+                self._drain()
+            body = self._later.get(rid)
+            if body is None:
+                return False, None
+            del self._later[rid]
+            return (False, None) if body.get("err") else (True, body.get("res"))
+
+    def forget(self, rid: int) -> None:
+        """Stop waiting for request ``rid``'s reply (``request_later``)."""
+        with self.lock:
+            self._later.pop(rid, None)
+
+    def _drain(self) -> None:
+        """Take the messages that have come, without waiting: replies to ``request_later``."""
+        for sock in dict(self._poller.poll(0)):
+            while True:
+                try:
+                    frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._stats["bytes_down"] += sum(len(f) for f in frames)
+                try:
+                    self._opener(frames, sock)
+                    msg = protocol.decode(frames)
+                except ProtocolError as e:
+                    raise GatewayProtocolError(f"gateway {self.endpoint} sent a message this client "
+                                               f"refuses: {e}") from None
+                if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
+                    self._later[msg.body["rid"]] = msg.body
+                elif msg.type == protocol.ERROR:
+                    self._raise_error(msg.body)
+
     def fetch_many(self, handles: list[int]) -> list[torch.Tensor]:
         """CPU copies of several gateway tensors (contiguous), in one round trip."""
         return self.request("rc::fetch_many", list(handles))
@@ -646,6 +700,8 @@ class Session:
                                                    f"refuses: {e}") from None
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
                         return msg, downloads
+                    if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
+                        self._later[msg.body["rid"]] = msg.body
                     if msg.type == protocol.PART and msg.body.get("rid") == rid:
                         download = downloads.setdefault(msg.body.get("i", 0), Download(self.offered))
                         download.add(msg)

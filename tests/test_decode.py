@@ -66,7 +66,8 @@ def test_generate_gives_eager_tokens_in_one_round_trip(remote, arch, sample):
 
 def test_eos_stops_as_eager(remote):
     """A row that met EOS is padded, and the output ends where every row had finished, as eager's
-    does (the gateway decoded further; those steps are undone)."""
+    does (the client learns it without waiting, a few steps late: those steps are undone). At most
+    one blocking round trip: none when the gateway's answer came during the loop."""
     model = _gpt2()
     torch.manual_seed(0)
     greedy = model.generate(IDS, attention_mask=MASK, max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -76,7 +77,7 @@ def test_eos_stops_as_eager(remote):
         x, attention_mask=a, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=eos))
     assert local.shape[1] < 6 + 12
     assert torch.equal(out, local)
-    assert trips == 1
+    assert trips <= 1
 
 
 class _Bigram(torch.nn.Module):
@@ -105,7 +106,7 @@ def test_server_decode_plain_model(remote, sample):
     torch.manual_seed(11)
     before = _round_trips()
     out = remotecuda.server_decode(model, x, 20, **kw)
-    assert _round_trips() - before == 1
+    assert _round_trips() - before <= 1
     assert torch.equal(out.cpu(), local)
 
 
