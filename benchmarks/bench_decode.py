@@ -58,7 +58,7 @@ def run(quick: bool) -> dict:
         remote = {name: copy.deepcopy(m).cuda() for name, m in models.items()}
         x, a = ids.cuda(), mask.cuda()
         samples: dict = {(name, d): [] for name in remote for d in DELAYS}
-        for name, m in remote.items():  # warm up: every shape's metadata cached
+        for m in remote.values():  # warm up: every shape's metadata cached
             m.generate(x, attention_mask=a, max_new_tokens=NEW, do_sample=False, pad_token_id=0).cpu()
         for _ in range(rounds):
             for d in DELAYS:

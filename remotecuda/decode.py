@@ -12,19 +12,19 @@ greedily or by sampling (one beam, no assistant, no streamer) runs in ``decoding
   uploaded, and what follows from them);
 * attention is one ``rc::sdpa`` op, the gateway's own backend choice, with nothing asked;
 * the stop check is ``transformers``' own deferral hook (``DeferredStopCheck``, which it uses
-  on MPS): the loop runs to ``max_length`` without reading anything, the gateway counts the
-  steps during which some row was unfinished, and one read at the end tells how many steps
-  eager decoding would not have taken; those are undone (the tokens trimmed) as HF does.
+  on MPS): the loop waits for nothing (``Progress``), and the steps taken after the one where
+  eager decoding stopped are undone (the tokens trimmed) as transformers does.
 
-So the tokens are eager's, and one call costs one blocking round trip. The price: after every
-row has met EOS, the gateway goes on decoding (discarded) tokens up to ``max_new_tokens``, and
-a sampling run then draws more numbers from the device's generator than eager's would.
+So the tokens are eager's, and one call costs at most one blocking round trip. When every row
+has met EOS early, the client learns it a few steps late, without waiting (``Progress``): the
+gateway decodes those steps, which are undone, its generator included.
 Anything else (beam search, an assistant, a streamer, a returned or user-given cache,
 encoder-decoders) takes the plain path, as before.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,6 +35,7 @@ from . import downloads, runtime
 
 #: the module whose ``GenerationMixin`` and stop checks are patched
 GENERATION = "transformers.generation.utils"
+_ids = itertools.count(1)  # Progress ids (the gateway's generator marks), never reused
 
 
 @contextmanager
@@ -138,12 +139,16 @@ class Progress:
     count is asked for with ``Session.request_later`` — one question in flight at a time,
     collected at a later step if its answer has come. A count below the steps asked about
     means every row had finished: the loop stops (a few steps late, which are undone). At the
-    end, the one blocking read of a call is this count, unless an answer already gave it.
+    end, the one blocking read of a call is this count, unless an answer already gave it. The
+    gateway keeps its default generator's state after each step (``rc::rng_mark``) and is put
+    back to eager's last (``rc::rng_rewind``): the undone steps' draws leave no trace, so what a
+    program samples after the call is what it samples after eager's.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.steps = 0
         self.live = torch.zeros((), dtype=torch.long, device=device)
+        self.id = next(_ids)
         self.asked: tuple[int, int] | None = None  # (request id, the steps it asks about)
         self.known: int | None = None  # live, once an answer showed that every row had finished
 
@@ -154,6 +159,7 @@ class Progress:
         if self.live.device.type != "cuda":
             return False
         s = self.live._s
+        s.enqueue("rc::rng_mark", [self.id, self.steps], None, None)
         if self.asked is not None:
             came, value = s.answer(self.asked[0])
             if not came:
@@ -173,7 +179,10 @@ class Progress:
             self.live._s.forget(self.asked[0])
             self.asked = None
         live = self.known if self.known is not None else int(self.live)
-        return min(live + 1, self.steps)
+        taken = min(live + 1, self.steps)
+        if self.live.device.type == "cuda" and self.steps:
+            self.live._s.enqueue("rc::rng_rewind", [self.id, taken if taken < self.steps else None], None, None)
+        return taken
 
 
 def server_decode(model: Any, input_ids: torch.Tensor, max_new_tokens: int, *,

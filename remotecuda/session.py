@@ -613,9 +613,10 @@ class Session:
     def request_later(self, name: str, args: list) -> int | None:
         """Queue a request whose answer (a Python value: ``_local_scalar_dense`` and the like) is
         collected later with ``answer``, without waiting: a read the program can do without, if
-        it comes in time (decode.py's early stop). Its id; None on a session not placed yet."""
+        it comes in time (decode.py's early stop). Its id; None on a session not placed yet, or
+        while a trace records (its replies carry the gateway's spans, which ``request`` collects)."""
         with self.lock:
-            if self.closed or not self.connected:
+            if self.closed or not self.connected or self.trace is not None:
                 return None
             self._ops.append([name, args, None, {"base": None}])
             self._rid += 1
@@ -626,8 +627,8 @@ class Session:
 
     def answer(self, rid: int) -> tuple[bool, Any]:
         """(True, the value) if request ``rid``'s reply has come (it is then forgotten), else
-        (False, None); never waits. A reply carrying an error counts as no answer: the error
-        comes back with the next blocking request, as any asynchronous error does."""
+        (False, None); never waits. A reply carrying an error answers None: the error comes back
+        with the next blocking request, as any asynchronous error does."""
         with self.lock:
             if self._later.get(rid) is None and not self.closed:
                 self._drain()
@@ -635,7 +636,7 @@ class Session:
             if body is None:
                 return False, None
             del self._later[rid]
-            return (False, None) if body.get("err") else (True, body.get("res"))
+            return True, None if body.get("err") else body.get("res")
 
     def forget(self, rid: int) -> None:
         """Stop waiting for request ``rid``'s reply (``request_later``)."""

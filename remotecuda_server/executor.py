@@ -285,6 +285,8 @@ class Executor:
         self.quota = SessionQuota(quota, account) if quota is not None else None
         self.cache = upload_cache
         self.parts = PartedUploads(device, copy_stream)
+        #: decode id → step → the default generator's state after that step (rc::rng_mark)
+        self.rng_marks: dict[int, dict[int, torch.Tensor]] = {}
         self.offers = peer.Offers()  # tensors other workers pull from this session (rc::offer)
         self.receipts = peer.Receipts(lambda n: Assembly(n, device), copy_stream)  # ... and ours (rc::receive)
         self.offered: Callable[[], None] = lambda: None  # wakes the worker's I/O thread to serve PULLs
@@ -674,8 +676,7 @@ class Executor:
     @internal_op("rng_get", "[]")
     def _rng_get(self, args: list) -> bytes:
         """The default generator's state, as bytes."""
-        cuda = self.device.type == "cuda"
-        return (torch.cuda.get_rng_state(self.device) if cuda else torch.get_rng_state()).numpy().tobytes()
+        return self._rng_state().numpy().tobytes()
 
     @internal_op("rng_set", "[state bytes]")
     def _rng_set(self, args: list) -> None:
@@ -725,6 +726,26 @@ class Executor:
             g = self.generators[gid] = torch.Generator(device=self.device)
         g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
+    def _rng_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    @internal_op("rng_mark", "[decode id, step]")
+    def _rng_mark(self, args: list) -> None:
+        """Keep the default generator's state as it is after a decode's step."""
+        self.rng_marks.setdefault(args[0], {})[args[1]] = self._rng_state()
+
+    @internal_op("rng_rewind", "[decode id, step or nil]")
+    def _rng_rewind(self, args: list) -> None:
+        """Put the default generator back as it was after that step (the steps after it are
+        undone: their draws never happened); nil: none to undo. The decode's marks are dropped."""
+        marks = self.rng_marks.pop(args[0], {})
+        if args[1] is not None:
+            state = marks[args[1]]
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(state, self.device)
+            else:
+                torch.set_rng_state(state)
+
     @internal_op("sdp_choice", "[q, k, v, mask or nil, dropout_p, is_causal, scale, enable_gqa, grad]")
     def _sdp_choice(self, args: list) -> int:
         tensors: list[Any] = [None if h is None else self._arg(Handle(h)).detach() for h in args[:4]]
@@ -734,7 +755,8 @@ class Executor:
     def _sdpa(self, args: list) -> torch.Tensor:
         """Attention as the device's own ``scaled_dot_product_attention`` picks it, without dropout
         or autograd (a decode's step): the output contiguous."""
-        q, k, v, mask = (None if a is None else self._arg(a) for a in args[:4])
+        q, k, v = (self._arg(a) for a in args[:3])
+        mask = None if args[3] is None else self._arg(args[3])
         causal, scale, gqa = args[4:]
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa).contiguous()

@@ -143,3 +143,19 @@ def test_known_values_follow_writes(remote):
         assert _round_trips() == before + 1
     finally:
         rt.dispatcher.propagate = False
+
+
+def test_sampling_after_an_early_stop_draws_as_eager(remote):
+    """The steps decoded past eager's stop are undone on the gateway's generator too: what the
+    program samples after the call is what it samples after eager's."""
+    model = _gpt2()
+    torch.manual_seed(5)
+    sampled = model.generate(IDS, attention_mask=MASK, max_new_tokens=12, do_sample=True, pad_token_id=0)
+    eos = [int(sampled[0, 6 + 1]), int(sampled[1, 6 + 2])]
+
+    def call(m, x, a):
+        out = m.generate(x, attention_mask=a, max_new_tokens=40, do_sample=True, pad_token_id=0, eos_token_id=eos)
+        after = torch.randint(0, 1 << 30, (4,), device=x.device)
+        return torch.cat([out.flatten(), after])
+    local, out, _ = _both(model, call, seed=5)
+    assert torch.equal(out, local)
