@@ -248,7 +248,7 @@ class Dispatcher:
         self.ops: dict[int, OpMeta] = {}
         self.cache = cache
         self.local = ThreadState()
-        #: inside ``known.propagating``: ops on known values are computed here too (known.py)
+        #: inside a decode (decode.py): ops on known values are computed on the client too (known.py)
         self.propagate = False
 
     # ------------------------------------------------------------------ entry points

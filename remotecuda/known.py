@@ -5,14 +5,18 @@ token an EOS token (``isin(eos, pad).any()``), is the attention mask all ones, i
 padding, and every token ``fast_all(padding_mask)`` in the attention-mask builder. Each is a
 value read — a blocking round trip to the gateway — on tensors made from data the client
 sent itself. So a small integer or boolean upload keeps a CPU copy of its bytes (``remember``),
-and inside a ``propagating`` block an op whose tensor arguments are all known runs on those
-copies too (it is still sent to the gateway as usual): its integer or boolean results become
-known, and a value read of a known tensor is answered here, with no round trip.
+and inside a decode (decode.py sets ``Dispatcher.propagate``) an op whose tensor arguments are
+all known runs on those copies too (it is still sent to the gateway as usual): its integer or
+boolean results become known, and a value read of a known tensor is answered here, with no
+round trip.
 
 Only integer and boolean values are kept, so a copy is exact: the gateway computes the same
-bits. Random ops and ops that write their arguments are never run here. A copy is valid while
+bits. Random ops, ops that write their arguments, uninitialized memory (``empty``) and the
+indices of ties (``sort``, ``topk``) are never known. A read answered here is no sync point:
+an asynchronous error comes at the next read that goes to the gateway. A copy is valid while
 the tensor's version counter (torch's, shared by all views of one storage and bumped by every
-in-place write through any of them) is the one it was taken at; any write makes it unknown.
+in-place write through any of them) is the one it was taken at; any write makes it unknown
+(but one through ``.data``, which PyTorch keeps from the counter too).
 """
 from __future__ import annotations
 
@@ -26,6 +30,12 @@ from .tensor import RemoteTensor
 #: the most elements a known value holds (a batch of prompts' ids and masks)
 LIMIT = 1 << 16
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+#: ops whose results the client cannot know from the values alone: uninitialized memory, and the
+#: order of ties (which index a sort, top-k or max keeps for equal values is the kernel's choice)
+_UNKNOWABLE = frozenset(("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                         "empty_permuted", "sort", "argsort", "topk", "kthvalue", "mode", "median",
+                         "nanmedian", "cummax", "cummin"))
+_WITH_INDICES = frozenset(("max", "min"))
 #: value reads answered from a known tensor
 _READS = frozenset((torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
                     torch.ops.aten.equal.default))
@@ -74,11 +84,19 @@ def _remote(args: tuple, kwargs: dict) -> list | None:
     return remote
 
 
+def _knowable(func: Any) -> bool:
+    """Whether the op's results follow from its arguments' values, the same on any device."""
+    schema = func._schema
+    name = schema.name.partition("::")[2]
+    return not (schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags or name in _UNKNOWABLE
+                or (name in _WITH_INDICES and len(schema.returns) > 1))
+
+
 def run(func: Any, args: tuple, kwargs: dict, inner: Any) -> Any:
     """``inner(func, args, kwargs)`` (the dispatcher's path), with the result's values known
     when all of the op's remote arguments are; a value read of known tensors answered here."""
     remote = _remote(args, kwargs)
-    if remote is None or torch.Tag.nondeterministic_seeded in func.tags or func._schema.is_mutable:
+    if remote is None or not _knowable(func):
         return inner(func, args, kwargs)
     local_args, local_kwargs = tree_map(_local, (args, kwargs))
     if any(value(a) is None for a in remote):
