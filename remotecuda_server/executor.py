@@ -737,10 +737,10 @@ class Executor:
     @internal_op("rng_rewind", "[decode id, step or nil]")
     def _rng_rewind(self, args: list) -> None:
         """Put the default generator back as it was after that step (the steps after it are
-        undone: their draws never happened); nil: none to undo. The decode's marks are dropped."""
-        marks = self.rng_marks.pop(args[0], {})
-        if args[1] is not None:
-            state = marks[args[1]]
+        undone: their draws never happened); nil: none to undo. The decode's marks are dropped
+        (a mark a failover's snapshot did not carry is not there: the generator stays as it is)."""
+        state = self.rng_marks.pop(args[0], {}).get(args[1])
+        if state is not None:
             if self.device.type == "cuda":
                 torch.cuda.set_rng_state(state, self.device)
             else:
