@@ -12,8 +12,9 @@ benchmarks/bench_liveness.py (how soon a killed or frozen gateway is marked down
 benchmarks/bench_auth.py (what a token costs: small round trips, 64 MB uploads, sealed vs not),
 benchmarks/bench_graphs.py (a training step eager vs a CUDA graph's replay),
 benchmarks/bench_sync.py (a value read beside a bare ZeroMQ echo),
-benchmarks/bench_fuzz.py (100,000 hostile messages on every connection kind) and
-benchmarks/bench_curve.py (what CurveZMQ costs: plain, token, CURVE, both), each in a fresh
+benchmarks/bench_fuzz.py (100,000 hostile messages on every connection kind),
+benchmarks/bench_curve.py (what CurveZMQ costs: plain, token, CURVE, both) and
+benchmarks/bench_decode.py (generate() tokens/s at 0 and 25 ms each way), each in a fresh
 Python process with its own gateway on 127.0.0.1, then writes one report with the machine, the
 figures, the issue's targets and a short reading of each, and the GPU figures kept in
 benchmarks/gpu_results.md. About 8-12 minutes on a 2-CPU machine.
@@ -35,6 +36,7 @@ sys.path.insert(0, HERE)
 import bench_auth  # noqa: E402
 import bench_core  # noqa: E402
 import bench_curve  # noqa: E402
+import bench_decode  # noqa: E402
 import bench_discovery  # noqa: E402
 import bench_fuzz  # noqa: E402
 import bench_graphs  # noqa: E402
@@ -110,6 +112,7 @@ def main() -> None:
     sync = run("bench_sync.py", quick, timeout=300)
     fuzz = run("bench_fuzz.py", quick, timeout=600)
     encryption = run("bench_curve.py", quick, timeout=900)
+    decode = run("bench_decode.py", quick, timeout=900)
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - t0
 
@@ -127,6 +130,9 @@ def main() -> None:
                         f"instructions/op (×{instr['ratio']:.2f}); × local {instr['local_us_per_op']:.1f} µs/op "
                         f"in this run = {eq:.1f} µs/op", eq <= 25.0))
     targets += [(name, text, ok) for name, (text, ok) in bench_transfer.targets(transfer).items()]
+    targets += [(f"{name} generate() tok/s at 25 ms within 10% of 0 ms",
+                 f"x{ratio:.2f}, {decode['trips'][name]} blocking round trip(s) per call", ratio >= 0.9)
+                for name, ratio in decode["ratio"].items()]
     target_rows = [(name, text, "—" if ok is None else "met" if ok else "**MISSED**") for name, text, ok in targets]
     rt = transfer["round_trips"]
     target_rows.append(("(no target) blocking round trips per step, derived from outside vs counted",
@@ -210,7 +216,10 @@ gateway op; `torch.save` fetches all its tensors in one round trip.
 {bench_fuzz.markdown(fuzz)}
 {bench_curve.SECTION}
 
-{bench_curve.markdown(encryption)}"""
+{bench_curve.markdown(encryption)}
+{bench_decode.SECTION}
+
+{bench_decode.markdown(decode)}"""
     path = os.path.join(HERE, "RESULTS.md")
     with open(path, "w") as f:
         f.write(report)
