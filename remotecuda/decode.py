@@ -1,4 +1,4 @@
-"""Decoding at gateway speed: ``generate()`` and ``server_decode`` in one blocking round trip.
+"""Decoding at gateway speed: ``generate()`` and ``server_decode``, at most one round trip a call.
 
 A decode loop streams its ops like any other code; what makes it wait on the network is the
 values it reads. Hugging Face's ``generate()`` reads several before the first token (is the pad
