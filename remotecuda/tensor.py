@@ -132,6 +132,11 @@ class RemoteTensor(torch.Tensor):
     def pin_memory(self, device: Any = None) -> RemoteTensor:
         raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata: Any, expected_type: Any = None) -> Any:
+        """A compiled graph's backward (compiled.py) was traced on plain tensors: a wrapper's
+        gradient is what it expects (None: AOTAutograd then says which tangent did not fit)."""
+        return self if expected_type in (None, torch.Tensor) and expected_metadata is None else None
+
     # ---------------------------------------------------------------- values (sync points)
     def numpy(self, *, force: bool = False) -> Any:
         if self.requires_grad and not force:

@@ -27,6 +27,7 @@ from . import peer, rnn
 from .graphs import CAPTURING, RecordedGraph, flatten_tensors
 from .memory_account import MemoryAccount, fmt_bytes
 from .ops import OpResolver, UnknownOpError
+from .programs import Program
 from .session_quota import FLAG as QUOTA_FLAG
 from .session_quota import SessionQuota
 
@@ -304,6 +305,7 @@ class Executor:
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: dict[int, RecordedGraph] = {}  # the session's CUDA graphs (graphs.py)
         self.capturing: RecordedGraph | None = None  # the graph being captured, between begin and end
+        self.programs: dict[int, Program] = {}  # the session's compiled graphs (programs.py)
         self.out_parts: list[tuple[int, int, list]] = []  # the running message's downloads in parts
         #: (op index, start, seconds) of each op run from a message asking for a trace ("trace" in
         #: its body), on this host's monotonic clock; they go back with the next REPLY (``take_spans``)
@@ -642,6 +644,29 @@ class Executor:
         if graph is not None and graph is self.capturing:
             self.capturing = None
 
+    @internal_op("program_define", "[program id, input count, [[op name, [args], {kwargs}], ...], "
+                                   "[output value index, ...], [[stride, ...] per output]]")
+    def _program_define(self, args: list) -> None:
+        """A compiled graph, checked against the allowlist once (programs.py)."""
+        if not (isinstance(args, list) and len(args) == 5 and type(args[0]) is int):
+            raise ValueError("malformed rc::program_define: expected [program id, input count, nodes, "
+                             "outputs, strides]")
+        self.programs[args[0]] = Program(self.resolver, self.device, *args[1:])
+
+    @internal_op("program_run", "[program id, [input handle, ...]]", stores=True)
+    def _program_run(self, args: list) -> list:
+        pid, inputs = args
+        program = self.programs.get(pid)
+        if program is None:
+            raise RuntimeError(f"remotecuda: compiled graph {pid} is unknown to the gateway (its definition "
+                               "failed, or it was freed)")
+        return program.run([self._arg(h) for h in inputs])
+
+    @internal_op("program_free", "[program id, ...]")
+    def _program_free(self, args: list) -> None:
+        for pid in args:
+            self.programs.pop(pid, None)
+
     @internal_op("event_elapsed", "[start id, end id]")
     def _event_elapsed(self, args: list) -> float:
         a, b = (self.events[e] for e in args)
@@ -822,8 +847,14 @@ class Executor:
     def _skipped(self, name: str, args: list, why: str) -> None:
         """A skipped upload still keeps the content cache in step with the client's mirror, and
         its parts, on their way, are still taken in (and let go), as are an abandoned one's. A
-        skipped copy tells its puller why, or lets its bytes go."""
-        if name == "rc::offer" and isinstance(args, list) and len(args) == 2:
+        skipped copy tells its puller why, or lets its bytes go. A compiled graph is still
+        defined: it depends on no tensor, and the client runs it again after the error."""
+        if name == "rc::program_define":
+            try:
+                self._program_define(args)
+            except Exception:  # noqa: BLE001 - its own error would have come after the one reported
+                pass
+        elif name == "rc::offer" and isinstance(args, list) and len(args) == 2:
             self.offers.fail(args[1], f"the source session skipped it ({why})")
             self.offered()
         elif name == "rc::receive" and isinstance(args, list) and len(args) == 5:

@@ -1,0 +1,309 @@
+"""``torch.compile`` while active: a model's graph traced here, run as one gateway op per call.
+
+Dynamo cannot trace the ``RemoteTensor`` wrapper, and does not need to: the model is traced
+without it, by AOTAutograd over fake tensors made from the remote tensors' metadata (the
+meta kernels the dispatcher uses anyway). That gives ATen FX graphs — the forward, and the
+backward when gradients are wanted — which go to the gateway once each as plain data
+(``rc::program_define``: op names and arguments, checked there against the aten allowlist;
+remotecuda_server/programs.py). Each call of the compiled model is then one
+``rc::program_run`` op for the forward and, through the autograd Function AOTAutograd
+builds, one for ``loss.backward()``: a training step costs the client a few ops instead of
+one per aten op. On a CUDA gateway the graphs are compiled there by inductor.
+
+A trace is kept per input signature (shapes, strides, dtypes, requires_grad, grad mode, the
+modules' training flags, the other arguments), as Dynamo's guards do. A call the trace cannot
+take — a branch on a tensor's value, ``.item()``, an op outside the allowlist, inputs not all
+on one gateway, autocast — runs eagerly instead, with one warning saying why: never a wrong
+result. Randomness (dropout) draws from the gateway's default generator, as eager ops do.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from remotecuda_wire.protocol import Handle
+
+from .tensor import RemoteTensor, layout, wrap
+
+#: traces kept per compiled object, as Dynamo's ``cache_size_limit``; past it, new signatures run eagerly
+MAX_TRACES = 8
+_ids = itertools.count(1)
+_PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
+          torch.layout)
+
+
+class Unsupported(Exception):
+    """Why a call cannot run as a compiled graph (it then runs eagerly)."""
+
+
+def compile(model: Any = None, **kwargs: Any) -> Any:
+    """``torch.compile``: ``model`` (a module or a function) traced and run on its gateway."""
+    if model is None:
+        return lambda m: compile(m, **kwargs)
+    if kwargs.get("disable"):
+        return model
+    if isinstance(model, torch.nn.Module):
+        return CompiledModule(model)
+    compiled = Compiled(model)
+    functools.update_wrapper(compiled, model)
+    return compiled
+
+
+class Compiled:
+    """A compiled callable: its traces per input signature, or why a signature runs eagerly."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        owner = getattr(fn, "__self__", None)
+        #: the module whose parameters and buffers become graph inputs (a module, or a bound method's)
+        self.module: torch.nn.Module | None = fn if isinstance(fn, torch.nn.Module) else \
+            owner if isinstance(owner, torch.nn.Module) else None
+        self.traces: dict[tuple, _Trace | str] = {}
+        self.warned = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        state = self._state()
+        tensors = [t for _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
+        why = _why_eager(tensors)
+        if why is None:
+            key = self._key(state, leaves, spec, tensors)
+            entry = self.traces.get(key) if key is not None else "an argument is not hashable"
+            if isinstance(entry, _Trace) and entry.session is not tensors[0]._s:
+                entry = None  # (a new session: the gateway does not know the old one's graphs)
+            if entry is None:
+                entry = f"it was traced for more than {MAX_TRACES} input signatures" \
+                    if len(self.traces) >= MAX_TRACES else self._trace(state, leaves, spec, tensors)
+                self.traces[key] = entry
+            if isinstance(entry, _Trace):
+                return entry.run(tensors)
+            why = entry
+        self._warn(why)
+        return self.fn(*args, **kwargs)
+
+    def _state(self) -> list[tuple[str, torch.Tensor]]:
+        m = self.module
+        if m is None:
+            return []
+        return [*m.named_parameters(), *m.named_buffers()]
+
+    def _key(self, state: list, leaves: list, spec: Any, tensors: list) -> tuple | None:
+        m = self.module
+        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+               tuple(x.training for x in m.modules()) if m is not None else (),
+               tuple(n for n, _ in state), tuple((t._k, t.requires_grad) for t in tensors),
+               tuple(None if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves), spec)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def _warn(self, why: str) -> None:
+        if not self.warned:
+            self.warned = True
+            name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+            warnings.warn(f"remotecuda: torch.compile runs {name} eagerly on the gateway: {why}", stacklevel=3)
+
+    def _trace(self, state: list, leaves: list, spec: Any, tensors: list) -> _Trace | str:
+        try:
+            return _Trace(self.fn, self.module, [n for n, _ in state], leaves, spec, tensors)
+        except Unsupported as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - whatever stops the trace, the call still runs eagerly
+            return _reason(e)
+
+
+class CompiledModule(torch.nn.Module):
+    """What ``torch.compile(module)`` gives, as torch's ``OptimizedModule``: the module under
+    ``_orig_mod`` (its parameters, state_dict and attributes reached through it), called
+    through its traces."""
+
+    def __init__(self, mod: torch.nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = mod
+        self.__dict__["_compiled"] = Compiled(mod)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__dict__["_compiled"](*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_orig_mod"], name)
+
+
+def _why_eager(tensors: list) -> str | None:
+    if not tensors:
+        return "it takes no tensors"
+    s = getattr(tensors[0], "_s", None)
+    if s is None or not all(isinstance(t, RemoteTensor) and t._s is s for t in tensors):
+        return "its tensors (arguments, parameters and buffers) are not all on one 'cuda' device"
+    if torch.is_autocast_enabled("cuda"):
+        return "autocast is on (the trace does not apply it)"
+    return None
+
+
+def _reason(e: Exception) -> str:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    if isinstance(e, DataDependentOutputException):
+        return "it reads a tensor's value while it runs (a branch on a tensor, .item(), ...)"
+    if isinstance(e, DynamicOutputShapeException):
+        return f"an op's output shape depends on values ({e})"
+    return f"its trace failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+
+
+class _Trace:
+    """One input signature's graphs: AOTAutograd's runtime around ``_Program`` runners."""
+
+    def __init__(self, fn: Callable, module: torch.nn.Module | None, names: list, leaves: list, spec: Any,
+                 tensors: list) -> None:
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._functorch.partitioners import default_partition
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.nn.utils.stateless import _reparametrize_module
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        self.session = tensors[0]._s
+        self.out: tuple[Any, list] | None = None  # the outputs' pytree spec, and their non-tensor leaves
+        n_state = len(names)
+        slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        trace = self
+
+        class Flat(torch.nn.Module):
+            """The call with every tensor (parameters, buffers, arguments) an argument."""
+
+            def forward(self, *flat: torch.Tensor) -> tuple:
+                filled = list(leaves)
+                for i, t in zip(slots, flat[n_state:]):
+                    filled[i] = t
+                args, kwargs = pytree.tree_unflatten(filled, spec)
+                if module is None:
+                    out = fn(*args, **kwargs)
+                else:
+                    with _reparametrize_module(module, dict(zip(names, flat[:n_state]))):
+                        out = fn(*args, **kwargs)
+                outs, out_spec = pytree.tree_flatten(out)
+                for x in outs:
+                    if not isinstance(x, (torch.Tensor, *_PLAIN)):
+                        raise Unsupported(f"it returns a {type(x).__name__}, which the trace cannot carry")
+                trace.out = (out_spec, [None if isinstance(x, torch.Tensor) else x for x in outs])
+                return tuple(x for x in outs if isinstance(x, torch.Tensor))
+
+        def partition(joint: Any, inputs: Any, **kw: Any) -> Any:
+            fw_gm, bw_gm = default_partition(joint, inputs, **kw)
+            _nodes(bw_gm)  # the backward is compiled at the first backward: check it can run now
+            return fw_gm, bw_gm
+
+        def fw_compiler(gm: torch.fx.GraphModule, example: Any) -> Callable:
+            return _Program(self.session, gm)
+
+        fake = FakeTensorMode()  # static shapes: another shape is another trace
+        with _disable_current_modes():
+            fakes = []
+            for t in tensors:
+                dtype, shape, stride, _ = t._k
+                with fake:
+                    f = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+                fakes.append(f.requires_grad_(t.requires_grad) if t.requires_grad else f)
+            self.compiled = aot_module_simplified(Flat(), fakes, fw_compiler=fw_compiler, bw_compiler=fw_compiler,
+                                                  partition_fn=partition, keep_inference_input_mutations=True)
+        if self.out is None:
+            raise Unsupported("the trace saw no call")
+
+    def run(self, tensors: list) -> Any:
+        out = self.compiled(*tensors)
+        assert self.out is not None
+        spec, leaves = self.out
+        got = iter(out)
+        return pytree.tree_unflatten([next(got) if x is None else x for x in leaves], spec)
+
+
+def _wire(v: Any, index: dict) -> Any:
+    if isinstance(v, torch.fx.Node):
+        return Handle(index[v])
+    if isinstance(v, (list, tuple)):
+        return [_wire(x, index) for x in v]
+    if isinstance(v, _PLAIN):
+        return v
+    raise Unsupported(f"the graph holds a {type(v).__name__} argument ({v!r})")
+
+
+def _op_name(target: Any) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return f"{target._schema.name}.{target._overloadname}"
+    raise Unsupported(f"the graph calls {target}, which is not an aten op")
+
+
+def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
+    """A graph as ``rc::program_define`` sends it: input count, nodes, output value indices,
+    and the outputs' layouts (None for an output that is None)."""
+    index: dict[torch.fx.Node, int] = {}
+    n_in, nodes, outs = 0, [], None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if nodes:
+                raise Unsupported("a graph input after its first op")
+            index[node] = n_in
+            n_in += 1
+        elif node.op == "call_function":
+            nodes.append([_op_name(node.target), _wire(list(node.args), index),
+                          {k: _wire(v, index) for k, v in node.kwargs.items()}])
+            index[node] = n_in + len(nodes) - 1
+        elif node.op == "output":
+            outs = node.args[0]
+        else:
+            raise Unsupported(f"the graph has a {node.op} node ({node.target})")
+    if not isinstance(outs, (list, tuple)):
+        raise Unsupported("the graph's output is not a list")
+    values, lays = [], []
+    for o in outs:
+        if o is None:
+            lays.append(None)
+            continue
+        val = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            raise Unsupported(f"the graph returns a {type(val).__name__}, not a tensor")
+        values.append(index[o])
+        lays.append(layout(val.shape, val.stride(), val.storage_offset(), val.dtype))
+    return n_in, nodes, values, lays
+
+
+class _Program:
+    """One graph defined on the session's gateway; calling it queues one ``rc::program_run``
+    and gives the outputs' wrappers (None where the graph returns None)."""
+
+    def __init__(self, session: Any, gm: torch.fx.GraphModule) -> None:
+        n_in, nodes, values, self.lays = _nodes(gm)
+        self.session, self.id, self.n_in = session, next(_ids), n_in
+        session.enqueue("rc::program_define",
+                        [self.id, n_in, nodes, values, [list(lay[0][2]) for lay in self.lays if lay is not None]],
+                        None, None)
+
+    _boxed_call = True  # AOTAutograd passes the arguments as one list
+
+    def __call__(self, args: list) -> list:
+        s = self.session
+        if len(args) != self.n_in or not all(isinstance(a, RemoteTensor) and a._s is s for a in args):
+            raise RuntimeError("remotecuda: a compiled graph was called with tensors that are not on its gateway")
+        handles = [None if lay is None else s.new_handle() for lay in self.lays]
+        s.enqueue("rc::program_run", [self.id, [a._w for a in args]], None, [h for h in handles if h is not None])
+        return [None if h is None else wrap(s, h, lay) for h, lay in zip(handles, self.lays)]
+
+    def __del__(self) -> None:
+        s = self.session
+        try:
+            if not s.closed:
+                s.enqueue("rc::program_free", [self.id], None, None)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise
+            pass
