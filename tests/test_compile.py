@@ -1,0 +1,189 @@
+"""torch.compile while active: graphs traced on the client, defined once on a real gateway and
+run there as one op per forward and one per backward; results compared with local CPU eager."""
+from __future__ import annotations
+
+import copy
+import warnings
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from remotecuda_wire.protocol import Handle
+
+
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _compiled_vs_local(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 5) -> tuple:
+    local = copy.deepcopy(model)
+    expected = _train(local, x, y, steps)
+    remote = model.cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback
+        got = _train(torch.compile(remote), x.cuda(), y.cuda(), steps)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(local.state_dict().items(), remote.state_dict().items()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-6, msg=name)
+    return local, remote
+
+
+def test_mlp_training_equals_local(remote):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    _compiled_vs_local(model, x, y)
+
+
+def test_cnn_with_batchnorm_training_then_eval_equals_local(remote):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 2 * 2, 5))
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    local, remote_model = _compiled_vs_local(model, x, y)  # running stats included: they land on the buffers
+    local.eval()
+    compiled = torch.compile(remote_model.eval())
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x.cuda()).cpu(), local(x), rtol=1e-5, atol=1e-6)
+
+
+def test_inference_function_with_pytree_outputs(remote):
+    def f(x, w, *, scale):
+        h = torch.relu(x @ w) * scale
+        return {"h": h, "sum": h.sum(1), "n": h.shape[0]}
+
+    compiled = torch.compile(f)
+    x, w = torch.randn(5, 7), torch.randn(7, 3)
+    expected = f(x, w, scale=0.5)
+    with torch.no_grad():
+        got = compiled(x.cuda(), w.cuda(), scale=0.5)
+    assert got["n"] == 5
+    torch.testing.assert_close(got["h"].cpu(), expected["h"])
+    torch.testing.assert_close(got["sum"].cpu(), expected["sum"])
+
+
+@contextmanager
+def enqueued():
+    """The names of the ops queued in the block (on any session)."""
+    from remotecuda.session import Session
+    names: list[str] = []
+    enqueue = Session.enqueue
+
+    def counting(self, name, *args):
+        names.append(name)
+        return enqueue(self, name, *args)
+    Session.enqueue = counting
+    try:
+        yield names
+    finally:
+        Session.enqueue = enqueue
+
+
+def test_a_graph_is_defined_once_then_run_as_one_op_per_call(remote):
+    import remotecuda
+
+    @torch.compile
+    def f(x):
+        for _ in range(20):  # 40 aten ops eagerly
+            x = x * 1.01 + 0.01
+        return x
+
+    x = torch.randn(32).cuda()
+    with enqueued() as first:
+        y = f(x)
+    with enqueued() as later:
+        for _ in range(10):
+            y = f(y)
+    # (the trace also keeps the device's RNG state as it found it: rc::rng_get / rc::rng_set)
+    assert first.count("rc::program_define") == 1 and first[-1] == "rc::program_run", first
+    assert not any(n.startswith("aten::") for n in first), first
+    assert later == ["rc::program_run"] * 10
+    torch.cuda.synchronize()
+    remotecuda.stats(reset=True)
+    y = f(y)
+    assert remotecuda.stats()["ops"] == 1
+    expected = x.cpu()
+    for _ in range(12 * 20):
+        expected = expected * 1.01 + 0.01
+    torch.testing.assert_close(y.cpu(), expected)
+
+
+def test_a_training_step_is_one_op_forward_and_one_backward(remote):
+    torch.manual_seed(2)
+    model = torch.compile(nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)]).cuda())
+    x = torch.randn(4, 32).cuda()
+    model(x).sum().backward()  # traces the forward and backward
+    with enqueued() as names:
+        model(x).sum().backward()
+    assert names.count("rc::program_run") == 2
+    assert "rc::program_define" not in names
+    assert not any(n.startswith(("aten::addmm", "aten::mm")) for n in names), names
+
+
+def test_dropout_draws_from_the_gateway_generator_as_eager_does(remote):
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)).cuda()
+    x = torch.randn(4, 8).cuda()
+    torch.cuda.manual_seed(7)
+    eager = model(x).detach().cpu()
+    compiled = torch.compile(model)
+    torch.cuda.manual_seed(7)
+    got = compiled(x).detach().cpu()
+    torch.testing.assert_close(got, eager)  # the same draws, from the same generator, in the same order
+    assert (got == 0).any() and (got != 0).any()
+
+
+def test_a_branch_on_a_value_runs_eagerly_with_one_warning(remote):
+    def f(x):
+        if x.sum() > 0:
+            return x * 2
+        return x - 1
+
+    compiled = torch.compile(f)
+    xs = [torch.randn(6) for _ in range(3)] + [torch.ones(6), -torch.ones(6)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [compiled(x.cuda()).cpu() for x in xs]
+    eager = [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    assert len(eager) == 1, eager
+    assert "reads a tensor's value" in eager[0]
+    for x, g in zip(xs, got):
+        torch.testing.assert_close(g, f(x))
+
+
+def test_local_inputs_run_eagerly(remote):
+    compiled = torch.compile(lambda x: x.sin() + 1)
+    with pytest.warns(UserWarning, match="eagerly"):
+        out = compiled(torch.ones(3))
+    torch.testing.assert_close(out, torch.ones(3).sin() + 1)
+
+
+@pytest.mark.parametrize("nodes, says", [
+    ([["aten::save.default", [Handle(0), "/tmp/x"], {}]], "not allowed"),
+    ([["os::system", ["true"], {}]], "namespace 'os' is not allowed"),
+    ([["aten::add.Tensor", [Handle(0), Handle(3)], {}]], "not defined before it"),
+    ([["aten::add.Tensor", [Handle(0), b"\x00"], {}]], "argument of type bytes"),
+    ([["getitem", [Handle(0), "x"], {}]], "getitem takes"),
+])
+def test_a_graph_outside_the_allowlist_is_refused_and_the_gateway_serves_on(remote, nodes, says):
+    x = torch.arange(4.0).cuda()
+    s = x._s
+    s.enqueue("rc::program_define", [987654, 1, nodes, [1], [[1]]], None, None)
+    with pytest.raises(Exception, match=says):
+        torch.cuda.synchronize()
+    h = s.new_handle()
+    s.enqueue("rc::program_run", [987654, [x._w]], None, [h])
+    with pytest.raises(Exception, match="unknown to the gateway"):
+        torch.cuda.synchronize()
+    torch.testing.assert_close((x + 1).cpu(), torch.arange(4.0) + 1)
