@@ -1,8 +1,8 @@
 """``torch.compile`` while active: a model's graph traced here, run as one gateway op per call.
 
 Dynamo cannot trace the ``RemoteTensor`` wrapper, and does not need to: the model is traced
-without it, by AOTAutograd over fake tensors made from the remote tensors' metadata (the
-meta kernels the dispatcher uses anyway). That gives ATen FX graphs — the forward, and the
+without it, by AOTAutograd over fake tensors made from the remote tensors' metadata (CPU
+stand-ins; see ``_device_neutral``). That gives ATen FX graphs — the forward, and the
 backward when gradients are wanted — which go to the gateway once each as plain data
 (``rc::program_define``: op names and arguments, checked there against the aten allowlist;
 remotecuda_server/programs.py). Each call of the compiled model is then one
@@ -18,6 +18,7 @@ result. Randomness (dropout) draws from the gateway's default generator, as eage
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -61,17 +62,15 @@ class Compiled:
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
-        owner = getattr(fn, "__self__", None)
-        #: the module whose parameters and buffers become graph inputs (a module, or a bound method's)
-        self.module: torch.nn.Module | None = fn if isinstance(fn, torch.nn.Module) else \
-            owner if isinstance(owner, torch.nn.Module) else None
+        #: the modules whose parameters and buffers become graph inputs (see ``_modules``)
+        self.modules = _modules(fn)
         self.traces: dict[tuple, _Trace | str] = {}
         self.warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         state = self._state()
-        tensors = [t for _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
+        tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
         why = _why_eager(tensors)
         if why is None:
             key = self._key(state, leaves, spec, tensors)
@@ -88,17 +87,15 @@ class Compiled:
         self._warn(why)
         return self.fn(*args, **kwargs)
 
-    def _state(self) -> list[tuple[str, torch.Tensor]]:
-        m = self.module
-        if m is None:
-            return []
-        return [*m.named_parameters(), *m.named_buffers()]
+    def _state(self) -> list[tuple[int, str, torch.Tensor]]:
+        """(module index, name, tensor) for each parameter and buffer of the modules."""
+        return [(i, n, t) for i, m in enumerate(self.modules)
+                for n, t in itertools.chain(m.named_parameters(), m.named_buffers())]
 
     def _key(self, state: list, leaves: list, spec: Any, tensors: list) -> tuple | None:
-        m = self.module
         key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-               tuple(x.training for x in m.modules()) if m is not None else (),
-               tuple(n for n, _ in state), tuple((t._k, t.requires_grad) for t in tensors),
+               tuple(x.training for m in self.modules for x in m.modules()),
+               tuple((i, n, id(t)) for i, n, t in state), tuple((t._k, t.requires_grad) for t in tensors),
                tuple(None if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves), spec)
         try:
             hash(key)
@@ -114,7 +111,7 @@ class Compiled:
 
     def _trace(self, state: list, leaves: list, spec: Any, tensors: list) -> _Trace | str:
         try:
-            return _Trace(self.fn, self.module, [n for n, _ in state], leaves, spec, tensors)
+            return _Trace(self.fn, self.modules, [(i, n) for i, n, _ in state], leaves, spec, tensors)
         except Unsupported as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 - whatever stops the trace, the call still runs eagerly
@@ -141,6 +138,34 @@ class CompiledModule(torch.nn.Module):
             return getattr(self._modules["_orig_mod"], name)
 
 
+def _modules(fn: Callable) -> list[torch.nn.Module]:
+    """The modules a compiled callable runs: itself, a bound method's owner, and the modules a
+    function names in its closure or globals (``def step(x): return model(x)``)."""
+    if isinstance(fn, torch.nn.Module):
+        return [fn]
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return [owner]
+    code, found = getattr(fn, "__code__", None), []
+    if code is not None:
+        cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _filled(c)]
+        named = getattr(fn, "__globals__", {})
+        found = [*cells, *(named[n] for n in code.co_names if n in named)]
+    seen: dict[int, torch.nn.Module] = {}
+    for m in found:
+        if isinstance(m, torch.nn.Module):
+            seen.setdefault(id(m), m)
+    return list(seen.values())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
 def _why_eager(tensors: list) -> str | None:
     if not tensors:
         return "it takes no tensors"
@@ -158,14 +183,40 @@ def _reason(e: Exception) -> str:
         return "it reads a tensor's value while it runs (a branch on a tensor, .item(), ...)"
     if isinstance(e, DynamicOutputShapeException):
         return f"an op's output shape depends on values ({e})"
+    if "plain meta tensor reached" in str(e):
+        return ("it uses a 'cuda' tensor that is neither its argument nor a parameter or buffer of a module "
+                "it names (compile the module, or pass the tensor)")
     return f"its trace failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+
+
+@contextlib.contextmanager
+def _device_neutral() -> Any:
+    """The trace runs on CPU stand-ins (fake tensors: no data, no work). Meta ones would be the
+    natural choice, but under the Python dispatcher AOTAutograd traces with, ops that have a
+    Python meta kernel (nll_loss, var, dropout, ...) skip their autograd decomposition and
+    would get no gradient; CUDA ones abort a CPU-only torch. So that the graph holds no
+    CPU-only kernel, oneDNN and the fused CPU attention are off while it traces (LSTM and SDPA
+    decompose into ops any device runs)."""
+    flags = (torch._C._get_mkldnn_enabled(), torch._C._get_flash_sdp_enabled(),
+             torch._C._get_mem_efficient_sdp_enabled(), torch._C._get_cudnn_sdp_enabled())
+    torch._C._set_mkldnn_enabled(False)
+    torch._C._set_sdp_use_flash(False)
+    torch._C._set_sdp_use_mem_efficient(False)
+    torch._C._set_sdp_use_cudnn(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(flags[0])
+        torch._C._set_sdp_use_flash(flags[1])
+        torch._C._set_sdp_use_mem_efficient(flags[2])
+        torch._C._set_sdp_use_cudnn(flags[3])
 
 
 class _Trace:
     """One input signature's graphs: AOTAutograd's runtime around ``_Program`` runners."""
 
-    def __init__(self, fn: Callable, module: torch.nn.Module | None, names: list, leaves: list, spec: Any,
-                 tensors: list) -> None:
+    def __init__(self, fn: Callable, modules: list[torch.nn.Module], names: list[tuple[int, str]], leaves: list,
+                 spec: Any, tensors: list) -> None:
         from torch._functorch.aot_autograd import aot_module_simplified
         from torch._functorch.partitioners import default_partition
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -186,11 +237,11 @@ class _Trace:
                 for i, t in zip(slots, flat[n_state:]):
                     filled[i] = t
                 args, kwargs = pytree.tree_unflatten(filled, spec)
-                if module is None:
+                with contextlib.ExitStack() as stack:
+                    for k, m in enumerate(modules):
+                        state = {n: t for (i, n), t in zip(names, flat) if i == k}
+                        stack.enter_context(_reparametrize_module(m, state, tie_weights=True))
                     out = fn(*args, **kwargs)
-                else:
-                    with _reparametrize_module(module, dict(zip(names, flat[:n_state]))):
-                        out = fn(*args, **kwargs)
                 outs, out_spec = pytree.tree_flatten(out)
                 for x in outs:
                     if not isinstance(x, (torch.Tensor, *_PLAIN)):
@@ -207,12 +258,12 @@ class _Trace:
             return _Program(self.session, gm)
 
         fake = FakeTensorMode()  # static shapes: another shape is another trace
-        with _disable_current_modes():
+        with _disable_current_modes(), _device_neutral():
             fakes = []
             for t in tensors:
                 dtype, shape, stride, _ = t._k
                 with fake:
-                    f = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+                    f = torch.empty_strided(shape, stride, dtype=dtype, device="cpu")
                 fakes.append(f.requires_grad_(t.requires_grad) if t.requires_grad else f)
             self.compiled = aot_module_simplified(Flat(), fakes, fw_compiler=fw_compiler, bw_compiler=fw_compiler,
                                                   partition_fn=partition, keep_inference_input_mutations=True)

@@ -96,8 +96,8 @@ class Program:
             return _Ref(v.id)
         if t is list:
             return [self._value(x, known, k) for x in v]
-        if t is torch.device:  # the client traced on stand-ins: 'cuda'/'meta' is this gateway's device
-            return self.device if v.type in ("cuda", "meta") else v
+        if t is torch.device:  # the client traced on stand-ins: any device named is this gateway's
+            return self.device
         if isinstance(v, _PLAIN):
             return v
         raise ValueError(f"malformed graph: node {k} has an argument of type {t.__name__}")

@@ -136,11 +136,17 @@ def test_dropout_draws_from_the_gateway_generator_as_eager_does(remote):
     model = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.5)).cuda()
     x = torch.randn(4, 8).cuda()
     torch.cuda.manual_seed(7)
-    eager = model(x).detach().cpu()
+    eager = model(x)
+    eager.square().sum().backward()
+    eager_grad = model[0].weight.grad.cpu()
+    model.zero_grad()
     compiled = torch.compile(model)
     torch.cuda.manual_seed(7)
-    got = compiled(x).detach().cpu()
-    torch.testing.assert_close(got, eager)  # the same draws, from the same generator, in the same order
+    got = compiled(x)
+    got.square().sum().backward()
+    # the same draws, from the same generator, in the same order; and the same mask in backward
+    torch.testing.assert_close(got.detach().cpu(), eager.detach().cpu())
+    torch.testing.assert_close(model[0].weight.grad.cpu(), eager_grad)
     assert (got == 0).any() and (got != 0).any()
 
 
@@ -187,3 +193,25 @@ def test_a_graph_outside_the_allowlist_is_refused_and_the_gateway_serves_on(remo
     with pytest.raises(Exception, match="unknown to the gateway"):
         torch.cuda.synchronize()
     torch.testing.assert_close((x + 1).cpu(), torch.arange(4.0) + 1)
+
+
+def test_tied_weights_and_a_step_function_naming_its_model(remote):
+    torch.manual_seed(4)
+    emb, head = nn.Embedding(11, 8), nn.Linear(8, 11, bias=False)
+    head.weight = emb.weight
+    local = nn.Sequential(emb, nn.LayerNorm(8), head)
+    model = copy.deepcopy(local).cuda()
+    idx = torch.randint(0, 11, (3, 5))
+
+    def loss_of(m, i):
+        return F.cross_entropy(m(i).flatten(0, 1), i.flatten())
+    loss_of(local, idx).backward()
+
+    def step(i):  # names the model through its closure: its parameters become graph inputs
+        return loss_of(model, i)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = torch.compile(step)(idx.cuda())
+    loss.backward()
+    torch.testing.assert_close(loss.item(), loss_of(local, idx).item())
+    torch.testing.assert_close(model[0].weight.grad.cpu(), local[0].weight.grad, rtol=1e-5, atol=1e-6)
