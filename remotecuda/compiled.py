@@ -24,7 +24,7 @@ import itertools
 import operator
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -73,14 +73,15 @@ class Compiled:
         tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
         why = _why_eager(tensors)
         if why is None:
+            session = cast(RemoteTensor, tensors[0])._s
             key = self._key(state, leaves, spec, tensors)
             entry = self.traces.get(key) if key is not None else "an argument is not hashable"
-            if isinstance(entry, _Trace) and entry.session is not tensors[0]._s:
+            if isinstance(entry, _Trace) and entry.session is not session:
                 entry = None  # (a new session: the gateway does not know the old one's graphs)
-            if entry is None:
-                entry = f"it was traced for more than {MAX_TRACES} input signatures" \
-                    if len(self.traces) >= MAX_TRACES else self._trace(state, leaves, spec, tensors)
-                self.traces[key] = entry
+            if entry is None and len(self.traces) >= MAX_TRACES:
+                entry = f"it was traced for {MAX_TRACES} input signatures already"
+            elif entry is None:
+                entry = self.traces[cast(tuple, key)] = self._trace(state, leaves, spec, tensors)
             if isinstance(entry, _Trace):
                 return entry.run(tensors)
             why = entry
@@ -148,7 +149,7 @@ def _modules(fn: Callable) -> list[torch.nn.Module]:
         return [owner]
     code, found = getattr(fn, "__code__", None), []
     if code is not None:
-        cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _filled(c)]
+        cells = [_content(c) for c in (getattr(fn, "__closure__", None) or ())]
         named = getattr(fn, "__globals__", {})
         found = [*cells, *(named[n] for n in code.co_names if n in named)]
     seen: dict[int, torch.nn.Module] = {}
@@ -158,12 +159,11 @@ def _modules(fn: Callable) -> list[torch.nn.Module]:
     return list(seen.values())
 
 
-def _filled(cell: Any) -> bool:
+def _content(cell: Any) -> Any:
     try:
-        cell.cell_contents
+        return cell.cell_contents
     except ValueError:  # an empty cell
-        return False
-    return True
+        return None
 
 
 def _why_eager(tensors: list) -> str | None:
@@ -265,8 +265,10 @@ class _Trace:
                 with fake:
                     f = torch.empty_strided(shape, stride, dtype=dtype, device="cpu")
                 fakes.append(f.requires_grad_(t.requires_grad) if t.requires_grad else f)
-            self.compiled = aot_module_simplified(Flat(), fakes, fw_compiler=fw_compiler, bw_compiler=fw_compiler,
-                                                  partition_fn=partition, keep_inference_input_mutations=True)
+            # (a plain module works as well as the GraphModule the signature names: it is traced)
+            self.compiled = aot_module_simplified(cast(Any, Flat()), fakes, fw_compiler=cast(Any, fw_compiler),
+                                                  bw_compiler=cast(Any, fw_compiler), partition_fn=partition,
+                                                  keep_inference_input_mutations=True)
         if self.out is None:
             raise Unsupported("the trace saw no call")
 
@@ -300,7 +302,8 @@ def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
     """A graph as ``rc::program_define`` sends it: input count, nodes, output value indices,
     and the outputs' layouts (None for an output that is None)."""
     index: dict[torch.fx.Node, int] = {}
-    n_in, nodes, outs = 0, [], None
+    n_in, outs = 0, None
+    nodes: list[list] = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             if nodes:
@@ -317,7 +320,8 @@ def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
             raise Unsupported(f"the graph has a {node.op} node ({node.target})")
     if not isinstance(outs, (list, tuple)):
         raise Unsupported("the graph's output is not a list")
-    values, lays = [], []
+    values: list[int] = []
+    lays: list[tuple | None] = []
     for o in outs:
         if o is None:
             lays.append(None)
@@ -326,7 +330,7 @@ def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
         if not isinstance(val, torch.Tensor):
             raise Unsupported(f"the graph returns a {type(val).__name__}, not a tensor")
         values.append(index[o])
-        lays.append(layout(val.shape, val.stride(), val.storage_offset(), val.dtype))
+        lays.append(layout(val.shape, val.stride(), int(val.storage_offset()), val.dtype))
     return n_in, nodes, values, lays
 
 

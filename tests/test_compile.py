@@ -215,3 +215,22 @@ def test_tied_weights_and_a_step_function_naming_its_model(remote):
     loss.backward()
     torch.testing.assert_close(loss.item(), loss_of(local, idx).item())
     torch.testing.assert_close(model[0].weight.grad.cpu(), local[0].weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fx_graph_inductor_gets_computes_what_the_steps_do():
+    """What a CUDA gateway hands inductor (no GPU here: the graph itself, run by FX on the CPU)."""
+    from remotecuda_server.ops import OpResolver
+    from remotecuda_server.programs import Program
+    nodes = [["aten::native_dropout.default", [Handle(0), 0.0, True], {}], ["getitem", [Handle(2), 0], {}],
+             ["aten::addmm.default", [Handle(1), Handle(3), Handle(0)], {"alpha": 2}],
+             ["aten::ones.default", [[3]], {"device": torch.device("cuda", 0), "dtype": torch.float32}],
+             ["aten::add.Tensor", [Handle(4), Handle(5)], {}]]
+    p = Program(OpResolver(), torch.device("cpu"), 2, nodes, [6, 3], [[1, 3], [3, 1]])
+    x, b = torch.randn(3, 3), torch.randn(3)
+    got = p.run([x, b])
+    expected = torch.addmm(b, x, x, alpha=2) + 1
+    torch.testing.assert_close(got[0], expected)
+    assert got[0].stride() == (1, 3)  # laid out with the strides asked for
+    fx_out = p.graph_module()(x, b)
+    torch.testing.assert_close(fx_out[0], expected)
+    torch.testing.assert_close(fx_out[1], x)
