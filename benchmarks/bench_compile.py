@@ -3,11 +3,11 @@
 ``torch.compile`` while active runs the model's forward as one gateway op and its backward as
 one more (remotecuda/compiled.py), where eager code sends every aten op. This counts, under
 valgrind's callgrind (counting only around the measured steps, so load-independent), the
-client's instructions for the same training step (an MLP: forward, cross-entropy, backward,
-SGD step) run (a) locally eagerly, (b) through a gateway eagerly and (c) through a gateway
-compiled, and divides each by the number of aten ops the eager step runs locally — the work
-per op the issue's target is stated in. It also reports wall-clock step times (best of N;
-a shared machine scatters them).
+client's instructions for the same training step (forward, cross-entropy, backward, SGD step)
+run (a) locally eagerly, (b) through a gateway eagerly and (c) through a gateway compiled, for
+an MLP and a small transformer encoder, and divides each by the number of aten ops the eager
+step runs locally: the work per op the issue's target is stated in. It also reports
+wall-clock step times (best of 20; a shared machine scatters them).
 
     python benchmarks/bench_compile.py [--steps 5] [--json PATH]
 """
@@ -27,13 +27,24 @@ ROOT = os.path.dirname(HERE)
 
 CHILD = r'''
 import os, subprocess, sys, time, json, torch, torch.nn as nn, torch.nn.functional as F
-steps, server, how = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+steps, server, how, which = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 torch.manual_seed(0)
-layers = []
-for _ in range(8):
-    layers += [nn.Linear(64, 64), nn.ReLU()]
-model = nn.Sequential(*layers, nn.Linear(64, 10))
-x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+if which == "mlp":
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(64, 64), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(64, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+else:
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+            self.enc, self.head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(64, 10)
+        def forward(self, x):
+            return self.head(self.enc(x).mean(1))
+    model = Net()
+    x, y = torch.randn(8, 16, 64), torch.randint(0, 10, (8,))
 if server != "local":
     import remotecuda
     remotecuda.activate(server, fallback="error")
@@ -75,13 +86,15 @@ print("RESULT " + json.dumps({"ops": ops, "best_step_s": best}))
 '''
 
 CASES = (("local", "eager"), ("remote", "eager"), ("remote", "compiled"))
+#: an MLP (17 layers, 34 parameters) and a 2-layer transformer encoder (more ops per parameter)
+MODELS = ("mlp", "transformer")
 
 
-def _child(steps: int, server: str, how: str, wall: bool) -> tuple[dict, int | None]:
+def _child(steps: int, server: str, how: str, model: str, wall: bool) -> tuple[dict, int | None]:
     env = dict(os.environ, **({"BENCH_WALL": "1"} if wall else {}))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cg.out")
-        cmd = [sys.executable, "-c", CHILD, str(steps), server, how]
+        cmd = [sys.executable, "-c", CHILD, str(steps), server, how, model]
         if not wall:
             cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}", *cmd]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600, env=env)
@@ -100,16 +113,24 @@ def measure(steps: int = 5) -> dict:
     out: dict = {"steps": steps}
     try:
         server = gw.stdout.readline().split()[1].replace("tcp://", "")
-        for where, how in CASES:
-            info, instr = _child(steps, "local" if where == "local" else server, how, wall=False)
-            if info["ops"] is not None:
-                out["eager_ops_per_step"] = info["ops"]
-            out[f"{where}_{how}_instructions_per_step"] = round(instr / steps)
-            wall, _ = _child(steps, "local" if where == "local" else server, how, wall=True)
-            out[f"{where}_{how}_best_step_ms"] = wall["best_step_s"] * 1e3
+        for model in MODELS:
+            out[model] = _model(steps, server, model)
     finally:
         gw.terminate()
         gw.wait(timeout=30)
+    return out
+
+
+def _model(steps: int, server: str, model: str) -> dict:
+    out: dict = {}
+    for where, how in CASES:
+        at = "local" if where == "local" else server
+        info, instr = _child(steps, at, how, model, wall=False)
+        if info["ops"] is not None:
+            out["eager_ops_per_step"] = info["ops"]
+        out[f"{where}_{how}_instructions_per_step"] = round(instr / steps) if instr else None
+        wall, _ = _child(steps, at, how, model, wall=True)
+        out[f"{where}_{how}_best_step_ms"] = wall["best_step_s"] * 1e3
     n = out["eager_ops_per_step"]
     for where, how in CASES:
         out[f"{where}_{how}_instructions_per_op"] = round(out[f"{where}_{how}_instructions_per_step"] / n)
@@ -127,8 +148,11 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f)
-    for k, v in r.items():
-        print(f"{k:44s} {v:.3f}" if isinstance(v, float) else f"{k:44s} {v:,}" if isinstance(v, int) else f"{k:44s} {v}")
+    for model in MODELS:
+        for k, v in r.get(model, {}).items():
+            print(f"{model:12s} {k:44s} {v:.3f}" if isinstance(v, float) else f"{model:12s} {k:44s} {v:,}")
+    if "skipped" in r:
+        print(r["skipped"])
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ MEMORY_BYTES = 64 << 20
 SNAPSHOT_BYTES = 256 << 20
 #: the op names that carry an upload's bytes (replayed from the blobs)
 UPLOAD_OPS = frozenset({"rc::upload", "rc::upload_cached"})
+#: the ops a snapshot does not replace: replayed after it, on a failover
+STICKY_OPS = frozenset({"rc::set_flags", "rc::program_define"})
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -147,7 +149,8 @@ class ReplayLog:
         self.entries: list[Entry] = []
         #: upload handle → (blob key, dtype, shape), for the uploads the entries name
         self.uploads: dict[int, tuple[bytes, torch.dtype, list]] = {}
-        #: ``rc::set_flags`` ops seen: flags outlive a snapshot (they are process state, not tensors)
+        #: ``rc::set_flags`` and ``rc::program_define`` ops seen: flags and compiled graphs outlive a
+        #: snapshot (they are session state, not tensors)
         self.sticky: list[list] = []
         self.snapshot: Snapshot | None = None
         self.body_bytes = 0  # the entries' packed bodies
@@ -167,7 +170,7 @@ class ReplayLog:
         self.body_bytes += len(body)
         self.ops += len(ops)
         for op in ops:
-            if op[0] == "rc::set_flags":
+            if op[0] in STICKY_OPS:
                 self.sticky.append(op)
 
     def answered(self) -> None:
