@@ -144,7 +144,7 @@ class Program:
             try:
                 env[n + k] = fn(*[arg(a) for a in args], **{key: arg(v) for key, v in kwargs.items()})
             except Exception as e:
-                raise type(e)(f"{e} (in compiled graph node {k}, {self.names[k]})") from e
+                raise _located(e, f"in compiled graph node {k}, {self.names[k]}") from e
             for i in self.frees[k]:
                 env[i] = None
         return self._laid_out([env[i] for i in self.outputs])
@@ -187,3 +187,11 @@ class Program:
             values.append(g.call_function(target, tuple(arg(a) for a in args), {k: arg(v) for k, v in kwargs.items()}))
         g.output(tuple(values[i] for i in self.outputs))
         return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _located(e: Exception, where: str) -> Exception:
+    """``e`` of the same type (the client raises that type), saying where in the graph it happened."""
+    try:
+        return type(e)(f"{e} ({where})")
+    except Exception:  # noqa: BLE001 - a type that takes other arguments
+        return RuntimeError(f"{type(e).__name__}: {e} ({where})")

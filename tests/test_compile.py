@@ -202,6 +202,18 @@ def test_a_graph_outside_the_allowlist_is_refused_and_the_gateway_serves_on(remo
     torch.testing.assert_close((x + 1).cpu(), torch.arange(4.0) + 1)
 
 
+
+def test_an_error_inside_a_graph_is_an_op_error_naming_its_node(remote):
+    x = torch.ones(2, 3).cuda()
+    s = x._s
+    s.enqueue("rc::program_define", [987655, 1, [["aten::mm.default", [Handle(0), Handle(0)], {}]], [1], [[3, 1]]],
+              None, None)
+    h = s.new_handle()
+    s.enqueue("rc::program_run", [987655, [x._w]], None, [h])
+    with pytest.raises(RuntimeError, match=r"in compiled graph node 0, aten::mm.default"):
+        torch.cuda.synchronize()
+    torch.testing.assert_close((x * 2).cpu(), torch.full((2, 3), 2.0))
+
 def test_tied_weights_and_a_step_function_naming_its_model(remote):
     torch.manual_seed(4)
     emb, head = nn.Embedding(11, 8), nn.Linear(8, 11, bias=False)
