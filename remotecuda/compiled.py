@@ -108,7 +108,7 @@ class Compiled:
         if not self.warned:
             self.warned = True
             name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
-            warnings.warn(f"remotecuda: torch.compile runs {name} eagerly on the gateway: {why}", stacklevel=3)
+            warnings.warn(f"remotecuda: torch.compile runs {name} eagerly: {why}", stacklevel=3)
 
     def _trace(self, state: list, leaves: list, spec: Any, tensors: list) -> _Trace | str:
         try:
