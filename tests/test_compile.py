@@ -267,7 +267,7 @@ FAILOVER_CLIENT = textwrap.dedent(r'''
         step = torch.compile(m)
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(1)
-        for i in range(60):
+        for i in range(30):
             if i == kill_at:
                 os.kill(pids[remotecuda.stats()["devices"][0]["gateway"][6:]], signal.SIGKILL)
             x, y = torch.randn(32, 16, generator=g).cuda(), torch.randn(32, 1, generator=g).cuda()
@@ -278,7 +278,7 @@ FAILOVER_CLIENT = textwrap.dedent(r'''
         return [p.detach().cpu() for p in m.parameters()]
 
     ref = run(-1)
-    got = run(40)
+    got = run(20)
     st = remotecuda.stats()
     print("RESULT", all(torch.equal(a, b) for a, b in zip(ref, got)), len(st["failovers"]),
           st["replay_log"]["snapshots"], flush=True)
@@ -292,7 +292,7 @@ def test_compiled_graphs_survive_a_failover_after_a_snapshot():
     gws = [GatewayProcess(), GatewayProcess()]
     try:
         env = dict(os.environ, REMOTECUDA_SERVERS=",".join(gw.address for gw in gws),
-                   REMOTECUDA_SNAPSHOT_BYTES="20000")
+                   REMOTECUDA_SNAPSHOT_BYTES="10000")
         r = subprocess.run([sys.executable, "-c", FAILOVER_CLIENT,
                             json.dumps({gw.address: gw.proc.pid for gw in gws})],
                            capture_output=True, text=True, timeout=150, cwd=ROOT, env=env)
