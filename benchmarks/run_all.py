@@ -13,7 +13,8 @@ benchmarks/bench_auth.py (what a token costs: small round trips, 64 MB uploads, 
 benchmarks/bench_graphs.py (a training step eager vs a CUDA graph's replay),
 benchmarks/bench_sync.py (a value read beside a bare ZeroMQ echo),
 benchmarks/bench_fuzz.py (100,000 hostile messages on every connection kind),
-benchmarks/bench_curve.py (what CurveZMQ costs: plain, token, CURVE, both) and
+benchmarks/bench_curve.py (what CurveZMQ costs: plain, token, CURVE, both),
+benchmarks/bench_failover.py (kills at random steps, recovery, log size) and
 benchmarks/bench_decode.py (generate() tokens/s at 0 and 25 ms each way), each in a fresh
 Python process with its own gateway on 127.0.0.1, then writes one report with the machine, the
 figures, the issue's targets and a short reading of each, and the GPU figures kept in
@@ -38,6 +39,7 @@ import bench_core  # noqa: E402
 import bench_curve  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_discovery  # noqa: E402
+import bench_failover  # noqa: E402
 import bench_fuzz  # noqa: E402
 import bench_graphs  # noqa: E402
 import bench_liveness  # noqa: E402
@@ -55,6 +57,21 @@ def run(script: str, args: list, timeout: float) -> dict:
         subprocess.run(cmd, check=True, timeout=timeout, cwd=os.path.dirname(HERE))
         with open(out) as f:
             return json.load(f)
+
+
+COMPILE_SECTION = "# Part 16: torch.compile on a gateway"
+
+
+def _kept(header: str) -> str:
+    """A part this script does not measure (bench_compile.py's, written by hand from its output),
+    carried over from the current RESULTS.md so a full run does not drop it."""
+    with open(os.path.join(HERE, "RESULTS.md")) as f:
+        text = f.read()
+    start = text.find(header)
+    if start < 0:
+        return ""
+    end = text.find("\n# Part ", start + len(header))
+    return text[start:] if end < 0 else text[start:end + 1]
 
 
 def _instructions_markdown(r: dict) -> str:
@@ -112,6 +129,7 @@ def main() -> None:
     sync = run("bench_sync.py", quick, timeout=300)
     fuzz = run("bench_fuzz.py", quick, timeout=600)
     encryption = run("bench_curve.py", quick, timeout=900)
+    failover = run("bench_failover.py", quick, timeout=1200)
     decode = run("bench_decode.py", quick, timeout=900)
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - t0
@@ -217,9 +235,13 @@ gateway op; `torch.save` fetches all its tensors in one round trip.
 {bench_curve.SECTION}
 
 {bench_curve.markdown(encryption)}
+{bench_failover.SECTION}
+
+{bench_failover.markdown(failover)}
 {bench_decode.SECTION}
 
-{bench_decode.markdown(decode)}"""
+{bench_decode.markdown(decode)}
+{_kept(COMPILE_SECTION)}"""
     path = os.path.join(HERE, "RESULTS.md")
     with open(path, "w") as f:
         f.write(report)
