@@ -10,6 +10,7 @@ float64; the gateway makes its output conform where its backend chose otherwise.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ def conv_memory_format(input: torch.Tensor, weight: torch.Tensor) -> torch.memor
     return torch.contiguous_format
 
 
-def conform(name: str, args: tuple, kwargs: dict, out: Any) -> Any:
+def conform(name: str, args: Sequence[Any], kwargs: dict, out: Any) -> Any:
     """``out`` of convolution op ``name`` in the rule's layout: for conv_backward the input and
     weight gradients (the bias gradient is 1-d), else the output. ``args`` are the op's own."""
     if name == "aten::convolution_backward.default":
