@@ -651,17 +651,21 @@ class Session:
                     frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._stats["bytes_down"] += sum(len(f) for f in frames)
-                try:
-                    self._opener(frames, sock)
-                    msg = protocol.decode(frames)
-                except ProtocolError as e:
-                    raise GatewayProtocolError(f"gateway {self.endpoint} sent a message this client "
-                                               f"refuses: {e}") from None
+                msg = self._decoded(frames, sock)
                 if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
                     self._later[msg.body["rid"]] = msg.body
                 elif msg.type == protocol.ERROR:
                     self._raise_error(msg.body)
+
+    def _decoded(self, frames: list, sock: zmq.Socket) -> protocol.Message:
+        """A message from the gateway, counted, opened (signed links) and decoded."""
+        self._stats["bytes_down"] += sum(len(f) for f in frames)
+        try:
+            self._opener(frames, sock)
+            return protocol.decode(frames)
+        except ProtocolError as e:
+            raise GatewayProtocolError(f"gateway {self.endpoint} sent a message this client "
+                                       f"refuses: {e}") from None
 
     def fetch_many(self, handles: list[int]) -> list[torch.Tensor]:
         """CPU copies of several gateway tensors (contiguous), in one round trip."""
@@ -692,13 +696,7 @@ class Session:
                 for sock in dict(self._poller.poll(100)):
                     frames = sock.recv_multipart(copy=False)
                     last_heard = time.monotonic()
-                    self._stats["bytes_down"] += sum(len(f) for f in frames)
-                    try:
-                        self._opener(frames, sock)
-                        msg = protocol.decode(frames)
-                    except ProtocolError as e:
-                        raise GatewayProtocolError(f"gateway {self.endpoint} sent a message this client "
-                                                   f"refuses: {e}") from None
+                    msg = self._decoded(frames, sock)
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
                         return msg, downloads
                     if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:

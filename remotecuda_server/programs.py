@@ -32,6 +32,15 @@ _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device,
           torch.layout)
 
 
+def _resolved(v: Any, values: list) -> Any:
+    """An argument with each _Ref (in lists too) replaced by its value in ``values``."""
+    if type(v) is _Ref:
+        return values[v.i]
+    if type(v) is list:
+        return [_resolved(x, values) for x in v]
+    return v
+
+
 class _Ref:
     """An argument that is an earlier value of the graph (an input, or a node's result)."""
 
@@ -134,11 +143,7 @@ class Program:
         env: list[Any] = list(inputs) + [None] * len(self.steps)
 
         def arg(v: Any) -> Any:
-            if type(v) is _Ref:
-                return env[v.i]
-            if type(v) is list:
-                return [arg(x) for x in v]
-            return v
+            return _resolved(v, env)
         n = self.n_inputs
         for k, (fn, args, kwargs) in enumerate(self.steps):
             try:
@@ -178,11 +183,7 @@ class Program:
         values: list[Any] = [g.placeholder(f"in_{i}") for i in range(self.n_inputs)]
 
         def arg(v: Any) -> Any:
-            if type(v) is _Ref:
-                return values[v.i]
-            if type(v) is list:
-                return [arg(x) for x in v]
-            return v
+            return _resolved(v, values)
         for target, (_, args, kwargs) in zip(self.targets, self.steps):
             values.append(g.call_function(target, tuple(arg(a) for a in args), {k: arg(v) for k, v in kwargs.items()}))
         g.output(tuple(values[i] for i in self.outputs))
