@@ -470,6 +470,11 @@ class Dispatcher:
 
     def upload(self, cpu: torch.Tensor, s: Any, kwargs: dict | None = None) -> torch.Tensor:
         """A CPU tensor copied to session ``s``'s device (``_to_copy`` semantics): a RemoteTensor."""
+        if cpu.layout is not torch.strided or cpu.is_nested:
+            kind = "nested" if cpu.is_nested else str(cpu.layout).removeprefix("torch.")
+            dense = "torch.nested.to_padded_tensor(t, 0.0)" if cpu.is_nested else "t.to_dense()"
+            raise NotImplementedError(f"remotecuda: {kind} tensors cannot be moved to a remote 'cuda' device "
+                                      f"(only dense, strided tensors cross the wire); move {dense} instead")
         kwargs = kwargs or {}
         dtype = kwargs.get("dtype")
         if dtype is not None and dtype != cpu.dtype:

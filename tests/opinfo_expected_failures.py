@@ -7,7 +7,7 @@ does, which differs from the CPU reference).
 """
 from __future__ import annotations
 
-_SPARSE_CSR = "unsupported: sparse CSR tensors (the client's upload asks a CSR tensor is_contiguous)"
+_SPARSE_CSR = "unsupported: sparse CSR tensors (only dense tensors cross the wire: NotImplementedError)"
 _SPARSE_COO = "unsupported: sparse COO tensors (the gateway's download cannot serialise one)"
 _HALF_STATS = ("cuda semantics: CUDA's float32 mean/rstd for a half-precision input (the meta kernel's, "
                "so the wrapper's); the CPU gateway computes them in the input dtype")

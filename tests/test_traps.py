@@ -69,6 +69,15 @@ def test_channels_last_convolutions_keep_one_layout_on_both_sides(dtype):
         conv.zero_grad()
 
 
+def test_sparse_and_nested_tensors_say_plainly_they_do_not_cross():
+    coo = torch.sparse_coo_tensor(torch.tensor([[0, 1], [2, 0]]), torch.tensor([3.0, 4.0]), (2, 3))
+    for t, words in [(coo, "sparse_coo tensors"), (coo.to_sparse_csr(), "sparse_csr tensors"),
+                     (torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(1, 3)]), "nested tensors")]:
+        with pytest.raises(NotImplementedError, match=words):
+            t.cuda()
+    assert torch.equal(coo.to_dense().cuda().cpu(), coo.to_dense())  # the advice works, the session goes on
+
+
 def test_half_changes_the_gateway_tensor_too():
     m = nn.Linear(3, 2).cuda()
     ref = cpu_copy(m.weight).half()
