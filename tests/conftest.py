@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -109,6 +110,16 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300, args: l
     e.update(env or {})
     return subprocess.run([sys.executable, *(args or ["-c", code])], capture_output=True, text=True,
                           timeout=timeout, env=e, cwd=ROOT)
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 20) -> None:
+    """End a process started with start_new_session=True and everything it started (a Jupyter
+    server and its kernels): SIGTERM to its group, SIGKILL after ``grace`` seconds."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def wait_for(pred, timeout: float = 20.0, interval: float = 0.1) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import uuid
 
 import pytest
 
-from conftest import GatewayProcess, wait_for
+from conftest import GatewayProcess, stop_group, wait_for
 
 pytest.importorskip("jupyter_server")
 
@@ -40,11 +39,7 @@ def server(tmp_path):
     try:
         yield f"http://127.0.0.1:{port}/", token, proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
         print((tmp_path / "server.log").read_text()[-3000:])
 
 

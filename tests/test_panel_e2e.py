@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, private_discovery, wait_for
+from conftest import ROOT, private_discovery, stop_group, wait_for
 
 CHROMIUM = os.environ.get("REMOTECUDA_CHROMIUM", "/usr/bin/chromium")
 LABEXT = os.path.join(ROOT, "labextension")
@@ -146,11 +146,7 @@ def test_panel_end_to_end(chromium, tmp_path):
         with open(os.path.join(ARTIFACTS, traces[0])) as f:
             assert any(e["ph"] == "X" and e["cat"] == "ops" for e in json.load(f)["traceEvents"])
     finally:
-        os.killpg(lab.pid, signal.SIGTERM)
-        try:
-            lab.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(lab.pid, signal.SIGKILL)
+        stop_group(lab)
         for g in gateways:
             g.stop()
         with open(tmp_path / "jupyterlab.log") as f:
