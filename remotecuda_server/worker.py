@@ -62,6 +62,24 @@ def _waits_on_io(ops: Any) -> bool:
                for op in (ops if isinstance(ops, list) else ()) if isinstance(op, list) and op)
 
 
+#: the plain ints of zmq's enum constants: an enum's ``&`` builds a new enum member each time
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
+def _readable(sock: zmq.Socket) -> bool:
+    """Whether a message waits on ``sock``: asked before a non-blocking read, because a read that
+    finds nothing costs a raised ``zmq.Again``, several times the read itself, on every value read."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+
+
+def _take(sock: zmq.Socket, handle: Any, most: int = 64) -> None:
+    """Hand ``handle`` the messages waiting on ``sock``, up to ``most`` (the rest after the next poll)."""
+    for _ in range(most):
+        if not _readable(sock):
+            return
+        handle(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+
+
 def _no_wake() -> None:
     return None
 
@@ -207,17 +225,9 @@ class Worker:
             if self.data in events:
                 if self.conns is not None:
                     self.conns.events()  # (news of a connection before its messages)
-                for _ in range(64):
-                    try:
-                        self._on_direct(self.data.recv_multipart(zmq.NOBLOCK, copy=False))
-                    except zmq.Again:
-                        break
+                _take(self.data, self._on_direct)
             if self.sock in events:
-                for _ in range(64):  # (a batch: the supervisor forwards faster than one a poll)
-                    try:
-                        self._on_supervisor(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
-                    except zmq.Again:
-                        break
+                _take(self.sock, self._on_supervisor)  # (a batch: the supervisor forwards faster than one a poll)
 
     def _on_supervisor(self, frames: list) -> None:
         """A message from the supervisor: the session, a client's forwarded message, its end."""
@@ -256,11 +266,8 @@ class Worker:
 
     def _forward_outbox(self) -> None:
         """Send the executor's messages on to the client, noting when its thread has ended."""
-        while not self.executor_ended:
-            try:
-                frames = self.outbox.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        while not self.executor_ended and _readable(self.outbox):
+            frames = self.outbox.recv_multipart(zmq.NOBLOCK, copy=False)
             kind = frames[0].bytes
             if kind == internal.DONE:
                 self.executor_ended = True
@@ -334,7 +341,7 @@ class Worker:
         if head.type == protocol.PART:
             self._on_part(frames)
         elif head.type in (protocol.OPS, protocol.CANCEL):
-            self._on_client_message(frames, checked=True)
+            self._on_client_message(frames, head)
         elif head.type == protocol.PING:
             self._reply_direct(ident, protocol.PONG, {})
         elif head.type == protocol.BYE:
@@ -484,10 +491,12 @@ class Worker:
             self._last_stats = stats
             self.sock.send_multipart([internal.STATS, protocol.pack_body(stats)])
 
-    def _on_client_message(self, frames: list, checked: bool = False) -> None:
-        """OPS, CANCEL or PART; forwarded by the supervisor unless ``checked`` (the direct path)."""
+    def _on_client_message(self, frames: list, checked: protocol.Header | None = None) -> None:
+        """OPS, CANCEL or PART; forwarded by the supervisor unless ``checked``, the header the
+        direct path has checked already."""
+        head = checked
         try:
-            if not checked:
+            if head is None:
                 head = self.keys.open(frames, (auth.FRONT, auth.BULK)) if self.keys is not None \
                     else protocol.decode_header(frames[0]) if frames else None
                 if head is None:
@@ -496,9 +505,9 @@ class Worker:
                 if head.type == protocol.PART:
                     self._on_part(frames)
                     return
-            msg = protocol.decode(frames)
+            msg = protocol.decode(frames, head=head)
         except ProtocolError as e:
-            if not checked:
+            if checked is None:
                 self.executor.parts.lost()
             self._queue(Rejected(str(e)))
             return

@@ -447,12 +447,13 @@ def decode_header(frame: Any) -> Header:
                   raw[_HEADER.size:_HEADER.size + MAC_SIZE], raw[:_HEADER.size])
 
 
-def decode(frames: Sequence[Any], max_body: int = MAX_BODY_BYTES) -> Message:
+def decode(frames: Sequence[Any], max_body: int = MAX_BODY_BYTES, head: Header | None = None) -> Message:
     """Check every frame of a message and parse it; payloads stay undecoded (see decode_payload).
-    ``max_body``: a smaller bound for messages that must stay tiny (the supervisor's own)."""
+    ``max_body``: a smaller bound for messages that must stay tiny (the supervisor's own);
+    ``head``: ``decode_header(frames[0])`` where the caller has it already."""
     if len(frames) < 2:
         raise ProtocolError("truncated message: header and body frames are required")
-    msg_type, seq, body_len, n_pl, digest = decode_header(frames[0])[:5]
+    msg_type, seq, body_len, n_pl, digest = (head or decode_header(frames[0]))[:5]
     body_buf = frames[1].buffer if hasattr(frames[1], "buffer") else memoryview(frames[1])
     if body_buf.nbytes != body_len:
         raise ProtocolError(f"truncated message: body is {body_buf.nbytes} bytes, header says {body_len}")
