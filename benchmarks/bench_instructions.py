@@ -4,7 +4,9 @@ Wall-clock µs/op on a shared 2-core machine swings by 2-5x with what else runs;
 number of instructions the client executes per op does not. This runs the same chain of
 small elementwise ops locally and through a gateway under callgrind, counting only the
 chain (``callgrind_control -i on/off`` around it), and reports instructions per op, the
-ratio, and that ratio applied to the local µs/op measured in this run (min of 5).
+ratio, and that ratio applied to the local µs/op measured in this run (min of 5). A third run
+(the floor) counts a tensor subclass whose ``__torch_dispatch__`` only makes each op's output
+wrapper: what any per-op interception costs before doing any work of its own.
 
     python benchmarks/bench_instructions.py [--ops 2000] [--json PATH]
 """
@@ -26,21 +28,34 @@ ROOT = os.path.dirname(HERE)
 CHILD = r'''
 import os, subprocess, sys, torch
 n, server = int(sys.argv[1]), sys.argv[2]
+class Floor(torch.Tensor):
+    """The least any __torch_dispatch__ interception costs: a new output wrapper per op, no other work."""
+    @staticmethod
+    def __new__(cls, shape, dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype)
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return Floor(args[0].shape, args[0].dtype)
 def chain(x):
     for _ in range(n // 2):
         x = x * 1.0001 + 0.0001
     return x
+def read(y):
+    return None if server == "floor" else y.sum().item()
 x = torch.randn(64, 8)
-if server != "local":
+if server == "floor":
+    x = Floor((64, 8), torch.float32)
+elif server != "local":
     import remotecuda
     remotecuda.activate(server, fallback="error")
     x = x.cuda()
 for _ in range(2):
-    chain(x).sum().item()
+    read(chain(x))
 subprocess.run(["callgrind_control", "-i", "on", str(os.getpid())], capture_output=True)
 y = chain(x)
 subprocess.run(["callgrind_control", "-i", "off", str(os.getpid())], capture_output=True)
-y.sum().item()
+read(y)
 '''
 
 
@@ -77,13 +92,14 @@ def measure(n: int = 2000) -> dict:
     try:
         server = gw.stdout.readline().split()[1].replace("tcp://", "")
         local = _instructions(n, "local") / n
+        floor = _instructions(n, "floor") / n
         remote = _instructions(n, server) / n
     finally:
         gw.terminate()
         gw.wait(timeout=30)
     us = _local_us_per_op(n)
     return {"ops": n, "local_instructions_per_op": round(local), "remote_instructions_per_op": round(remote),
-            "ratio": remote / local, "local_us_per_op": us, "remote_us_per_op_equivalent": us * remote / local}
+            "floor_instructions_per_op": round(floor), "ratio": remote / local, "local_us_per_op": us, "remote_us_per_op_equivalent": us * remote / local}
 
 
 def main() -> None:
