@@ -69,7 +69,7 @@ class DeviceProperties:
 
 # ---------------------------------------------------------------------- device facts
 def is_available() -> bool:
-    return True
+    return device_count() > 0  # (none: CUDA_VISIBLE_DEVICES hid them all, visible_devices.py)
 
 
 def is_initialized() -> bool:
@@ -117,7 +117,67 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 
 
 def get_arch_list() -> list[str]:
-    return []
+    """The architectures the current device's gateway's torch was built for ([] on a CPU gateway)."""
+    return list(_info("get_arch_list"))
+
+
+def get_gencode_flags() -> str:
+    return str(_info("get_gencode_flags"))
+
+
+def can_device_access_peer(device: Any, peer_device: Any) -> bool:
+    """Copies between two devices go gateway to gateway (remotecuda_server/peer.py), never through
+    this process; a device is not its own peer (CUDA's answer)."""
+    a, b = device_index(device), device_index(peer_device)
+    rt = _rt()
+    rt.pool.check(a)
+    rt.pool.check(b)
+    return a != b
+
+
+def get_sync_debug_mode() -> int:
+    return 0
+
+
+def set_sync_debug_mode(debug_mode: int | str) -> None:
+    """Only the default: remotecuda does not yet report the operations that synchronise."""
+    if debug_mode not in (0, "default"):
+        raise NotImplementedError(f"remotecuda: torch.cuda.set_sync_debug_mode({debug_mode!r}) is not supported "
+                                  "yet (only 0, 'default'); remotecuda.stats() counts the sync points")
+
+
+# ---------------------------------------------------------------------- NVML, on the gateway
+def _info(name: str, device: Any = None) -> Any:
+    """``torch.cuda.<name>`` answered by the device's worker (remotecuda_server/cuda_info.py)."""
+    return _session(device).request("rc::cuda_info", [name])
+
+
+def utilization(device: Any = None) -> int:
+    return int(_info("utilization", device))
+
+
+def memory_usage(device: Any = None) -> int:
+    return int(_info("memory_usage", device))
+
+
+def temperature(device: Any = None) -> int:
+    return int(_info("temperature", device))
+
+
+def power_draw(device: Any = None) -> int:
+    return int(_info("power_draw", device))
+
+
+def clock_rate(device: Any = None) -> int:
+    return int(_info("clock_rate", device))
+
+
+def device_memory_used(device: Any = None) -> int:
+    return int(_info("device_memory_used", device))
+
+
+def list_gpu_processes(device: Any = None) -> str:
+    return str(_info("list_gpu_processes", device))
 
 
 class device:
@@ -165,6 +225,11 @@ class Stream:
         self.priority = priority
         self.stream_id = next(_ids)
         return self
+
+    @property
+    def cuda_stream(self) -> int:
+        """The stream's number, unique in this process (there is no local CUDA stream to point to)."""
+        return self.stream_id
 
     def synchronize(self) -> None:
         synchronize(self.device)
@@ -299,6 +364,65 @@ def memory_stats(device: Any = None) -> dict:
     m = _memory(device)
     return {"allocated_bytes.all.current": m["allocated"], "allocated_bytes.all.peak": m["peak"],
             "reserved_bytes.all.current": m["reserved"]}
+
+
+def memory_stats_as_nested_dict(device: Any = None) -> dict:
+    m = _memory(device)
+    return {"allocated_bytes": {"all": {"current": m["allocated"], "peak": m["peak"]}},
+            "reserved_bytes": {"all": {"current": m["reserved"]}}}
+
+
+def memory_snapshot(mempool_id: Any = None) -> list:
+    """The current device's gateway allocator's segments (none on a CPU gateway)."""
+    return list(_info("memory_snapshot"))
+
+
+def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    """Caps what the device's session may allocate at ``fraction`` of the GPU's memory, on the
+    gateway (its worker is the process): past it, allocating raises ``torch.OutOfMemoryError``."""
+    i = device_index(device)
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
+    if fraction < 0 or fraction > 1:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    _session(i).request("rc::memory_fraction", [fraction])
+
+
+def get_per_process_memory_fraction(device: Any = None) -> float:
+    return float(_session(device).request("rc::memory_fraction", [None]))
+
+
+# page-locked host memory is never allocated here (interception._pin_memory): its counters stay 0
+_HOST_STATS = [f"{k}.{w}" for k in ("allocations", "allocated_bytes", "active_requests", "active_bytes")
+               for w in ("current", "peak", "allocated", "freed")] + ["num_host_alloc", "num_host_free"] + [
+    f"{k}.{w}" for k in ("host_alloc_time", "host_free_time") for w in ("total", "max", "min", "count", "avg")]
+
+
+def host_memory_stats() -> dict[str, Any]:
+    return dict.fromkeys(_HOST_STATS, 0)
+
+
+def host_memory_stats_as_nested_dict() -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for key in _HOST_STATS:
+        head, _, leaf = key.partition(".")
+        if leaf:
+            nested.setdefault(head, {})[leaf] = 0
+        else:
+            nested[head] = 0
+    return nested
+
+
+def reset_peak_host_memory_stats() -> None:
+    return None
+
+
+def reset_accumulated_host_memory_stats() -> None:
+    return None
+
+
+def get_allocator_backend() -> str:
+    return str(_info("get_allocator_backend"))
 
 
 def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
@@ -451,7 +575,12 @@ REPLACEMENTS = {name: obj for name, obj in dict(globals()).items() if name in {
     "StreamContext", "current_stream", "default_stream", "set_stream", "memory_allocated",
     "memory_reserved", "max_memory_allocated", "max_memory_reserved", "memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats", "empty_cache",
-    "mem_get_info", "memory_summary",
+    "mem_get_info", "memory_summary", "memory_stats_as_nested_dict", "memory_snapshot",
+    "set_per_process_memory_fraction", "get_per_process_memory_fraction", "get_allocator_backend",
+    "get_gencode_flags", "can_device_access_peer", "get_sync_debug_mode", "set_sync_debug_mode",
+    "utilization", "memory_usage", "temperature", "power_draw", "clock_rate", "device_memory_used",
+    "list_gpu_processes", "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
+    "reset_accumulated_host_memory_stats",
     "ipc_collect", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
     "set_rng_state", "get_rng_state_all", "set_rng_state_all", "_lazy_init", "_initialized"}}
 #: what replaces torch.cuda.nvtx.<name> while active (``nvtx.range`` uses these)

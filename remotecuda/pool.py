@@ -14,8 +14,9 @@ placed later.
 **Virtual devices**: ``REMOTECUDA_DEVICES`` (scheduler.parse_devices: a count, or one pin per
 device) says how many a program sees as ``cuda:0..N-1``. Unset, an explicit list gives all its
 gateways' GPUs in order (cuda:N is the N-th GPU over the listed gateways, fixed at activation),
-and a discovered pool gives one device. ``torch.cuda.device_count()`` is their number, known
-without placing any.
+and a discovered pool gives one device. ``CUDA_VISIBLE_DEVICES``, when set, then picks among
+them and renumbers them, as CUDA does (visible_devices.py). ``torch.cuda.device_count()`` is
+their number, known without placing any.
 
 **Placement**: a device not placed yet is placed when its session first needs it (its first
 upload, value read or full batch of ops; ``Session.open``) or when its properties are asked for,
@@ -42,7 +43,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -50,6 +51,7 @@ import zmq
 from remotecuda_wire import beacon, cache, protocol
 from remotecuda_wire.lifetime import die_with_parent
 
+from . import visible_devices
 from .discovery import Answer, Discovery, MulticastSource, ask
 from .errors import GatewayAuthError, GatewayUnavailableError, RemoteCUDAError
 from .failover import Failover
@@ -172,6 +174,12 @@ class Pool:
             warnings.warn("remotecuda: no gateway is reachable (" + "; ".join(unreachable) + "); "
                           "running 'cuda' work on the local CPU instead", RuntimeWarning, stacklevel=3)
             self._start_local_gateway(pins)
+        #: the devices CUDA_VISIBLE_DEVICES hid, and its value, for messages (visible_devices.py)
+        self.hidden = (0, os.environ.get(visible_devices.VAR))
+        visible = visible_devices.from_env(len(self.devices))
+        if visible is not None:
+            self.hidden = (len(self.devices) - len(visible), self.hidden[1])
+            self.devices = [replace(self.devices[i], index=n) for n, i in enumerate(visible)]
         self._stop = threading.Event()
         self._pending = threading.Event()
         self._flusher = threading.Thread(target=self._background, name="remotecuda-flush", daemon=True)
@@ -257,6 +265,9 @@ class Pool:
     # ------------------------------------------------------------------ devices and placement
     def check(self, index: int) -> VirtualDevice:
         """Virtual device ``cuda:index``, placed or not; an invalid index raises as CUDA does."""
+        if not self.devices:
+            raise RuntimeError(f"No CUDA GPUs are available ({visible_devices.VAR}={self.hidden[1]!r} hides all "
+                               f"{self.hidden[0]} of remotecuda's virtual devices)")
         if not 0 <= index < len(self.devices):
             raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index}; remotecuda has "
                                f"{len(self.devices)} device(s))")

@@ -132,6 +132,16 @@ class RemoteTensor(torch.Tensor):
     def pin_memory(self, device: Any = None) -> RemoteTensor:
         raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
 
+    def share_memory_(self) -> RemoteTensor:
+        """A no-op, as for a CUDA tensor: device memory is shared across processes without moving it."""
+        return self
+
+    def is_shared(self) -> bool:
+        return True  # (torch says so of every CUDA storage)
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        raise dlpack_error(self)
+
     def __coerce_same_metadata_as_tangent__(self, expected_metadata: Any, expected_type: Any = None) -> Any:
         """A compiled graph's backward (compiled.py) was traced on plain tensors: a wrapper's
         gradient is what it expects (None: AOTAutograd then says which tangent did not fit)."""
@@ -209,6 +219,14 @@ class RemoteTensor(torch.Tensor):
         cpu = self.detach().cpu().clone()
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                 (cpu, self.dtype, str(self.device), self.requires_grad))
+
+
+def dlpack_error(t: RemoteTensor) -> BufferError:
+    """Why a 'cuda' tensor has no DLPack capsule: its memory is on a gateway, not in this process
+    (a DLPack consumer reads the pointer directly)."""
+    return BufferError(f"remotecuda: a cuda:{t._dev} tensor's memory is on its gateway's device, not in this "
+                       "process, so DLPack cannot hand it to another library here; copy it to the CPU "
+                       "first (tensor.cpu()) and share that")
 
 
 def contiguous_strides(shape: tuple) -> tuple:

@@ -23,7 +23,7 @@ from remotecuda_wire.cache import ContentCache, content_key
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import GeneratorRef, Handle, ProtocolError
 
-from . import peer, rnn
+from . import cuda_info, peer, rnn
 from .graphs import CAPTURING, RecordedGraph, flatten_tensors
 from .memory_account import MemoryAccount, fmt_bytes
 from .ops import OpResolver, UnknownOpError
@@ -298,6 +298,7 @@ class Executor:
         self._out_payloads: list = []  # the running message's reply payloads, which fetches add to
         #: on the CPU the table itself counts the bytes its tensors hold (CUDA's allocator does on a GPU)
         self.handles: dict[int, torch.Tensor] = {} if device.type == "cuda" else CountedHandles(self.quota or account)
+        self.memory_fraction = 1.0  # the client's torch.cuda.set_per_process_memory_fraction
         self.invalid: dict[int, str] = {}
         self.resolver = OpResolver()
         self.failed: dict | None = None
@@ -421,7 +422,8 @@ class Executor:
             except ProtocolError:
                 raise
             except Exception as e:  # any op error belongs to the client that issued it
-                if self.quota is not None and self.device.type == "cuda" and isinstance(e, torch.OutOfMemoryError):
+                if (self.quota is not None and self.quota.limit is not None and self.device.type == "cuda"
+                        and isinstance(e, torch.OutOfMemoryError)):
                     e = torch.OutOfMemoryError(f"{e} This session's memory quota is "
                                                f"{fmt_bytes(self.quota.limit)} ({QUOTA_FLAG}).")
                 self.failed = RemoteOpError(name, first + i, e).info
@@ -698,6 +700,38 @@ class Executor:
         else:
             HOST_BLOCKS.clear()
 
+    @internal_op("memory_fraction", "[fraction or nil]")
+    def _memory_fraction(self, args: list) -> float:
+        """``torch.cuda.set_per_process_memory_fraction`` (a fraction) and ``get_`` (nil): the
+        fraction in force. The worker serves one session, so the session is the process."""
+        if args and args[0] is not None:
+            fraction = float(args[0])
+            if not 0.0 <= fraction <= 1.0:
+                raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+            if self.device.type == "cuda":
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                limit = self.quota.limit if self.quota is not None else None
+                quota = 1.0 if limit is None else min(1.0, limit / total)
+                torch.cuda.set_per_process_memory_fraction(min(fraction, quota), self.device)
+            else:
+                self._counted_quota().set_fraction(fraction, self.memory_stats()["total"])
+            self.memory_fraction = fraction
+        return self.memory_fraction
+
+    def _counted_quota(self) -> SessionQuota:
+        """The CPU device's limits in front of its handle table, made at the first need."""
+        if self.quota is None:
+            counted = cast(CountedHandles, self.handles)
+            self.quota = SessionQuota(None, self.account)
+            self.quota.mine = counted.recount()  # (already in the account: the table settled it)
+            counted.account = self.quota
+        return self.quota
+
+    @internal_op("cuda_info", "[name]")
+    def _cuda_info(self, args: list) -> Any:
+        """``torch.cuda.<name>`` for this device, where NVML and the allocator live (cuda_info.py)."""
+        return cuda_info.query(str(args[0]), self.device, self.account, self.allocated_bytes())
+
     @internal_op("rng_get", "[]")
     def _rng_get(self, args: list) -> bytes:
         """The default generator's state, as bytes."""
@@ -958,7 +992,7 @@ class Executor:
             import psutil
             vm = psutil.virtual_memory()
             free, total = vm.available, vm.total
-        if self.quota is not None:  # what this session may still take
+        if self.quota is not None and self.quota.limit is not None:  # what this session may still take
             free = min(free, max(0, self.quota.limit - alloc))
         return {"allocated": alloc, "reserved": alloc + HOST_BLOCKS.free_bytes(), "peak": counted.peak,
                 "free": free, "total": total}

@@ -1,0 +1,178 @@
+"""torch.cuda's less common API through a real gateway with three simulated GPUs of 256 MiB
+(``--device cpu --gpus 3``): the per-process memory fraction, NVML's figures, CUDA_VISIBLE_DEVICES,
+share_memory_ and DLPack, and a scan of torch.cuda's public functions for any that fail where
+a GPU machine's would work."""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import remotecuda
+from remotecuda import visible_devices
+
+from conftest import GatewayProcess
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def sim(monkeypatch_module):
+    """The simulated gateway, and remotecuda active over it (its three GPUs as cuda:0..2); the
+    run's own activation after."""
+    gw = GatewayProcess("--spare", "1", "--gpus", "3", "--gpu-memory", "256MiB")
+    previous = remotecuda.runtime.active()
+    restore = previous and list(dict.fromkeys(d.endpoint.removeprefix("tcp://") for d in previous.pool.devices))
+    remotecuda.deactivate()
+    monkeypatch_module.delenv(visible_devices.VAR, raising=False)
+    remotecuda.activate(gw.address, fallback="error")
+    try:
+        yield gw
+    finally:
+        remotecuda.deactivate()
+        gw.stop()
+        if restore:
+            remotecuda.activate(restore, fallback="error")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _reactivate(sim: GatewayProcess, visible: str | None) -> None:
+    remotecuda.deactivate()
+    with pytest.MonkeyPatch.context() as mp:
+        if visible is None:
+            mp.delenv(visible_devices.VAR, raising=False)
+        else:
+            mp.setenv(visible_devices.VAR, visible)
+        remotecuda.activate(sim.address, fallback="error")
+
+
+# ---------------------------------------------------------------------- memory fraction
+def test_memory_fraction_caps_the_session_as_cuda_does(sim):
+    assert torch.cuda.get_per_process_memory_fraction(1) == 1.0
+    held = torch.ones(16 * MiB // 4, device="cuda:1")
+    torch.cuda.set_per_process_memory_fraction(0.25, 1)  # 64 MiB of the 256
+    assert torch.cuda.get_per_process_memory_fraction("cuda:1") == 0.25
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0  # another device's session is unaffected
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 60\.00 MiB.*64\.00 MiB allowed.*"
+                                                     r"set_per_process_memory_fraction\(0\.25\)"):
+        torch.empty(60 * MiB // 4, device="cuda:1").sum().item()
+    with pytest.raises(torch.OutOfMemoryError, match="set_per_process_memory_fraction"):  # an upload too
+        torch.zeros(60 * MiB // 4).to("cuda:1")
+        torch.cuda.synchronize(1)
+    assert torch.empty(100 * MiB // 4, device="cuda:0").fill_(1).sum().item() == 100 * MiB // 4
+    fits = torch.full((40 * MiB // 4,), 2.0, device="cuda:1")  # the session goes on, under its cap
+    assert fits.sum().item() == 2 * 40 * MiB // 4 and held.sum().item() == 16 * MiB // 4
+    torch.cuda.set_per_process_memory_fraction(1.0, 1)
+    del fits
+    assert torch.empty(150 * MiB // 4, device="cuda:1").fill_(1).sum().item() == 150 * MiB // 4
+    with pytest.raises(ValueError, match="Allowed range"):
+        torch.cuda.set_per_process_memory_fraction(1.5, 1)
+    with pytest.raises(TypeError, match="must be `float`"):
+        torch.cuda.set_per_process_memory_fraction(1, 1)
+
+
+# ---------------------------------------------------------------------- NVML and allocator figures
+def test_nvml_figures_come_from_the_gateway(sim):
+    for name in ("utilization", "memory_usage", "temperature", "power_draw", "clock_rate"):
+        with pytest.raises(RuntimeError, match=f"torch.cuda.{name}\\(\\) reads NVML.*runs on the CPU"):
+            getattr(torch.cuda, name)()
+    x = torch.ones(8 * MiB // 4, device="cuda:2")
+    used = torch.cuda.device_memory_used(2)  # the simulated GPU's account: every session's bytes on it
+    free, total = torch.cuda.mem_get_info(2)
+    assert used >= 8 * MiB and used == total - free
+    assert torch.cuda.list_gpu_processes(2).startswith("GPU:2\n")
+    assert torch.cuda.get_arch_list() == [] and torch.cuda.get_gencode_flags() == ""
+    assert torch.cuda.memory_snapshot() == [] and torch.cuda.get_allocator_backend() == "native"
+    nested = torch.cuda.memory_stats_as_nested_dict(2)
+    assert nested["allocated_bytes"]["all"]["current"] == torch.cuda.memory_allocated(2) >= 8 * MiB
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] == 0
+    assert torch.cuda.host_memory_stats_as_nested_dict()["allocations"]["peak"] == 0
+    del x
+
+
+def test_more_of_torch_cuda(sim):
+    assert torch.cuda.can_device_access_peer(0, 1) and not torch.cuda.can_device_access_peer(1, 1)
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.can_device_access_peer(0, 5)
+    torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.get_sync_debug_mode() == 0
+    with pytest.raises(NotImplementedError, match="set_sync_debug_mode"):
+        torch.cuda.set_sync_debug_mode("warn")
+    s = torch.cuda.Stream()
+    assert s.cuda_stream != torch.cuda.default_stream().cuda_stream
+    assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError
+
+
+def test_no_public_torch_cuda_function_fails_for_want_of_local_cuda(sim):
+    """Every torch.cuda / torch.cuda.memory / torch.cuda.random function callable without
+    arguments works, or fails with a clear error of remotecuda's (the NVML sensors of a CPU
+    gateway), except those listed: raw handles and allocator controls of a local GPU."""
+    local_only = {"caching_allocator_enable", "current_blas_handle", "current_solver_handle"}
+    sensors = {"utilization", "memory_usage", "temperature", "power_draw", "clock_rate"}
+    failed = {}
+    for mod in (torch.cuda, torch.cuda.memory, torch.cuda.random):
+        for name in getattr(mod, "__all__", []):
+            f = getattr(mod, name, None)
+            if name in local_only | sensors or not inspect.isfunction(f):
+                continue
+            if any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                   for p in inspect.signature(f).parameters.values()):
+                continue
+            try:
+                with warnings.catch_warnings():  # (the *_cached names are deprecated)
+                    warnings.simplefilter("ignore", FutureWarning)
+                    f()
+            except Exception as e:
+                failed[f"{mod.__name__}.{name}"] = f"{type(e).__name__}: {e}"
+    assert not failed
+
+
+# ---------------------------------------------------------------------- share_memory_ and DLPack
+def test_share_memory_is_a_no_op_and_dlpack_says_why_not(sim):
+    x = torch.arange(4.0, device="cuda")
+    assert x.share_memory_() is x and x.is_shared()  # as for a CUDA tensor
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    for to in (torch.utils.dlpack.to_dlpack, torch.to_dlpack, lambda t: t.__dlpack__(), torch.from_dlpack):
+        with pytest.raises(BufferError, match="cuda:0 tensor's memory is on its gateway.*tensor.cpu"):
+            to(x)
+    cpu = torch.arange(3.0)
+    assert torch.equal(torch.from_dlpack(torch.utils.dlpack.to_dlpack(cpu)), cpu)  # CPU tensors as before
+
+
+# ---------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
+@pytest.mark.parametrize(("value", "count", "expected"), [
+    (None, 3, None), ("1", 3, [1]), ("2,0", 3, [2, 0]), (" 1 , 0", 3, [1, 0]), ("1gpu,0x", 3, [1, 0]),
+    ("0,5,1", 3, [0]), ("1,-1,0", 3, [1]), ("", 3, []), ("0,0", 3, []), ("none", 3, [])])
+def test_visible_devices_are_read_as_cuda_reads_them(value, count, expected):
+    assert visible_devices.parse(value, count) == expected
+
+
+def test_visible_devices_by_uuid_are_ignored_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="by UUID"):
+        assert visible_devices.parse("GPU-0a1b2c,GPU-3d4e", 2) is None
+
+
+def test_cuda_visible_devices_picks_and_renumbers_the_virtual_devices(sim):
+    try:
+        _reactivate(sim, "2,0")
+        assert torch.cuda.device_count() == 2 and torch.cuda.is_available()
+        assert [d.gpu for d in remotecuda.runtime.current().pool.devices] == [2, 0]
+        a = torch.ones(3, device="cuda:0")
+        b = torch.full((3,), 2.0, device="cuda:1")
+        assert (a + b.to("cuda:0")).tolist() == [3.0] * 3
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            torch.ones(1, device="cuda:2")
+        _reactivate(sim, "")
+        assert torch.cuda.device_count() == 0 and not torch.cuda.is_available()
+        with pytest.raises(RuntimeError, match="No CUDA GPUs are available.*CUDA_VISIBLE_DEVICES=''"):
+            torch.ones(1, device="cuda")
+    finally:
+        _reactivate(sim, None)
+    assert torch.cuda.device_count() == 3
