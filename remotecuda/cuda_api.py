@@ -146,6 +146,29 @@ def set_sync_debug_mode(debug_mode: int | str) -> None:
                                   "yet (only 0, 'default'); remotecuda.stats() counts the sync points")
 
 
+def _local_only(name: str, why: str) -> Any:
+    """A function of a local GPU's runtime that has no remote meaning: it says so when called."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"remotecuda: torch.cuda.{name} {why}; it is not supported")
+    refuse.__name__ = name.rpartition(".")[2]
+    return refuse
+
+
+_RAW = "gives raw memory or handles of a GPU in this process, and the GPUs are on gateways"
+#: local-runtime functions replaced by a clear refusal while active (else torch._C lacks them)
+LOCAL_ONLY = {
+    "caching_allocator_alloc": _local_only("caching_allocator_alloc", _RAW),
+    "caching_allocator_delete": _local_only("caching_allocator_delete", _RAW),
+    "caching_allocator_enable": _local_only("caching_allocator_enable", "switches this process's allocator"),
+    "change_current_allocator": _local_only("change_current_allocator", "switches this process's allocator"),
+    "current_blas_handle": _local_only("current_blas_handle", _RAW),
+    "current_solver_handle": _local_only("current_solver_handle", _RAW),
+    "get_stream_from_external": _local_only("get_stream_from_external", _RAW),
+}
+#: torch._C's jiterator entry point (``torch.cuda.jiterator``'s functions call it when run)
+JITERATOR = _local_only("jiterator", "compiles CUDA C++ in this process, and gateways run only known aten ops")
+
+
 # ---------------------------------------------------------------------- NVML, on the gateway
 def _info(name: str, device: Any = None) -> Any:
     """``torch.cuda.<name>`` answered by the device's worker (remotecuda_server/cuda_info.py)."""
@@ -568,7 +591,7 @@ def mark(msg: str) -> None:
 
 
 #: what replaces torch.cuda.<name> while active
-REPLACEMENTS = {name: obj for name, obj in dict(globals()).items() if name in {
+REPLACEMENTS = LOCAL_ONLY | {name: obj for name, obj in dict(globals()).items() if name in {
     "is_available", "is_initialized", "init", "device_count", "current_device", "set_device",
     "get_device_name", "get_device_capability", "get_device_properties", "is_bf16_supported",
     "get_arch_list", "device", "device_of", "synchronize", "Stream", "Event", "stream",

@@ -622,6 +622,7 @@ def install(rt: Runtime) -> Interception:
     for name, obj in cuda_graphs.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
         p.set(torch.cuda.graphs, name, obj)
+    p.set(torch._C, "_cuda_jiterator_compile_and_launch_kernel", cuda_api.JITERATOR)
     if not hasattr(torch._C, "_host_emptyCache"):  # (torch.cuda.graph calls it)
         p.set(torch._C, "_host_emptyCache", cuda_graphs._host_empty_cache)
     for name, obj in cuda_api.NVTX_REPLACEMENTS.items():

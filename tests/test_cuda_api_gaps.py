@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import remotecuda
-from remotecuda import visible_devices
+from remotecuda import cuda_api, visible_devices
 
 from conftest import GatewayProcess
 
@@ -108,14 +108,22 @@ def test_more_of_torch_cuda(sim):
     s = torch.cuda.Stream()
     assert s.cuda_stream != torch.cuda.default_stream().cuda_stream
     assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError
+    with pytest.raises(NotImplementedError, match="raw memory"):
+        torch.cuda.caching_allocator_alloc(1024)
+    double = torch.cuda.jiterator._create_jit_fn("template <typename T> T twice(T x) { return x + x; }")
+    with pytest.raises(NotImplementedError, match="jiterator compiles CUDA C"):
+        double(torch.ones(2, device="cuda"))
 
 
 def test_no_public_torch_cuda_function_fails_for_want_of_local_cuda(sim):
     """Every torch.cuda / torch.cuda.memory / torch.cuda.random function callable without
-    arguments works, or fails with a clear error of remotecuda's (the NVML sensors of a CPU
-    gateway), except those listed: raw handles and allocator controls of a local GPU."""
-    local_only = {"caching_allocator_enable", "current_blas_handle", "current_solver_handle"}
+    arguments works, but the NVML sensors (a CPU gateway has none: tested above) and raw handles
+    and allocator controls of a local GPU, which say that they are not supported."""
+    local_only = set(cuda_api.LOCAL_ONLY)
     sensors = {"utilization", "memory_usage", "temperature", "power_draw", "clock_rate"}
+    for name in local_only:
+        with pytest.raises(NotImplementedError, match=f"remotecuda: torch.cuda.{name} .*not supported"):
+            getattr(torch.cuda, name)()
     failed = {}
     for mod in (torch.cuda, torch.cuda.memory, torch.cuda.random):
         for name in getattr(mod, "__all__", []):
