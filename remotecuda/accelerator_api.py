@@ -34,12 +34,11 @@ empty_cache = cuda_api.empty_cache
 get_memory_info = cuda_api.mem_get_info
 
 
-def is_available() -> bool:
-    return True
+is_available = cuda_api.is_available  # (False when CUDA_VISIBLE_DEVICES hides every device)
 
 
-def current_accelerator(check_available: bool = False) -> torch.device:
-    return _CUDA
+def current_accelerator(check_available: bool = False) -> torch.device | None:
+    return _CUDA if not check_available or is_available() else None
 
 
 def current_device_idx() -> int:

@@ -10,6 +10,10 @@ picks among those. It is parsed as CUDA's runtime parses it (and torch's
 (CUDA ignores the rest); a repeated ordinal hides every device; an empty value hides them all.
 UUIDs (``GPU-…``, ``MIG-…``) name a machine's physical GPUs, which a virtual device is not:
 they are ignored, with a warning.
+
+Where the client's torch is itself a CUDA (or ROCm) build, the variable is its runtime's, over
+this machine's GPUs: ``CUDA_VISIBLE_DEVICES=""`` is how such a client is kept off a local GPU
+(benchmarks/gpu_check.sh runs the client beside a gateway so), so it is left to that runtime.
 """
 from __future__ import annotations
 
@@ -51,4 +55,7 @@ def parse(value: str | None, count: int) -> list[int] | None:
 
 def from_env(count: int) -> list[int] | None:
     """What the environment's ``CUDA_VISIBLE_DEVICES`` leaves visible of ``count`` devices (None: all)."""
+    import torch
+    if torch.backends.cuda.is_built():  # (the local runtime's variable)
+        return None
     return parse(os.environ.get(VAR), count)

@@ -179,6 +179,7 @@ def test_cuda_visible_devices_picks_and_renumbers_the_virtual_devices(sim):
             torch.ones(1, device="cuda:2")
         _reactivate(sim, "")
         assert torch.cuda.device_count() == 0 and not torch.cuda.is_available()
+        assert not torch.accelerator.is_available() and torch.accelerator.current_accelerator(True) is None
         with pytest.raises(RuntimeError, match="No CUDA GPUs are available.*CUDA_VISIBLE_DEVICES=''"):
             torch.ones(1, device="cuda")
     finally:
