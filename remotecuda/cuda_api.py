@@ -11,7 +11,7 @@ is the active runtime's (runtime.py), so it ends with it.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,15 @@ class DeviceProperties:
     is_integrated: bool = False
     is_multi_gpu_board: bool = False
     gateway: str = ""
+    more: dict = field(default_factory=dict, compare=False)  # the GPU's other facts (its gateway's probe)
+
+    def __getattr__(self, name: str) -> Any:
+        """The other properties a CUDA gateway reports (``L2_cache_size``, ``warp_size``, ``uuid``...)."""
+        more = self.__dict__.get("more") or {}
+        if name in more:
+            return more[name]
+        raise AttributeError(f"'_CudaDeviceProperties' object has no attribute {name!r} (gateway {self.gateway} "
+                             "does not report it" + (": its device runs on the CPU)" if not more else ")"))
 
     def __repr__(self) -> str:
         return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
@@ -108,8 +117,10 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
 def get_device_properties(device: Any = None) -> DeviceProperties:
     d = _device(device)
     p = d.props
+    more = dict(p.get("more") or {})
     return DeviceProperties(p["name"], p["capability"][0], p["capability"][1], p["total_memory"],
-                            p["multi_processor_count"], gateway=d.endpoint)
+                            p["multi_processor_count"], bool(more.pop("is_integrated", False)),
+                            bool(more.pop("is_multi_gpu_board", False)), d.endpoint, more)
 
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:

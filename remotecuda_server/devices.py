@@ -15,7 +15,13 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+#: the other facts of torch's _CudaDeviceProperties a CUDA GPU reports (``torch.cuda.get_device_properties``)
+MORE = ("L2_cache_size", "warp_size", "max_threads_per_block", "max_threads_per_multi_processor",
+        "regs_per_multiprocessor", "shared_memory_per_block", "shared_memory_per_block_optin",
+        "shared_memory_per_multiprocessor", "clock_rate", "memory_clock_rate", "memory_bus_width",
+        "is_integrated", "is_multi_gpu_board", "pci_bus_id", "pci_device_id", "pci_domain_id")
 
 _PROBE = r"""
 import json, torch
@@ -25,11 +31,15 @@ if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(i)
         with torch.cuda.device(i):  # (is_bf16_supported asks the current device)
             bf16 = bool(torch.cuda.is_bf16_supported())
+        more = {k: getattr(p, k) for k in MORE if isinstance(getattr(p, k, None), (int, float, str, bool))}
+        if hasattr(p, "uuid"):
+            more["uuid"] = str(p.uuid)
         out.append(dict(index=i, kind="cuda", torch_device=f"cuda:{i}", name=p.name,
                         total_memory=p.total_memory, capability=[p.major, p.minor],
-                        multi_processor_count=p.multi_processor_count, bf16=bf16))
+                        multi_processor_count=p.multi_processor_count, bf16=bf16, more=more))
 print(json.dumps(out))
 """
+_PROBE = _PROBE.replace("import json, torch\n", f"import json, torch\nMORE = {MORE!r}\n", 1)  # (in the child)
 
 #: a simulated GPU's defaults
 SIMULATED_NAME = "Simulated GPU"
@@ -48,6 +58,7 @@ class DeviceInfo:
     multi_processor_count: int
     bf16: bool = True
     simulated: bool = False
+    more: dict = field(default_factory=dict)  # a CUDA GPU's other properties (MORE, and its uuid)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -108,6 +108,10 @@ def test_more_of_torch_cuda(sim):
     s = torch.cuda.Stream()
     assert s.cuda_stream != torch.cuda.default_stream().cuda_stream
     assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError
+    props = torch.cuda.get_device_properties(0)  # a simulated GPU reports a GPU's facts but these
+    assert not props.is_integrated and props.multi_processor_count > 0
+    with pytest.raises(AttributeError, match="L2_cache_size.*does not report it: its device runs on the CPU"):
+        getattr(props, "L2_cache_size")  # noqa: B009 (the attribute read is the test)
     with pytest.raises(NotImplementedError, match="raw memory"):
         torch.cuda.caching_allocator_alloc(1024)
     double = torch.cuda.jiterator._create_jit_fn("template <typename T> T twice(T x) { return x + x; }")
