@@ -28,7 +28,7 @@ import torch
 from torch._C import _DisableTorchDispatch
 
 from remotecuda_wire import layouts
-from remotecuda_wire.protocol import DTYPE_EXT
+from remotecuda_wire.protocol import DTYPE_EXT, OP_NAMESPACES
 
 from . import dispatch_cache as dc
 from . import downloads, known, transfer
@@ -250,6 +250,9 @@ class Dispatcher:
         self.local = ThreadState()
         #: inside a decode (decode.py): ops on known values are computed on the client too (known.py)
         self.propagate = False
+        #: ``fn()`` as user code runs (interception sets it: with its dispatch mode on, which torch
+        #: takes off while the mode handles an op): for a library op's kernel, which makes tensors
+        self.as_user: Callable[[Callable[[], Any]], Any] = lambda fn: fn()
 
     # ------------------------------------------------------------------ entry points
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -275,7 +278,7 @@ class Dispatcher:
         m = self.ops.get(id(func))
         if m is None:
             m = self.ops[id(func)] = _op_meta(func)
-            m.special = _SPECIAL.get(func)
+            m.special = _SPECIAL.get(func) or (_library_op if _runs_here(func) else None)
         return m
 
     def factory(self, func: Any, args: tuple, kwargs: dict, vdev: int | None) -> Any:
@@ -709,6 +712,24 @@ def _composite(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     lengths; its ``batch_sizes`` result stays on the CPU, as on a GPU): run that kernel here,
     its slices and ``cat`` on the remote input come back through dispatch."""
     return m.func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+
+
+def _runs_here(func: Any) -> bool:
+    """Whether ``func`` is a library's op (not one a gateway runs by name) with a kernel for
+    'cuda' that the client can run: a ``torch.library.custom_op`` (transformers' MoE
+    ``grouped_mm_fallback``), a composite, or a Python kernel registered for CUDA (a CPU-only
+    torch holds no compiled CUDA kernel)."""
+    return func.namespace not in OP_NAMESPACES and \
+        torch._C._dispatch_has_computed_kernel_for_dispatch_key(func.name(), "CUDA")
+
+
+def _library_op(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """A library's op: its 'cuda' kernel runs here, as it would beside a GPU; the ops it calls
+    on the remote tensors come back through dispatch (the gateway knows no library's ops)."""
+    return d.as_user(lambda: m.func.redispatch(_CUDA_KERNEL, *args, **kwargs))
+
+
+_CUDA_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
 
 
 _SPECIAL = {

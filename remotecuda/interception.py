@@ -22,6 +22,7 @@ needs; the ``Interception`` it returns belongs to the runtime, whose ``close`` c
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -460,6 +461,53 @@ class RemoteDispatchMode(TorchDispatchMode):
                 return self.dispatcher.factory(func, args, kwargs, target if target is not None else local.vdev)
         return func(*args, **kwargs)
 
+    def again(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with the mode on: torch takes it off the stack while it handles an op (one
+        mode object per thread's stack: a fresh one)."""
+        if isinstance(_get_current_dispatch_mode(), RemoteDispatchMode):
+            return fn()
+        with RemoteDispatchMode(self.dispatcher):
+            return fn()
+
+
+class _Installed:
+    """Whether the interception is still installed, for the threads that took it (``_thread_start``)."""
+
+    on = True
+
+
+class _ThreadMode(RemoteDispatchMode):
+    """The dispatch mode of a thread started while active: plain PyTorch once deactivated (its
+    stack is its own, so ``remove`` cannot pop it)."""
+
+    def __init__(self, dispatcher: Dispatcher, installed: _Installed) -> None:
+        super().__init__(dispatcher)
+        self.installed = installed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.installed.on:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _thread_start(original: Callable, dispatcher: Dispatcher, installed: _Installed) -> Callable:
+    """``Thread.start``: a thread started by an active thread is active while it runs, as a GPU
+    is the whole process's (libraries move weights to 'cuda' in thread pools: transformers'
+    ``from_pretrained(device_map=...)``). remotecuda's own threads (``remotecuda-*``) stay plain."""
+    @functools.wraps(original)
+    def start(self: threading.Thread) -> None:
+        if _active_here() and not self.name.startswith("remotecuda-"):
+            run = self.run
+
+            def active_run() -> None:
+                if not installed.on:
+                    return run()
+                with _ThreadMode(dispatcher, installed):
+                    return run()
+            self.run = active_run  # type: ignore[method-assign]
+        return original(self)
+    return start
+
 
 # ---------------------------------------------------------------------- install / uninstall
 
@@ -597,10 +645,12 @@ class Interception:
     """What ``install`` changed in torch and the process, for ``remove`` to undo: the patches,
     the dispatch mode pushed on the installing thread, and RemoteTensor's place in the foreach lists."""
 
-    def __init__(self, patches: _Patches, mode: RemoteDispatchMode, foreach: list[list]) -> None:
-        self.patches, self.mode, self.foreach = patches, mode, foreach
+    def __init__(self, patches: _Patches, mode: RemoteDispatchMode, foreach: list[list],
+                 installed: _Installed) -> None:
+        self.patches, self.mode, self.foreach, self.installed = patches, mode, foreach, installed
 
     def remove(self) -> None:
+        self.installed.on = False
         if _get_current_dispatch_mode() is self.mode:  # (not in another thread, or a forked child of one)
             self.mode.__exit__(None, None, None)
         for lst in self.foreach:
@@ -671,6 +721,9 @@ def install(rt: Runtime) -> Interception:
     p.set(amp, "__enter__", _autocast_enter(amp.__enter__))
     p.set(amp, "__exit__", _autocast_exit(amp.__exit__))
     install_excepthook()
+    installed = _Installed()
+    p.set(threading.Thread, "start", _thread_start(threading.Thread.start, rt.dispatcher, installed))
     mode = RemoteDispatchMode(rt.dispatcher)
+    p.set(rt.dispatcher, "as_user", mode.again)
     mode.__enter__()
-    return Interception(p, mode, foreach)
+    return Interception(p, mode, foreach, installed)

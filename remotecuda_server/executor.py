@@ -300,7 +300,7 @@ class Executor:
         self.handles: dict[int, torch.Tensor] = {} if device.type == "cuda" else CountedHandles(self.quota or account)
         self.memory_fraction = 1.0  # the client's torch.cuda.set_per_process_memory_fraction
         self.invalid: dict[int, str] = {}
-        self.resolver = OpResolver()
+        self.resolver = OpResolver(device)
         self.failed: dict | None = None
         self.events: dict[int, Any] = {}
         self.generators: dict[int, torch.Generator] = {}

@@ -23,12 +23,14 @@ from collections.abc import Callable
 
 import torch
 
-from remotecuda_wire import layouts
+from remotecuda_wire import layouts, protocol
 
+from .cuda_kernels import cuda_like
 from .guards import guarded
 
-#: allowed namespaces, and the torch module that registers their ops (torch imports it lazily)
-ALLOWED_NAMESPACES = {"aten": None, "torch_nn": "torch.nn.modules.linear_cross_entropy"}
+#: allowed namespaces (the protocol's), and the torch module that registers their ops (torch imports it lazily)
+ALLOWED_NAMESPACES = {ns: {"torch_nn": "torch.nn.modules.linear_cross_entropy"}.get(ns)
+                      for ns in sorted(protocol.OP_NAMESPACES)}
 _NAME = re.compile(r"^([a-z_][a-z0-9_]*)::([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?$")
 #: groups of ops a client may not run: (pattern on the op's name without overload, why)
 REFUSED: tuple[tuple[re.Pattern, str], ...] = (
@@ -47,7 +49,9 @@ class UnknownOpError(NotImplementedError):
 class OpResolver:
     """Name → OpOverload, with a cache, so each name is checked once per worker."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        #: whether the ops run on the CPU (then as CUDA's kernels run them where the CPU's refuse)
+        self.on_cpu = device is None or device.type == "cpu"
         self._cache: dict[str, torch._ops.OpOverload] = {}
         self._callables: dict[str, Callable] = {}
 
@@ -58,10 +62,14 @@ class OpResolver:
         return op
 
     def callable(self, name: str) -> Callable:
-        """What running op ``name`` calls: its kernel, behind its guard if it has one (guards.py)."""
+        """What running op ``name`` calls: its kernel, behind its guard if it has one (guards.py),
+        on the CPU as CUDA's kernel runs it where the CPU's would refuse (cuda_kernels.py)."""
         fn = self._callables.get(name)
         if fn is None:
-            fn = guarded(self.resolve(name))
+            op = self.resolve(name)
+            fn = guarded(op)
+            if self.on_cpu:
+                fn = cuda_like(op, fn)
             if name in layouts.CONVOLUTIONS:
                 fn = _conforming(name, fn)
             self._callables[name] = fn

@@ -67,6 +67,11 @@ PART_BYTES = 4 << 20
 #: afresh), a page fault per 4 KiB page, which cost more than copying 4 MiB parts into place
 DOWNLOAD_PARTS_ABOVE = 32 << 20
 
+#: the namespaces of the ops that travel by name (``aten::add.Tensor``), the gateway's allowlist
+#: (remotecuda_server/ops.py): aten, and torch's own custom ops. A library's ops (a
+#: ``torch.library.custom_op``) run on the client as their 'cuda' kernel, whose ops travel.
+OP_NAMESPACES = frozenset(("aten", "torch_nn"))
+
 # msgpack extension codes
 EXT_HANDLE, EXT_DTYPE, EXT_DEVICE, EXT_MEMFMT, EXT_LAYOUT, EXT_COMPLEX, EXT_GENERATOR = range(1, 8)
 

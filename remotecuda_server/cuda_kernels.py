@@ -1,0 +1,72 @@
+"""What CUDA's kernels accept that the CPU's refuse, on a device the gateway serves with its CPU.
+
+A client's 'cuda' device may run on the CPU (``--device cpu``: the CPU itself or simulated
+GPUs). Programs pick code paths by ``device.type == "cuda"`` and so call CUDA's kernels with
+dtypes the CPU's do not take: every Hugging Face mixture-of-experts model counts tokens per
+expert with ``torch.histc`` on int32 there (CPU: ``"histc_cpu" not implemented for 'Int'``).
+Such an op, on CPU tensors, runs here as CUDA's kernel computes it, exactly; everything else
+(and every op on a real GPU) runs its own kernel untouched.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: op name (all overloads) → the CUDA kernel's computation, called with the op's arguments when
+#: the CPU kernel would refuse them (``None``: it takes them, run it)
+INSTEAD: dict[str, Callable[[dict], Callable | None]] = {}
+#: the integer dtypes of CUDA's ``AT_DISPATCH_ALL_TYPES``
+_INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _instead(*names: str) -> Callable:
+    def register(fn: Callable) -> Callable:
+        for name in names:
+            INSTEAD[name] = fn
+        return fn
+    return register
+
+
+def cuda_like(op: Any, fn: Callable) -> Callable:
+    """``fn`` (the op's callable), or, for an op CUDA takes in more dtypes than the CPU, ``fn``
+    with the CUDA kernel's computation on the CPU tensors its CPU kernel refuses."""
+    pick = INSTEAD.get(op._schema.name.split("::", 1)[1])
+    if pick is None:
+        return fn
+    names = [a.name for a in op._schema.arguments]
+    defaults = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        instead = pick(dict(defaults, **dict(zip(names, args)), **kwargs))
+        return (instead or fn)(*args, **kwargs)
+    return run
+
+
+@_instead("histc")
+def _histc(a: dict) -> Callable | None:
+    """CUDA's histc takes integer tensors (the CPU's only floating ones): each value's bin is
+    ``(v - min) * bins / (max - min)`` in integer arithmetic, min and max truncated to the
+    dtype, the top edge in the last bin, the counts in the input's dtype."""
+    t = a["self"]
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype not in _INTEGERS:
+        return None
+
+    def histc(self: torch.Tensor, bins: int = 100, min: Any = 0, max: Any = 0, *, out: Any = None) -> torch.Tensor:
+        if bins <= 0:
+            raise RuntimeError("bins must be > 0")
+        x = self.reshape(-1).long()
+        lo, hi = int(min), int(max)
+        if lo == hi and x.numel() > 0:
+            lo, hi = int(x.min()), int(x.max())
+        if lo == hi:
+            lo, hi = lo - 1, hi + 1
+        if lo > hi:
+            raise RuntimeError("max must be larger than min")
+        x = x[(x >= lo) & (x <= hi)]
+        counts = torch.bincount(((x - lo) * bins // (hi - lo)).clamp_(max=bins - 1), minlength=bins).to(self.dtype)
+        if out is None:
+            return counts
+        return out.resize_(counts.shape).copy_(counts)
+    return histc
