@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 
 from remotecuda_wire.protocol import Handle
 
+from .dispatch import DeviceMismatch
 from .tensor import RemoteTensor, layout, wrap
 
 #: traces kept per compiled object, as Dynamo's ``cache_size_limit``; past it, new signatures run eagerly
@@ -183,7 +184,8 @@ def _reason(e: Exception) -> str:
         return "it reads a tensor's value while it runs (a branch on a tensor, .item(), ...)"
     if isinstance(e, DynamicOutputShapeException):
         return f"an op's output shape depends on values ({e})"
-    if "plain meta tensor reached" in str(e):
+    if isinstance(e, DeviceMismatch) or "plain meta tensor reached" in str(e):
+        # (the trace's stand-ins met a remote tensor: one held elsewhere, e.g. in a static KV cache)
         return ("it uses a 'cuda' tensor that is neither its argument nor a parameter or buffer of a module "
                 "it names (compile the module, or pass the tensor)")
     return f"its trace failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"

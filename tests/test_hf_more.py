@@ -13,11 +13,14 @@ shape and repeatability under one seed, as on a GPU.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+
+from conftest import interception_removed
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -186,6 +189,18 @@ def test_generation_matches_local(remote, name):
     _assert_same(_generate(make, "cuda", **kwargs), _generate(make, "cpu", **kwargs), name)
 
 
+def test_static_cache_generation_matches_local(remote):
+    """``cache_implementation='static'`` on 'cuda' makes transformers compile the decoding step;
+    the cache's tensors are no graph inputs, so it runs eagerly, saying so plainly."""
+    kwargs = dict(max_new_tokens=4, cache_implementation="static")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _generate(_llama, "cuda", **kwargs)
+    _assert_same(got, _generate(_llama, "cpu", **kwargs), "static cache")
+    said = [str(w.message) for w in caught if "remotecuda" in str(w.message)]
+    assert all("neither its argument nor a parameter or buffer" in m for m in said), said
+
+
 @pytest.mark.parametrize("make", [_llama, _t5], ids=["llama", "t5"])
 def test_sampling_repeats_under_one_seed(remote, make):
     """top-k / top-p / temperature and several sequences per prompt: the gateway's generator is
@@ -268,6 +283,9 @@ def test_threads_started_while_active_use_cuda(remote):
 
     with ThreadPoolExecutor(2) as pool:
         got = [f.result() for f in [pool.submit(work) for _ in range(3)]]
+        # as deactivate() leaves them: plain PyTorch, whose CPU build refuses 'cuda'
+        with interception_removed(), pytest.raises((AssertionError, RuntimeError), match="cuda|CUDA"):
+            pool.submit(lambda: torch.ones(2).to("cuda")).result()
     for y in got:
         assert y.device.type == "cuda"
         torch.testing.assert_close(y.cpu(), (x + 1) * 2)

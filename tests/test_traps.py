@@ -231,18 +231,22 @@ def test_a_cuda_tensors_factories_go_where_they_are_told():
 
 
 def test_other_threads_get_plain_pytorch_not_meta_tensors():
-    """Interception is per thread (README, Limits): elsewhere 'cuda' fails as on a CPU build."""
+    """Interception is per thread (README, Limits): a thread no active thread started (here one
+    started below ``threading``) gets plain PyTorch, where 'cuda' fails as on a CPU build. (Threads
+    started while active are active: tests/test_hf_more.py.)"""
+    import _thread
     import threading
     out = {}
+    done = threading.Event()
 
     def work():
         try:
             out["value"] = torch.ones(2).to("cuda")
         except Exception as e:  # what plain CPU-only PyTorch raises
             out["error"] = e
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
+        done.set()
+    _thread.start_new_thread(work, ())
+    assert done.wait(30)
     assert "value" not in out and "error" in out
     assert torch.ones(2).to("cuda").is_cuda  # this thread is unaffected
 
