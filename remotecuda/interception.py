@@ -163,6 +163,16 @@ def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
     return to_cuda(self, index, dtype, non_blocking, memory_format)
 
 
+def _parse_to(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``to(0)``, ``to(device=0)``: an int device means the accelerator, which C++ says is absent
+    ("Cannot access accelerator device"), so make it 'cuda:0' (``model.to(local_rank)``)."""
+    if args and type(args[0]) is int:
+        args = (torch.device("cuda", args[0]), *args[1:])
+    if type(kwargs.get("device")) is int:
+        kwargs = dict(kwargs, device=torch.device("cuda", kwargs["device"]))
+    return func(*args, **kwargs)
+
+
 def _tensor_copy_(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``dst.copy_(src)`` from another virtual device, where src wants a gradient: src moves with
     ``transfer.to_device`` first, so its gradient goes back to its own device (C++'s copy_ backward
@@ -354,6 +364,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.fft, "fftfreq", _factory),
     (torch.fft, "rfftfreq", _factory),
     (torch.Tensor, "to", _tensor_to),
+    (torch._C._nn, "_parse_to", _parse_to),  # what Tensor.to (above) and Module.to read their arguments with
     (torch.Tensor, "cuda", _tensor_cuda),
     (torch.Tensor, "copy_", _tensor_copy_),
     (torch, "ctc_loss", _ctc_loss),

@@ -291,6 +291,17 @@ def test_threads_started_while_active_use_cuda(remote):
         torch.testing.assert_close(y.cpu(), (x + 1) * 2)
 
 
+def test_to_an_int_device_means_cuda(remote):
+    """``model.to(local_rank)``, ``x.to(0)``: an int is the accelerator, 'cuda:N' here (a CPU-only
+    torch's C++ says there is none)."""
+    lin = torch.nn.Linear(2, 3).to(0)
+    x = torch.arange(4.0).reshape(2, 2)
+    for y in (x.to(0), x.to(0, torch.float64), x.to(device=0, non_blocking=True), lin(x.to(0))):
+        assert y.device == torch.device("cuda", 0)
+    assert lin.weight.device.type == "cuda"
+    torch.testing.assert_close(x.to(0, torch.float64).cpu(), x.double())
+
+
 def test_from_pretrained_with_device_map_cuda(remote, tmp_path):
     """transformers loads a checkpoint's weights onto ``device_map``'s device in a thread pool."""
     torch.manual_seed(0)
