@@ -11,6 +11,7 @@ weakref finalizer: ``torch.utils.swap_tensors`` (which keeps Parameter identity 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -124,7 +125,16 @@ class RemoteTensor(torch.Tensor):
 
     def data_ptr(self) -> int:
         """A stable fake address: distinct per storage, offset like a real pointer."""
-        return (((self._dev + 1) << 48) | (self._sid << 16)) + int(self.storage_offset()) * self.element_size()
+        return _address(self._dev, self._sid) + int(self.storage_offset()) * self.element_size()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The wrapper's (meta) storage, its ``data_ptr`` the fake address of the gateway's storage
+        (``data_ptr()`` less the offset): libraries find tied tensors by device, storage pointer
+        and size (safetensors, Accelerate's ``save_state``), and a meta storage's 0 would tie
+        every two tensors of one size."""
+        storage = super().untyped_storage()
+        storage.data_ptr = functools.partial(_address, self._dev, self._sid)  # type: ignore[method-assign]
+        return storage
 
     def is_pinned(self, device: Any = None) -> bool:
         return is_pinned(self, device)
@@ -244,6 +254,11 @@ def layout(shape: Any, stride: Any, offset: int, dtype: torch.dtype) -> tuple:
     recomputed per op; leaving out default strides halves ``_make_wrapper_subclass``'s cost."""
     shape, stride = tuple(shape), tuple(stride)
     return (dtype, shape, stride, offset), offset == 0 and stride == contiguous_strides(shape)
+
+
+def _address(dev: int, sid: int) -> int:
+    """The fake address of storage ``sid`` on virtual device ``dev`` (see ``RemoteTensor.data_ptr``)."""
+    return ((dev + 1) << 48) | (sid << 16)
 
 
 def wrap(session: Any, handle: int, lay: tuple, sid: int | None = None) -> RemoteTensor:

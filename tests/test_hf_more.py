@@ -314,7 +314,7 @@ def test_from_pretrained_with_device_map_cuda(remote, tmp_path):
                                    rtol=1e-4, atol=1e-5)
 
 
-def _accelerate_loop(dev: str) -> dict[str, torch.Tensor]:
+def _accelerate_loop(dev: str, checkpoint: str) -> dict[str, torch.Tensor]:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
@@ -342,9 +342,19 @@ def _accelerate_loop(dev: str) -> dict[str, torch.Tensor]:
             losses.append(acc.gather(out.loss.detach()))
     assert acc.device.type == ("cpu" if dev == "cpu" else "cuda")
     params = torch.stack([p.detach().sum() for p in acc.unwrap_model(model).parameters()])
+    # a checkpoint (safetensors: tied tensors found by storage pointer) restores every weight
+    acc.save_state(checkpoint)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    acc.load_state(checkpoint)
+    restored = torch.stack([p.detach().sum() for p in acc.unwrap_model(model).parameters()])
     AcceleratorState._reset_state(True)
-    return {"losses": torch.stack(losses).cpu(), "norms": torch.stack(norms).cpu(), "params": params.cpu()}
+    return {"losses": torch.stack(losses).cpu(), "norms": torch.stack(norms).cpu(), "params": params.cpu(),
+            "restored": restored.cpu()}
 
 
-def test_accelerate_gradient_accumulation_matches_local(remote):
-    _assert_same(_accelerate_loop("cuda"), _accelerate_loop("cpu"), "accelerate")
+def test_accelerate_gradient_accumulation_matches_local(remote, tmp_path):
+    got = _accelerate_loop("cuda", str(tmp_path / "cuda"))
+    _assert_same(got, _accelerate_loop("cpu", str(tmp_path / "cpu")), "accelerate")
+    torch.testing.assert_close(got["restored"], got["params"])
