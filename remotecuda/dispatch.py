@@ -278,7 +278,8 @@ class Dispatcher:
         m = self.ops.get(id(func))
         if m is None:
             m = self.ops[id(func)] = _op_meta(func)
-            m.special = _SPECIAL.get(func) or (_library_op if _runs_here(func) else None)
+            m.special = _SPECIAL.get(func) or (_prim if hasattr(func, "impl_aten")
+                                               else _library_op if _runs_here(func) else None)
         return m
 
     def factory(self, func: Any, args: tuple, kwargs: dict, vdev: int | None) -> Any:
@@ -644,6 +645,12 @@ def _permuted_dense(shape: Any, stride: Any) -> bool:
             return False
         expected *= size
     return strides != sorted(strides, reverse=True)
+
+
+def _prim(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """A ``prims::`` op runs as the aten op it stands for (gateways take aten only): torch._refs'
+    decompositions call prims, e.g. in a backward under torch.func's jacfwd/hessian."""
+    return m.func.impl_aten(*args, **kwargs)
 
 
 def _to(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:

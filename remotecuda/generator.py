@@ -70,10 +70,16 @@ class CudaGenerator(torch._C.Generator):
         return s
 
     def get_state(self) -> torch.Tensor:  # type: ignore[override]
-        raise NotImplementedError("remotecuda: get_state/set_state of a cuda Generator is not supported; "
-                                  "re-seed it with manual_seed instead")
+        """The gateway generator's state, a CPU uint8 tensor (as a CUDA generator's is)."""
+        return torch.frombuffer(bytearray(self.session.request("rc::gen_get", [self.gid])), dtype=torch.uint8)
 
-    set_state = get_state  # type: ignore[assignment]
+    def set_state(self, new_state: torch.Tensor) -> CudaGenerator:  # type: ignore[override]
+        if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8 or new_state.is_cuda:
+            kind = new_state.type() if isinstance(new_state, torch.Tensor) else type(new_state).__name__
+            raise TypeError(f"expected a torch.ByteTensor, but got {kind}")
+        state = new_state.detach().contiguous().numpy().tobytes()
+        self._send("rc::gen_set", [self.gid, state])
+        return self
 
     def __repr__(self) -> str:
         return f"<torch.Generator device='cuda:{self.index}' (remotecuda)>"

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.jit import _builtins as jit_builtins
 from torch.overrides import TorchFunctionMode
 from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _device as device_context
@@ -416,6 +417,38 @@ def _data_property() -> property:
     return property(_DATA.__get__, set_data, doc=_DATA.__doc__)
 
 
+_IS_META: Any = vars(torch._C.TensorBase)["is_meta"].__get__
+_functorch = torch._C._functorch
+
+
+def _remote_under_transform(t: torch.Tensor) -> RemoteTensor | None:
+    """The remote tensor that torch.func's wrappers (vmap, grad, jvp, functionalize) hold, or None.
+    A wrapper is a C++ tensor on its inner tensor's C++ device: meta, for a remote one."""
+    if not _IS_META(t) or not _functorch.is_functorch_wrapped_tensor(t):
+        return None
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t if isinstance(t, RemoteTensor) else None
+
+
+def _identity_property(name: str) -> property:
+    """``Tensor.<name>`` (device, is_cuda, is_meta) answering for the remote tensor inside a
+    torch.func wrapper, as a GPU's wrapper does: per-sample gradients run model code such as
+    ``torch.arange(n, device=x.device)`` and ``.to(other)`` under vmap and grad."""
+    getset = vars(torch._C.TensorBase)[name]
+    plain = getset.__get__
+
+    def get(self: torch.Tensor) -> Any:
+        remote = _remote_under_transform(self)
+        return plain(self) if remote is None else getattr(remote, name)
+    return property(get, doc=getset.__doc__)
+
+
+def _get_device(self: torch.Tensor) -> int:
+    remote = _remote_under_transform(self)
+    return torch._C.TensorBase.get_device(self) if remote is None else remote.get_device()
+
+
 class AutocastMode(TorchFunctionMode):
     """CUDA autocast's casting policies, active only inside a ``torch.autocast('cuda')`` block."""
 
@@ -523,10 +556,16 @@ def _thread_start(original: Callable, dispatcher: Dispatcher, installed: _Instal
 # ---------------------------------------------------------------------- install / uninstall
 
 class _Patches:
-    """Attribute replacements, remembered so that uninstall restores torch exactly."""
+    """Attribute replacements, remembered so that uninstall restores torch exactly.
+
+    A replaced torch builtin stays one for TorchScript: ``torch.jit.script`` compiles a call to
+    ``torch.zeros_like`` as ``aten::zeros_like`` by the function's identity, and would otherwise
+    try to read the replacement's Python source (and fail: forward-mode AD scripts such
+    functions when it first loads its decompositions)."""
 
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any, bool]] = []
+        self.builtins: list[int] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         if isinstance(obj, (type, types.ModuleType)):  # the raw entry: a descriptor, not what it gives
@@ -535,6 +574,10 @@ class _Patches:
             had, old = hasattr(obj, name), getattr(obj, name, None)
         self.saved.append((obj, name, old, had))
         setattr(obj, name, value)
+        op = jit_builtins._find_builtin(old) if callable(old) else None
+        if op is not None and jit_builtins._find_builtin(value) is None:
+            jit_builtins._register_builtin(value, op)
+            self.builtins.append(id(value))
 
     def restore(self) -> None:
         for obj, name, value, had in reversed(self.saved):
@@ -543,6 +586,10 @@ class _Patches:
             else:
                 delattr(obj, name)
         self.saved.clear()
+        table = jit_builtins._get_builtin_table()
+        for key in self.builtins:
+            table.pop(key, None)
+        self.builtins.clear()
 
 
 def _seeding_devices_too(original: Callable) -> Callable:
@@ -706,13 +753,11 @@ def install(rt: Runtime) -> Interception:
     p.set(torch.utils.dlpack, "to_dlpack", to_dlpack)
     p.set(torch, "to_dlpack", to_dlpack)
     p.set(torch, "Generator", cuda_api.Generator)
-    from torch.nn.utils import clip_grad
     from torch.optim import optimizer
     from torch.utils import _foreach_utils as foreach_utils
-    grouped = _group_by_device(foreach_utils._group_tensors_by_device_and_dtype)
-    for mod in (foreach_utils, clip_grad, optimizer):
-        p.set(mod, "_group_tensors_by_device_and_dtype", grouped)
-    p.set(optimizer.Optimizer, "_group_tensors_by_device_and_dtype", staticmethod(grouped))
+    # the C++ function itself: every Python binding of it (clip_grad, the optimizers, swa_utils)
+    # calls through torch._C
+    p.set(torch._C, "_group_tensors_by_device_and_dtype", _group_by_device(torch._C._group_tensors_by_device_and_dtype))
     data_parallel.install(p)
     serialization.install(p)
     downloads.install(p)
@@ -728,6 +773,9 @@ def install(rt: Runtime) -> Interception:
     for owner, name, handler in _ROUTES_EVERY_THREAD:
         p.set(owner, name, _everywhere(getattr(owner, name), handler))
     p.set(torch.Tensor, "data", _data_property())
+    for name in ("device", "is_cuda", "is_meta"):
+        p.set(torch.Tensor, name, _identity_property(name))
+    p.set(torch.Tensor, "get_device", _get_device)
     amp = torch.amp.autocast_mode.autocast
     p.set(amp, "__enter__", _autocast_enter(amp.__enter__))
     p.set(amp, "__exit__", _autocast_exit(amp.__exit__))

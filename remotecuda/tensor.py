@@ -178,7 +178,10 @@ class RemoteTensor(torch.Tensor):
         if tensor_contents is None:
             with torch.no_grad():
                 tensor_contents = _tensor_str(self._printable(), 7)
-        return _str(self, tensor_contents=tensor_contents).replace("RemoteTensor(", "tensor(", 1)
+        text = _str(self, tensor_contents=tensor_contents).replace("RemoteTensor(", "tensor(", 1)
+        if isinstance(self, torch.nn.Parameter):  # torch writes "Parameter(...)" for a subclass
+            return "Parameter containing:\n" + text.removeprefix("Parameter(").removesuffix(")")
+        return text
 
     def _printable(self) -> torch.Tensor:
         """A CPU tensor that prints as this one, fetched in one round trip. A tensor too large to

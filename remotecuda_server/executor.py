@@ -776,9 +776,18 @@ class Executor:
         base = self._arg(Handle(src))
         return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, shape, stride)
 
+    @internal_op("gen_get", "[generator id]")
+    def _gen_get(self, args: list) -> bytes:
+        """A device ``torch.Generator``'s state (its ``get_state()``), as bytes."""
+        g = self.generators.get(args[0])
+        if g is None:
+            raise RuntimeError(f"remotecuda: generator {args[0]} is unknown to the gateway")
+        return g.get_state().numpy().tobytes()
+
     @internal_op("gen_set", "[generator id, state bytes]")
     def _gen_set(self, args: list) -> None:
-        """A snapshot's generator put back (made if the gateway does not hold it)."""
+        """A generator's state put back: ``set_state()``, or a snapshot's (made if the gateway
+        does not hold it)."""
         gid, state = args
         g = self.generators.get(gid)
         if g is None:

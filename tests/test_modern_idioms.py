@@ -1,0 +1,103 @@
+"""Current PyTorch idioms on 'cuda', unchanged, against the local CPU: torch.func's per-sample
+gradients and forward-mode transforms, TorchScript next to the patched factories, EMA/SWA with
+AveragedModel, checkpoints and pickles of cuda tensors, cuda Generators' states, printing."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, hessian, jacfwd, jvp, vmap
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def _seeded(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _both(fn: Callable[[str], object]) -> None:
+    """``fn`` on 'cuda' and on the CPU give the same values (tensors come back to the CPU)."""
+    def run(dev: str) -> object:
+        torch.manual_seed(0)
+        return torch.utils._pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, fn(dev))
+    torch.testing.assert_close(run("cuda"), run("cpu"), rtol=1e-4, atol=1e-5)
+
+
+def test_per_sample_gradients_with_vmap_of_grad():
+    """vmap(grad(loss)) over functional_call: model code under the transforms reads ``x.device``
+    (F.cross_entropy's decomposition does ``.to(self)``; positions come from
+    ``arange(n, device=x.device)``), which must say 'cuda', not the wrappers' C++ meta."""
+    def per_sample(dev: str) -> object:
+        m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(dev)
+        params = {k: v.detach() for k, v in m.named_parameters()}
+
+        def loss(p: dict, xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+            assert xi.device.type == dev and xi.is_cuda == (dev == "cuda") and not xi.is_meta
+            xi = xi + torch.arange(xi.shape[-1], device=xi.device) / 10
+            return F.cross_entropy(functional_call(m, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+        x, y = _seeded(6, 5).to(dev), torch.tensor([0, 1, 2, 0, 1, 2]).to(dev)
+        return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    _both(per_sample)
+
+
+def test_forward_mode_transforms_and_torchscript_of_patched_factories():
+    """Forward-mode AD scripts torch's decompositions when it first loads them, and TorchScript
+    compiles ``torch.zeros_like`` by the function's identity: the patched factories stay builtins."""
+    @torch.jit.script
+    def scripted(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x) + torch.ones(x.shape, device=x.device) * x.sum()
+
+    def forward_mode(dev: str) -> object:
+        x = _seeded(4).to(dev)
+        _, tangent = jvp(torch.sin, (x,), (torch.ones_like(x),))
+        return hessian(lambda t: (t.sin() * t).sum())(x), jacfwd(torch.tanh)(x), tangent, scripted(x)
+    _both(forward_mode)
+
+
+def test_ema_and_swa_averaged_models_with_update_bn():
+    """AveragedModel groups parameters with swa_utils' own import of the foreach grouping: the
+    groups must be keyed by the 'cuda' device (not the wrappers' meta, where ``n_averaged.to``
+    would make a stray meta tensor)."""
+    from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
+
+    def averaged(dev: str) -> object:
+        m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1)).to(dev)
+        ema, swa = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)), AveragedModel(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        sched = SWALR(opt, swa_lr=0.05, anneal_epochs=2)
+        for i in range(3):
+            opt.zero_grad()
+            m(_seeded(8, 4, seed=i).to(dev)).pow(2).mean().backward()
+            opt.step()
+            ema.update_parameters(m)
+            swa.update_parameters(m)
+            sched.step()
+        update_bn([_seeded(8, 4, seed=10 + i).to(dev) for i in range(2)], swa)
+        return [*ema.parameters(), *swa.parameters(), swa.module[1].running_mean, swa.n_averaged]
+    _both(averaged)
+
+
+def test_cuda_generator_state_round_trip():
+    """``get_state``/``set_state`` of a ``torch.Generator('cuda')`` replay its draws exactly."""
+    def replay(dev: str) -> object:
+        g = torch.Generator(device=dev).manual_seed(42)
+        first = torch.randperm(7, device=dev, generator=g)
+        state = g.get_state()
+        assert state.dtype == torch.uint8 and state.device.type == "cpu"
+        a = torch.randn(3, device=dev, generator=g), torch.empty(4, device=dev).bernoulli_(0.5, generator=g)
+        assert g.set_state(state) is g
+        b = torch.randn(3, device=dev, generator=g), torch.empty(4, device=dev).bernoulli_(0.5, generator=g)
+        torch.testing.assert_close(a, b)
+        return first, a
+    _both(replay)
+    with pytest.raises(TypeError, match="expected a torch.ByteTensor"):
+        torch.Generator(device="cuda").set_state(torch.zeros(3))
+
+
+def test_parameter_prints_as_torch_prints_a_cuda_parameter():
+    p = nn.Parameter(torch.tensor([1.0, 2.0]).cuda())
+    assert repr(p) == "Parameter containing:\ntensor([1., 2.], device='cuda:0', requires_grad=True)"
+    assert str(nn.Linear(2, 1).cuda().bias).startswith("Parameter containing:\ntensor([")
