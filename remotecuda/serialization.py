@@ -1,22 +1,27 @@
 """``torch.save`` / ``torch.load`` across the boundary.
 
-Saving: a RemoteTensor pickles as a CPU tensor rebuilt on 'cuda:N' by
-``torch._utils._rebuild_device_tensor_from_cpu_tensor`` (see tensor.py), which plain
-torch on a GPU machine loads as a real CUDA tensor, and ``weights_only`` allows.
-``torch.save`` first finds every remote tensor in the object (a pickling pass that writes
-nothing and stops at tensors) and fetches them together (downloads.py): one round trip
-for a whole checkpoint, not one per tensor.
+Saving: ``torch.save`` writes a remote tensor as a GPU's torch writes a CUDA tensor: a
+storage located on 'cuda:N' and the tensor's view of it, so the file is a GPU's checkpoint
+(views saved together stay views of one storage; ``map_location`` as a callable, a dict or
+a string means what it means there). It first finds every remote tensor in the object (a
+pickling pass that writes nothing and stops at tensors) and fetches, for each remote
+storage, the span its saved tensors cover, all together (downloads.py): one round trip for
+a whole checkpoint, not one per tensor. Plain pickling (``pickle.dumps``, multiprocessing)
+keeps tensor.py's form, a CPU tensor rebuilt on 'cuda:N'.
 
-Loading: a checkpoint whose storages are located on 'cuda' (written on a GPU machine)
-cannot be restored by a CPU-only torch. A deserializer registered for 'cuda'
-locations keeps such storages on the CPU and remembers them; ``torch.load`` then moves
-the tensors built on them to the remote device, and honours ``map_location='cuda'`` by
-moving every tensor.
+Loading: a checkpoint whose storages are located on 'cuda' cannot be restored by a CPU-only
+torch. A deserializer registered for 'cuda' locations keeps such storages on the CPU and
+remembers them; ``torch.load`` then moves the tensors built on them to the remote device
+(a storage several tensors view goes once, and they become views of it), and honours
+``map_location='cuda'`` by moving every tensor.
 """
 from __future__ import annotations
 
 import pickle
 import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,7 +29,10 @@ import torch
 from . import downloads
 from .tensor import RemoteTensor
 
+#: during torch.load: ``current``, its _Load
 _loading = threading.local()
+#: during torch.save: ``storages``, {(session id, storage id, dtype): (CPU UntypedStorage, its first element's offset)}
+_saving = threading.local()
 
 
 def _tag(obj: Any) -> None:
@@ -33,12 +41,56 @@ def _tag(obj: Any) -> None:
 
 def _deserialize(obj: Any, location: str) -> Any:
     if isinstance(location, str) and location.startswith("cuda"):
-        seen = getattr(_loading, "cuda_storages", None)
-        if seen is None:  # not inside remotecuda's torch.load: let torch say what it says
+        load = getattr(_loading, "current", None)
+        if load is None:  # not inside remotecuda's torch.load: let torch say what it says
             return None
-        seen[obj.data_ptr()] = _index(location)
+        load.storages[obj._cdata] = (_index(location), obj)
         return obj
     return None
+
+
+class _Load:
+    """One torch.load: the storages the file locates on 'cuda' (kept on the CPU, by StorageImpl, as
+    empty storages share data_ptr 0, and held so that no other takes the address), and each
+    moved to its device once, for the tensors built on it to view."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, tuple[int, Any]] = {}
+        self.bases: dict[tuple, torch.Tensor] = {}
+
+    def remote(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (just rebuilt on a CPU storage) on the device its storage was located on."""
+        storage = t.untyped_storage()
+        found = self.storages.get(storage._cdata)
+        if found is None:
+            return t
+        dest, size = torch.device("cuda", found[0]), t.element_size()
+        key = (storage._cdata, t.dtype)
+        base = self.bases.get(key)
+        with torch.no_grad():
+            if base is None and (t.is_contiguous() and t.storage_offset() == 0
+                                 and t.numel() * size == storage.nbytes()):
+                moved = self.bases[key] = t.detach().to(dest)  # the whole storage (the usual case)
+            elif base is None and storage.nbytes() % size:  # (no whole number of elements fills it)
+                moved = t.detach().to(dest)
+            else:
+                if base is None:
+                    base = self.bases[key] = torch.empty(0, dtype=t.dtype).set_(storage).to(dest)
+                moved = base.as_strided(t.shape, t.stride(), t.storage_offset()).detach()
+        metadata = torch._utils.get_tensor_metadata(t)
+        if metadata:
+            torch._utils.set_tensor_metadata(moved, metadata)
+        return moved.requires_grad_(t.requires_grad)
+
+
+def _restored_on_device(plain: Any) -> Any:
+    """``torch._utils._restore_device_fake_mode``, which every tensor torch.load rebuilds passes
+    through: inside remotecuda's load, a tensor on a storage located on 'cuda' goes there."""
+    def _restore_device_fake_mode(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = plain(tensor)
+        load = getattr(_loading, "current", None)
+        return tensor if load is None or isinstance(tensor, RemoteTensor) else load.remote(tensor)
+    return _restore_device_fake_mode
 
 
 def _index(location: str) -> int:
@@ -53,43 +105,77 @@ def _map_location_device(map_location: Any) -> torch.device | None:
     return None
 
 
-def _move(obj: Any, target: Any, seen_ptrs: dict, memo: dict) -> Any:
-    """Move loaded tensors to where they belong; keeps shared tensors shared."""
-    if id(obj) in memo:
-        return memo[id(obj)]
-    out = obj
-    if isinstance(obj, torch.nn.Module):
-        if target is not None and target.type == "cuda":
-            obj.to(target)
+class _Mover:
+    """``map_location='cuda'``: every loaded tensor moved there (torch loaded them on the CPU);
+    shared tensors stay shared, and tensors that view one storage view one remote storage."""
+
+    def __init__(self, target: torch.device):
+        self.target = target
+        self.memo: dict[int, Any] = {}
+        self.viewers: dict[int, int] = {}  # storage (its StorageImpl) → how many loaded tensors view it
+        self.bases: dict[tuple, torch.Tensor] = {}  # (storage, dtype) → the storage moved
+
+    def __call__(self, obj: Any) -> Any:
+        self._count(obj, set())
+        return self._move(obj)
+
+    def _children(self, obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return obj.values()
+        if isinstance(obj, list) or (isinstance(obj, tuple) and not hasattr(obj, "_fields")):
+            return obj
+        return ()
+
+    def _count(self, obj: Any, seen: set) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, RemoteTensor):
+            ptr = obj.untyped_storage()._cdata
+            self.viewers[ptr] = self.viewers.get(ptr, 0) + 1
+        for v in self._children(obj):
+            self._count(v, seen)
+
+    def _move(self, obj: Any) -> Any:
+        if id(obj) in self.memo:
+            return self.memo[id(obj)]
         out = obj
-    elif isinstance(obj, torch.Tensor):
-        if isinstance(obj, RemoteTensor):
-            if target is not None and target.type == "cpu":
-                out = obj.cpu()
-        else:
-            dest = None
-            if target is not None and target.type == "cuda":
-                dest = target
-            elif obj.numel() and obj.untyped_storage().data_ptr() in seen_ptrs:
-                dest = torch.device("cuda", seen_ptrs[obj.untyped_storage().data_ptr()])
-            if dest is not None:
-                moved = obj.to(dest)
-                if isinstance(obj, torch.nn.Parameter):
-                    moved = torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
-                out = moved
-    elif isinstance(obj, dict):
-        new: Any = type(obj)() if type(obj) is not dict else {}
-        for k, v in obj.items():
-            new[k] = _move(v, target, seen_ptrs, memo)
-        if hasattr(obj, "_metadata"):
-            new._metadata = obj._metadata
-        out = new
-    elif isinstance(obj, list):
-        out = [_move(v, target, seen_ptrs, memo) for v in obj]
-    elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        out = tuple(_move(v, target, seen_ptrs, memo) for v in obj)
-    memo[id(obj)] = out
-    return out
+        if isinstance(obj, torch.nn.Module):
+            obj.to(self.target)
+        elif isinstance(obj, torch.Tensor):
+            if not isinstance(obj, RemoteTensor):
+                out = self._tensor_to(obj)
+        elif isinstance(obj, dict):
+            new: Any = type(obj)() if type(obj) is not dict else {}
+            for k, v in obj.items():
+                new[k] = self._move(v)
+            if hasattr(obj, "_metadata"):
+                new._metadata = obj._metadata
+            out = new
+        elif isinstance(obj, list):
+            out = [self._move(v) for v in obj]
+        elif isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            out = tuple(self._move(v) for v in obj)
+        self.memo[id(obj)] = out
+        return out
+
+    def _tensor_to(self, obj: torch.Tensor) -> torch.Tensor:
+        """``obj`` on the target, a leaf as torch.load makes it; a view of its storage moved once
+        when other loaded tensors view that storage too."""
+        storage = obj.untyped_storage()
+        ptr, size = storage._cdata, obj.element_size()
+        with torch.no_grad():
+            if obj.numel() and self.viewers.get(ptr, 0) > 1 and storage.nbytes() % size == 0:
+                key = (ptr, obj.dtype)
+                base = self.bases.get(key)
+                if base is None:
+                    base = self.bases[key] = torch.empty(0, dtype=obj.dtype).set_(storage).to(self.target)
+                moved = base.as_strided(obj.shape, obj.stride(), obj.storage_offset()).detach()
+            else:
+                moved = obj.detach().to(self.target)
+        if isinstance(obj, torch.nn.Parameter):
+            return torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
+        return moved.requires_grad_(obj.requires_grad)
 
 
 class _Finder(pickle.Pickler):
@@ -122,16 +208,87 @@ def remote_tensors(obj: Any) -> list[RemoteTensor]:
     return finder.found
 
 
+def _extent(t: torch.Tensor) -> int:
+    """How many elements of its storage ``t`` spans from its offset on."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def _own(cpu: torch.Tensor) -> torch.UntypedStorage:
+    """A fetched flat tensor's bytes as a storage of their own."""
+    if cpu.storage_offset() or cpu.untyped_storage().nbytes() != cpu.numel() * cpu.element_size():
+        cpu = cpu.clone()
+    return cpu.untyped_storage()
+
+
+@contextmanager
+def _saved_storages(tensors: list[RemoteTensor]) -> Iterator[None]:
+    """For a torch.save: each remote storage (per dtype) as a CPU storage spanning the saved
+    tensors on it, all fetched in one round trip per session."""
+    spans: dict[tuple, tuple[RemoteTensor, int, int]] = {}
+    for t in tensors:
+        if t.numel():
+            key = (id(t._s), t._sid, t.dtype)
+            lo = int(t.storage_offset())
+            hi = lo + _extent(t)
+            if key in spans:
+                first, a, b = spans[key]
+                lo, hi, t = min(a, lo), max(b, hi), first
+            spans[key] = (t, lo, hi)
+    with torch.no_grad():
+        flats = [t.detach() if t.is_contiguous() and t.storage_offset() == lo and t.numel() == hi - lo
+                 else t.as_strided((hi - lo,), (1,), lo) for t, lo, hi in spans.values()]
+    outer = getattr(_saving, "storages", None)
+    mine = {key: (_own(cpu.reshape(-1)), lo) for (key, (_, lo, _)), cpu in zip(spans.items(), downloads.fetch(flats))}
+    _saving.storages = {**(outer or {}), **mine}
+    try:
+        yield
+    finally:
+        _saving.storages = outer
+
+
+def _make_save(original: Any) -> Any:
+    def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        with _saved_storages(remote_tensors(obj)):
+            return original(obj, *args, **kwargs)
+    save.__doc__ = original.__doc__
+    save.__wrapped__ = original  # type: ignore[attr-defined]  # (as functools.wraps sets it)
+    return save
+
+
+def _reduce_ex(plain: Any) -> Any:
+    """``RemoteTensor.__reduce_ex__``: inside torch.save, a view of a CPU storage that the file
+    locates on 'cuda:N' (torch's own form for a CUDA tensor); elsewhere ``plain``'s."""
+    def __reduce_ex__(self: RemoteTensor, proto: Any) -> Any:
+        storages = getattr(_saving, "storages", None)
+        if storages is None or isinstance(self, torch.nn.Parameter):
+            return plain(self, proto)
+        found = storages.get((id(self._s), self._sid, self.dtype))
+        if found is None and self.numel():  # (reached by pickling only, not by the finder's pass)
+            with _saved_storages([self]):
+                return __reduce_ex__(self, proto)
+        storage, first = found if found is not None else (torch.UntypedStorage(0), self.storage_offset())
+        args: tuple = (self.storage_offset() - first, tuple(self.shape), self.stride(), self.requires_grad,
+                       OrderedDict())
+        if self.dtype in torch.storage._new_dtypes():
+            storage._fake_device = self.device  # type: ignore[attr-defined]  # (what the file names)
+            return (torch._utils._rebuild_tensor_v3, (storage, *args, self.dtype))
+        typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=self.dtype, _internal=True)
+        typed._fake_device = self.device
+        return (torch._utils._rebuild_tensor_v2, (typed, *args))
+    return __reduce_ex__
+
+
 def _make_load(original: Any) -> Any:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
         target = _map_location_device(map_location)
-        _loading.cuda_storages = {}
+        outer = getattr(_loading, "current", None)
+        _loading.current = _Load()
         try:
-            ml = "cpu" if target is not None and target.type == "cuda" else map_location
-            result = original(f, ml, *args, **kwargs)
-            return _move(result, target, _loading.cuda_storages, {})
+            if target is not None and target.type == "cuda":
+                return _Mover(target)(original(f, "cpu", *args, **kwargs))
+            return original(f, map_location, *args, **kwargs)
         finally:
-            _loading.cuda_storages = None
+            _loading.current = outer
     load.__doc__ = original.__doc__
     load.__wrapped__ = original  # type: ignore[attr-defined]  # (as functools.wraps sets it)
     return load
@@ -146,6 +303,8 @@ def install(patches: Any) -> None:
         torch.serialization.register_package(0, _tag, _deserialize)
         _registered = True
     patches.set(torch, "load", _make_load(torch.load))
-    patches.set(torch, "save", downloads.prefetched(torch.save, lambda obj, *a, **kw: remote_tensors(obj)))
+    patches.set(torch, "save", _make_save(torch.save))
+    patches.set(RemoteTensor, "__reduce_ex__", _reduce_ex(RemoteTensor.__reduce_ex__))
+    patches.set(torch._utils, "_restore_device_fake_mode", _restored_on_device(torch._utils._restore_device_fake_mode))
     patches.set(torch.serialization, "save", torch.save)
     patches.set(torch.serialization, "load", torch.load)

@@ -3,6 +3,8 @@ gradients and forward-mode transforms, TorchScript next to the patched factories
 AveragedModel, checkpoints and pickles of cuda tensors, cuda Generators' states, printing."""
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Callable
 
 import pytest
@@ -10,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, hessian, jacfwd, jvp, vmap
+
+from conftest import run_python
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -101,3 +105,78 @@ def test_parameter_prints_as_torch_prints_a_cuda_parameter():
     p = nn.Parameter(torch.tensor([1.0, 2.0]).cuda())
     assert repr(p) == "Parameter containing:\ntensor([1., 2.], device='cuda:0', requires_grad=True)"
     assert str(nn.Linear(2, 1).cuda().bias).startswith("Parameter containing:\ntensor([")
+
+
+def _checkpoint(dev: str) -> tuple[nn.Module, torch.optim.Optimizer, io.BytesIO]:
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2).to(dev)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(_seeded(2, 3).to(dev)).sum().backward()
+    opt.step()
+    buf = io.BytesIO()
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "epoch": 3}, buf)
+    buf.seek(0)
+    return m, opt, buf
+
+
+@pytest.mark.parametrize(("map_location", "where"), [
+    (None, "cuda"), ("cpu", "cpu"), (lambda storage, loc: storage, "cpu"), ({"cuda:0": "cpu"}, "cpu"),
+    (torch.device("cuda"), "cuda")])
+def test_checkpoint_loads_where_map_location_says(map_location, where):
+    """A checkpoint of cuda tensors loads as a GPU's does with each form of ``map_location``
+    (the callable ``lambda storage, loc: storage`` of older code keeps everything on the CPU)."""
+    _, _, buf = _checkpoint("cuda")
+    _, _, local = _checkpoint("cpu")
+    back = torch.load(buf, map_location=map_location, weights_only=True)
+    want = torch.load(local, weights_only=True)
+    assert back["model"]["weight"].device.type == where and back["opt"]["state"][0]["exp_avg"].device.type == where
+    # Adam's step is a CPU tensor, moved only by a map_location that moves everything
+    assert back["opt"]["state"][0]["step"].device.type == ("cpu" if map_location is None else where)
+    torch.testing.assert_close(torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
+                                                            back), want)
+
+
+def test_views_saved_together_load_as_views_of_one_storage(tmp_path):
+    """torch.save writes a cuda tensor as a GPU does (a storage located on 'cuda:0'): views saved
+    together come back sharing a storage, leaves that required grad come back leaves that do."""
+    x = _seeded(3, 3).cuda()
+    w = _seeded(4).cuda().requires_grad_()
+    torch.save({"x": x, "rows": x[1:], "col": x[:, 2], "w": w, "empty": x[:0]}, tmp_path / "t.pt")
+    back = torch.load(tmp_path / "t.pt")
+    assert back["rows"].storage_offset() == 3 and back["col"].stride() == (3,) and back["x"].is_cuda
+    back["x"][1, 2] = 100.0
+    assert back["rows"][0, 2].item() == 100.0 and back["col"][1].item() == 100.0
+    assert back["w"].is_leaf and back["w"].requires_grad and back["empty"].is_cuda
+    torch.testing.assert_close(back["w"].detach().cpu(), w.detach().cpu())
+
+
+def test_a_saved_checkpoint_is_a_gpu_checkpoint_to_plain_torch(tmp_path):
+    torch.save({"x": _seeded(2, 2).cuda(), "n": 1}, tmp_path / "c.pt")
+    code = ("import torch, sys\n"
+            "f = sys.argv[1]\n"
+            "print(torch.load(f, map_location='cpu')['x'].sum().item())\n"
+            "try:\n    torch.load(f)\nexcept RuntimeError as e:\n    print('CUDA' in str(e))\n")
+    out = run_python("", args=["-c", code, str(tmp_path / "c.pt")])
+    lines = out.stdout.split()
+    assert out.returncode == 0 and float(lines[0]) == pytest.approx(_seeded(2, 2).sum().item()) and lines[1] == "True"
+
+
+def test_pickled_cuda_tensors_and_parameters_come_back_on_cuda():
+    x = _seeded(3).cuda()
+    p = nn.Parameter(_seeded(2).cuda())
+    y, q = pickle.loads(pickle.dumps((x, p)))
+    assert y.is_cuda and isinstance(q, nn.Parameter) and q.is_cuda and q.requires_grad
+    torch.testing.assert_close(y.cpu(), x.cpu())
+
+
+def test_a_whole_model_saved_and_loaded_is_on_cuda(tmp_path):
+    """``torch.save(model)`` / ``torch.load(weights_only=False)``: the tensors inside the module
+    (not only those of a dict) come back on 'cuda'."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).cuda()
+    torch.save(m, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert all(t.is_cuda for t in [*back.parameters(), *back.buffers()])
+    assert isinstance(back[0].weight, nn.Parameter) and back[0].weight.requires_grad
+    x = _seeded(5, 3).cuda()
+    torch.testing.assert_close(back(x).cpu(), m(x).cpu())
