@@ -152,6 +152,10 @@ class RemoteTensor(torch.Tensor):
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         raise dlpack_error(self)
 
+    def record_stream(self, stream: Any) -> None:
+        """A caching-allocator hint: a session's streams run serially on the gateway, so no use of
+        this memory can still be pending on another stream when it is freed."""
+
     def __coerce_same_metadata_as_tangent__(self, expected_metadata: Any, expected_type: Any = None) -> Any:
         """A compiled graph's backward (compiled.py) was traced on plain tensors: a wrapper's
         gradient is what it expects (None: AOTAutograd then says which tangent did not fit)."""

@@ -1,4 +1,5 @@
-"""What CUDA's kernels accept that the CPU's refuse, on a device the gateway serves with its CPU.
+"""What CUDA's kernels accept that the CPU's refuse (or give otherwise), on a device the gateway
+serves with its CPU.
 
 A client's 'cuda' device may run on the CPU (``--device cpu``: the CPU itself or simulated
 GPUs). Programs pick code paths by ``device.type == "cuda"`` and so call CUDA's kernels with
@@ -70,3 +71,19 @@ def _histc(a: dict) -> Callable | None:
             return counts
         return out.resize_(counts.shape).copy_(counts)
     return histc
+
+
+@_instead("native_batch_norm")
+def _batch_norm(a: dict) -> Callable | None:
+    """In eval mode the CPU kernel saves empty statistics; CUDA's (and the meta kernel, which the
+    client's metadata follows) the running mean and its invstd, which torch.func's batch rules
+    expand (jacrev through an eval BatchNorm)."""
+    if a["training"] or a["running_mean"] is None or a["running_var"] is None:
+        return None
+
+    def batch_norm(input: torch.Tensor, weight: Any, bias: Any, running_mean: torch.Tensor,
+                   running_var: torch.Tensor, training: bool, momentum: float, eps: float) -> tuple:
+        out, _, _ = torch.ops.aten.native_batch_norm.default(input, weight, bias, running_mean, running_var,
+                                                             training, momentum, eps)
+        return out, running_mean.clone(), (running_var + eps).rsqrt()
+    return batch_norm

@@ -180,3 +180,30 @@ def test_a_whole_model_saved_and_loaded_is_on_cuda(tmp_path):
     assert isinstance(back[0].weight, nn.Parameter) and back[0].weight.requires_grad
     x = _seeded(5, 3).cuda()
     torch.testing.assert_close(back(x).cpu(), m(x).cpu())
+
+
+def test_jacobians_through_batch_norm_in_eval_mode():
+    """jacrev through an eval BatchNorm expands its saved statistics: a CPU gateway saves them as
+    CUDA does (the running statistics), not as its own kernel does (empty)."""
+    from torch.func import jacrev
+
+    def jacobians(dev: str) -> object:
+        m = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).to(dev).eval()
+        x = _seeded(4, 3).to(dev)
+        buffers = dict(m.named_buffers())
+        by_params = jacrev(lambda p: functional_call(m, (p, buffers), (x,)).sum())(dict(m.named_parameters()))
+        return by_params, jacrev(lambda t: m(t).sum())(x)
+    _both(jacobians)
+
+
+def test_stream_and_sharing_idioms_of_cuda_tensors():
+    """``record_stream``, ``share_memory_`` and ``is_shared`` as on any CUDA tensor."""
+    s = torch.cuda.Stream()
+    x = torch.ones(3, device="cuda")
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = x * 2
+    torch.cuda.current_stream().wait_stream(s)
+    y.record_stream(torch.cuda.current_stream())
+    assert y.share_memory_() is y and y.is_shared()
+    assert y.sum().item() == 6.0
