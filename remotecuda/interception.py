@@ -449,6 +449,28 @@ def _get_device(self: torch.Tensor) -> int:
     return torch._C.TensorBase.get_device(self) if remote is None else remote.get_device()
 
 
+def _profile_init(original: Callable) -> Callable:
+    """``torch.autograd.profiler.profile`` (what ``torch.profiler.profile`` runs) without CUDA
+    timing: a CPU-only torch has no CUDA profiler and falls back to recording CUDA events,
+    warning with a C++ stack at every op; the ops' CPU side is profiled as before."""
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, use_cuda: bool = False, use_device: Any = None, **kwargs: Any) -> None:
+        if use_cuda or use_device == "cuda":
+            use_cuda, use_device = False, None
+        original(self, *args, use_cuda=use_cuda, use_device=use_device, **kwargs)
+    return __init__
+
+
+def _emit_nvtx_enter(self: Any) -> Any:
+    """``emit_nvtx``: NVTX ranges are no-ops here, as ``torch.cuda.nvtx``'s are (there is no local
+    GPU timeline to mark; a CPU-only torch refuses the NVTX profiler)."""
+    return self
+
+
+def _emit_nvtx_exit(self: Any, *exc: Any) -> bool:
+    return False
+
+
 class AutocastMode(TorchFunctionMode):
     """CUDA autocast's casting policies, active only inside a ``torch.autocast('cuda')`` block."""
 
@@ -776,6 +798,10 @@ def install(rt: Runtime) -> Interception:
     for name in ("device", "is_cuda", "is_meta"):
         p.set(torch.Tensor, name, _identity_property(name))
     p.set(torch.Tensor, "get_device", _get_device)
+    profile = torch.autograd.profiler.profile
+    p.set(profile, "__init__", _profile_init(profile.__init__))
+    p.set(torch.autograd.profiler.emit_nvtx, "__enter__", _emit_nvtx_enter)
+    p.set(torch.autograd.profiler.emit_nvtx, "__exit__", _emit_nvtx_exit)
     amp = torch.amp.autocast_mode.autocast
     p.set(amp, "__enter__", _autocast_enter(amp.__enter__))
     p.set(amp, "__exit__", _autocast_exit(amp.__exit__))

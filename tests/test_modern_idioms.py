@@ -47,6 +47,7 @@ def test_per_sample_gradients_with_vmap_of_grad():
     _both(per_sample)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_forward_mode_transforms_and_torchscript_of_patched_factories():
     """Forward-mode AD scripts torch's decompositions when it first loads them, and TorchScript
     compiles ``torch.zeros_like`` by the function's identity: the patched factories stay builtins."""
@@ -207,3 +208,19 @@ def test_stream_and_sharing_idioms_of_cuda_tensors():
     y.record_stream(torch.cuda.current_stream())
     assert y.share_memory_() is y and y.is_shared()
     assert y.sum().item() == 6.0
+
+
+def test_profiler_with_cuda_activity_profiles_quietly(capfd):
+    """``torch.profiler.profile(activities=[CPU, CUDA])`` and ``emit_nvtx`` run as on a GPU, without
+    the CPU-only build's C++ warning (and stack) about CUDA events at every op."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    x = torch.ones(8, 8, device="cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("matmul"):
+            y = x @ x
+        y.sum().item()
+    with torch.autograd.profiler.profile(use_device="cuda"), torch.autograd.profiler.emit_nvtx():
+        (x * 2).sum().item()
+    assert any(e.key == "matmul" for e in prof.key_averages())
+    err = capfd.readouterr().err
+    assert "CUDA event" not in err and "NVTX" not in err
