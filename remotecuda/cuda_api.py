@@ -175,6 +175,10 @@ LOCAL_ONLY = {
     "current_blas_handle": _local_only("current_blas_handle", _RAW),
     "current_solver_handle": _local_only("current_solver_handle", _RAW),
     "get_stream_from_external": _local_only("get_stream_from_external", _RAW),
+    # (torch.cuda.memory's: the memory visualizer's history; memory_snapshot() is the gateway's)
+    **{name: _local_only(f"memory.{name}", "records the allocator history of a GPU in this process, and the "
+                         "GPUs are on gateways (memory_stats() and memory_snapshot() report theirs)")
+       for name in ("_record_memory_history", "_snapshot", "_dump_snapshot")},
 }
 #: torch._C's jiterator entry point (``torch.cuda.jiterator``'s functions call it when run)
 JITERATOR = _local_only("jiterator", "compiles CUDA C++ in this process, and gateways run only known aten ops")
