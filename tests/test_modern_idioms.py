@@ -234,3 +234,17 @@ def test_memory_history_says_plainly_it_is_not_recorded():
     with pytest.raises(NotImplementedError, match="allocator history"):
         torch.cuda.memory._snapshot()
     assert torch.cuda.memory_stats()["allocated_bytes.all.current"] >= 0
+
+
+def test_save_pretrained_of_a_model_with_weights_of_one_size(tmp_path):
+    """transformers groups tensors by storage address before saving; same-sized weights over 64 KiB
+    were taken for overlapping views of one storage ('contained shared tensors')."""
+    from transformers import BertConfig, BertModel
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=256, num_hidden_layers=1, num_attention_heads=2, intermediate_size=512,
+                     vocab_size=50, max_position_embeddings=16)
+    model = BertModel(cfg).cuda()
+    model.save_pretrained(tmp_path)
+    back = BertModel.from_pretrained(tmp_path)
+    for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        torch.testing.assert_close(a.cpu(), b, msg=name)
