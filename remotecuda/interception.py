@@ -461,22 +461,17 @@ def _profile_init(original: Callable) -> Callable:
     return __init__
 
 
-def _make_fx(original: Callable) -> Callable:
-    """``make_fx`` refusing 'cuda' inputs: its tracer passes over the wrapper subclass, so the graph
-    would hold the values the tensors had while tracing (``torch.func.linearize``'s jvp came back
-    a constant)."""
+def _linearize(original: Callable) -> Callable:
+    """``torch.func.linearize`` refusing 'cuda' primals: it traces with make_fx, whose tracer passes
+    over the wrapper subclass, so its jvp function held the value the tangent had while tracing
+    (a constant)."""
     @functools.wraps(original)
-    def make_fx(f: Callable, *args: Any, **kwargs: Any) -> Callable:
-        traced = original(f, *args, **kwargs)
-
-        @functools.wraps(traced)
-        def trace(*inputs: Any) -> Any:
-            if any(isinstance(t, RemoteTensor) for t in torch.utils._pytree.tree_leaves(inputs)):
-                raise NotImplementedError("remotecuda: make_fx cannot trace 'cuda' tensors (torch.func.linearize "
-                                          "traces with it); torch.func.jvp computes the same products")
-            return traced(*inputs)
-        return trace
-    return make_fx
+    def linearize(func: Callable, *primals: Any) -> Any:
+        if any(isinstance(t, RemoteTensor) for t in torch.utils._pytree.tree_leaves(primals)):
+            raise NotImplementedError("remotecuda: torch.func.linearize cannot trace 'cuda' tensors (make_fx "
+                                      "passes over them); torch.func.jvp computes the same products")
+        return original(func, *primals)
+    return linearize
 
 
 def _emit_nvtx_enter(self: Any) -> Any:
@@ -820,11 +815,9 @@ def install(rt: Runtime) -> Interception:
     p.set(profile, "__init__", _profile_init(profile.__init__))
     p.set(torch.autograd.profiler.emit_nvtx, "__enter__", _emit_nvtx_enter)
     p.set(torch.autograd.profiler.emit_nvtx, "__exit__", _emit_nvtx_exit)
-    from torch._functorch import eager_transforms
-    from torch.fx.experimental import proxy_tensor
-    make_fx = _make_fx(proxy_tensor.make_fx)
-    p.set(proxy_tensor, "make_fx", make_fx)
-    p.set(eager_transforms, "make_fx", make_fx)  # (torch.func.linearize's own binding)
+    linearize = _linearize(torch.func.linearize)
+    p.set(torch.func, "linearize", linearize)
+    p.set(torch._functorch.eager_transforms, "linearize", linearize)
     amp = torch.amp.autocast_mode.autocast
     p.set(amp, "__enter__", _autocast_enter(amp.__enter__))
     p.set(amp, "__exit__", _autocast_exit(amp.__exit__))
