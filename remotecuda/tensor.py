@@ -182,7 +182,7 @@ class RemoteTensor(torch.Tensor):
         if tensor_contents is None:
             with torch.no_grad():
                 tensor_contents = _tensor_str(self._printable(), 7)
-        text = _str(self, tensor_contents=tensor_contents).replace("RemoteTensor(", "tensor(", 1)
+        text = _str(self, tensor_contents=tensor_contents).replace("Tensor(", "tensor(", 1)
         if isinstance(self, torch.nn.Parameter):  # torch writes "Parameter(...)" for a subclass
             return "Parameter containing:\n" + text.removeprefix("Parameter(").removesuffix(")")
         return text
@@ -236,6 +236,12 @@ class RemoteTensor(torch.Tensor):
         cpu = self.detach().cpu().clone()
         return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                 (cpu, self.dtype, str(self.device), self.requires_grad))
+
+
+#: torch's messages name a tensor by its type's name, as a GPU's do: "Expected parameter scale (Tensor
+#: of shape (1,)) of distribution Normal ...", the argument parser's "got (Tensor, out=Tensor)"
+#: (the qualified name, in ``repr(type(t))``, stays RemoteTensor)
+RemoteTensor.__name__ = "Tensor"
 
 
 def dlpack_error(t: RemoteTensor) -> BufferError:
