@@ -257,3 +257,11 @@ def test_linearize_says_it_cannot_trace_rather_than_return_a_constant():
     with pytest.raises(NotImplementedError, match="linearize cannot trace"):
         torch.func.linearize(torch.sin, x)
     torch.testing.assert_close(jvp(torch.sin, (x,), (torch.ones_like(x),))[1].cpu(), x.cos().cpu())
+
+
+def test_messages_name_a_cuda_tensor_tensor():
+    """torch's messages that name the argument's type say Tensor, as on a GPU."""
+    with pytest.raises(ValueError, match=r"Expected parameter scale \(Tensor of shape \(1,\)\)"):
+        torch.distributions.Normal(torch.zeros(1, device="cuda"), torch.tensor([-1.0], device="cuda"))
+    with pytest.raises(TypeError, match=r"got \(Tensor, out=Tensor\)"):
+        torch.argsort(torch.ones(3, device="cuda"), out=torch.empty(3, dtype=torch.long, device="cuda"))
