@@ -739,6 +739,15 @@ def _library_op(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
 _CUDA_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
 
 
+def _not_left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
+    """Nested tensors do not cross the wire, and ``nn.TransformerEncoder``'s eval fast path packs a
+    padded batch into one when this check passes: answering that the mask is not left-aligned
+    keeps it dense (its layers still take their fused path with the key padding mask). The
+    unpadded positions come out as with the nested path; the padded ones hold what the layers
+    computed there instead of zeros (README, Limits)."""
+    return False
+
+
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten.to.dtype_layout: _to,
@@ -751,5 +760,6 @@ _SPECIAL = {
     aten._pack_padded_sequence.default: _composite,
     aten._conj.default: _materialized,
     aten._neg_view.default: _materialized,
+    aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
 }
 
