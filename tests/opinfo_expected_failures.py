@@ -20,6 +20,9 @@ FORWARD: dict[tuple[str, str], str] = {
     **{("to_sparse", dt): _SPARSE_COO for dt in ("float32", "bfloat16", "float16", "int64")},
     **{(op, dt): _HALF_STATS for op in ("native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
                                         "_batch_norm_with_update") for dt in ("bfloat16", "float16")},
+    ("native_batch_norm", "float32"): ("cuda semantics: in eval mode CUDA (and the meta kernel) returns the "
+                                       "running mean and its invstd as saved statistics; the CPU kernel "
+                                       "returns empty ones (remotecuda_server/cuda_kernels.py)"),
     **{("nn.functional.linear_cross_entropy.chunked_none", dt):
        "cuda semantics: F.linear_cross_entropy picks its accumulation dtype by device (1 ulp apart)"
        for dt in ("bfloat16", "float16")},
