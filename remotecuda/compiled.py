@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 
 from remotecuda_wire.protocol import Handle
 
+from . import flex_attention
 from .dispatch import DeviceMismatch
 from .tensor import RemoteTensor, layout, wrap
 
@@ -49,7 +50,7 @@ def compile(model: Any = None, **kwargs: Any) -> Any:
     """``torch.compile``: ``model`` (a module or a function) traced and run on its gateway."""
     if model is None:
         return lambda m: compile(m, **kwargs)
-    if kwargs.get("disable"):
+    if kwargs.get("disable") or flex_attention.compiles_to_itself(model):
         return model
     if isinstance(model, torch.nn.Module):
         return CompiledModule(model)
@@ -72,6 +73,8 @@ class Compiled:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         state = self._state()
         tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
+        if not tensors:  # (nothing for a gateway to run: create_block_mask, say)
+            return self.fn(*args, **kwargs)
         why = _why_eager(tensors)
         if why is None:
             session = cast(RemoteTensor, tensors[0])._s
@@ -168,8 +171,6 @@ def _content(cell: Any) -> Any:
 
 
 def _why_eager(tensors: list) -> str | None:
-    if not tensors:
-        return "it takes no tensors"
     s = getattr(tensors[0], "_s", None)
     if s is None or not all(isinstance(t, RemoteTensor) and t._s is s for t in tensors):
         return "its tensors (arguments, parameters and buffers) are not all on one 'cuda' device"
@@ -358,9 +359,9 @@ class _Program:
         return [None if h is None else wrap(s, h, lay) for h, lay in zip(handles, self.lays)]
 
     def __del__(self) -> None:
-        s = self.session
+        s = getattr(self, "session", None)  # (None: __init__ refused the graph before defining it)
         try:
-            if not s.closed:
+            if s is not None and not s.closed:
                 s.enqueue("rc::program_free", [self.id], None, None)
         except Exception:  # noqa: BLE001 - a finalizer must not raise
             pass

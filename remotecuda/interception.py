@@ -28,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch._ops import HigherOrderOperator
 from torch.jit import _builtins as jit_builtins
 from torch.overrides import TorchFunctionMode
 from torch.overrides import _get_current_function_mode_stack as _function_modes
@@ -44,6 +46,7 @@ from . import (
     decode,
     downloads,
     flags,
+    flex_attention,
     rnn,
     runtime,
     serialization,
@@ -522,6 +525,9 @@ class RemoteDispatchMode(TorchDispatchMode):
         self.dispatcher = dispatcher
         self.dispatch = dispatcher.dispatch  # bound once: called for every op
 
+    #: higher-order ops (flex_attention, cond, ...) come here too, with no types: see ``_higher_order``
+    supports_higher_order_operators = True
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False  # torch.compile does not use Dynamo while active (compiled.py); its guard costs ~9 us per op
@@ -538,6 +544,8 @@ class RemoteDispatchMode(TorchDispatchMode):
             if d.type == "meta" and not local.user_meta:
                 target = local.target
                 return self.dispatcher.factory(func, args, kwargs, target if target is not None else local.vdev)
+        if isinstance(func, HigherOrderOperator):
+            _refuse_remote_higher_order(func, args, kwargs)
         return func(*args, **kwargs)
 
     def again(self, fn: Callable[[], Any]) -> Any:
@@ -547,6 +555,16 @@ class RemoteDispatchMode(TorchDispatchMode):
             return fn()
         with RemoteDispatchMode(self.dispatcher):
             return fn()
+
+
+def _refuse_remote_higher_order(op: HigherOrderOperator, args: tuple, kwargs: dict) -> None:
+    """A higher-order op runs here with our mode off, which is right for CPU tensors; on remote
+    ones torch would say only that it has no rule for RemoteTensor."""
+    if any(isinstance(x, RemoteTensor) for x in pytree.tree_leaves((args, kwargs))):
+        raise NotImplementedError(
+            f"remotecuda: torch's higher-order op {op.name()} is not supported on 'cuda' tensors yet "
+            "(flex_attention is; torch.cond and the like are not): run it on CPU tensors, or write it "
+            "with plain tensor ops")
 
 
 class _Installed:
@@ -797,6 +815,7 @@ def install(rt: Runtime) -> Interception:
     serialization.install(p)
     downloads.install(p)
     decode.install(p)
+    flex_attention.install(p)
     foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)
                if RemoteTensor not in lst]
     for lst in foreach:
