@@ -22,6 +22,7 @@ needs; the ``Interception`` it returns belongs to the runtime, whose ``close`` c
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import types
 from collections.abc import Callable
@@ -195,6 +196,19 @@ def _ctc_loss(func: Callable, args: tuple, kwargs: dict) -> Any:
     if args and isinstance(args[0], RemoteTensor):
         args = tuple(a.tolist() if i in (2, 3) and isinstance(a, torch.Tensor) and not isinstance(a, RemoteTensor)
                      else a for i, a in enumerate(args))
+    return func(*args, **kwargs)
+
+
+def _export(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``torch.export``/``torch.onnx.export`` of a model on 'cuda' would end this process (C++
+    aborts making autograd metadata for a CUDA fake tensor on a CPU-only build): refuse first."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    modules = [x for x in leaves if isinstance(x, torch.nn.Module)]
+    tensors = [*leaves, *(t for m in modules for t in itertools.chain(m.parameters(), m.buffers()))]
+    if any(isinstance(t, RemoteTensor) for t in tensors):
+        raise NotImplementedError(
+            f"remotecuda: {func.__module__}.{func.__name__} of a model or inputs on 'cuda' is not supported: "
+            "export it on the CPU (model.cpu(), CPU example inputs)")
     return func(*args, **kwargs)
 
 
@@ -383,6 +397,8 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch._VF, "dropout", _dropout),  # what F.dropout calls
     (torch, "dropout", _dropout),
     (torch, "get_default_device", _get_default_device),
+    (torch.export, "export", _export),
+    (torch.export, "draft_export", _export),
 ]
 
 
@@ -816,6 +832,7 @@ def install(rt: Runtime) -> Interception:
     downloads.install(p)
     decode.install(p)
     flex_attention.install(p)
+    downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
     foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)
                if RemoteTensor not in lst]
     for lst in foreach:
