@@ -18,6 +18,7 @@ import torch
 
 from . import runtime
 from .cuda_graphs import is_current_stream_capturing
+from .device_type import DEVICE
 from .generator import CudaGenerator
 from .pool import VirtualDevice
 from .session import Session
@@ -33,7 +34,7 @@ def device_index(device: Any = None) -> int:
         return device
     if isinstance(device, str):
         device = torch.device(device)
-    if isinstance(device, torch.device):
+    if isinstance(device, DEVICE):
         if device.type != "cuda":
             raise ValueError(f"Expected a cuda device, but got: {device}")
         return _rt().current_device if device.index is None else device.index
