@@ -291,6 +291,23 @@ class Stream:
         event.record(self)
         return event
 
+    @property
+    def device_type(self) -> int:
+        return 1  # c10::DeviceType::CUDA, as torch.Stream gives it
+
+    @property
+    def device_index(self) -> int:
+        return self.device.index
+
+    def __enter__(self) -> Stream:
+        """``with stream:`` (torch.Stream's form): current on its device for the block."""
+        self.__dict__.setdefault("_outer", []).append(current_stream(self.device))
+        set_stream(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        set_stream(self.__dict__["_outer"].pop())
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Stream) and other.stream_id == self.stream_id
 

@@ -807,6 +807,8 @@ def install(rt: Runtime) -> Interception:
         p.set(torch.accelerator, name, obj)
     for name, obj in accelerator_api.MEMORY_REPLACEMENTS.items():
         p.set(torch.accelerator.memory, name, obj)
+    for name, obj in accelerator_api.TORCH_REPLACEMENTS.items():
+        p.set(torch, name, obj)
     # on cudnn's module object only: its own functions (set_flags...) still see the local truth
     p.set(torch.backends.cudnn, "is_available", lambda: True)
     p.set(torch.backends.cudnn, "is_acceptable", _cudnn_is_acceptable)

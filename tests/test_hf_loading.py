@@ -109,3 +109,31 @@ def test_dispatch_model_offloads_as_planned():
         got = model(IDS.to(0)).logits
     assert got.device == torch.device(0)
     torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_device_generic_stream_and_event_are_cuda_ones():
+    """``torch.Stream()`` / ``torch.Event()`` with no device are the current accelerator's, as
+    on a GPU machine: 'cuda' ones here; torch's own for the CPU."""
+    s = torch.Stream()
+    assert isinstance(s, torch.Stream) and isinstance(s, torch.cuda.Stream) and s.device == torch.device(0)
+    assert s.device_type == 1 and s.device_index == 0  # c10's DeviceType::CUDA
+    with s:
+        assert torch.cuda.current_stream() == s
+        e = torch.Event(enable_timing=True)
+        e.record()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    s.wait_stream(torch.cuda.default_stream(0))
+    e.synchronize()
+    assert isinstance(torch.Stream("cuda:0"), torch.cuda.Stream) and isinstance(e, torch.Event)
+    assert torch.Stream("cpu").device.type == torch.Event("cpu").device.type == "cpu"
+
+
+def test_offloaded_kv_cache_generation_matches_local():
+    """``cache_implementation='offloaded'`` keeps the KV cache on the CPU and prefetches each layer's
+    on a ``torch.Stream()`` (it raised: a CPU stream cannot wait on a 'cuda' one)."""
+    def generate(dev: str, **kwargs: object) -> torch.Tensor:
+        model = _llama().to(dev).eval()
+        ids = torch.tensor([[1, 5, 9, 14, 7], [0, 0, 8, 3, 11]], device=dev)
+        return model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=5, do_sample=False,
+                              pad_token_id=0, **kwargs).cpu()
+    torch.testing.assert_close(generate("cuda", cache_implementation="offloaded"), generate("cpu"))
