@@ -137,3 +137,18 @@ def test_offloaded_kv_cache_generation_matches_local():
         return model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=5, do_sample=False,
                               pad_token_id=0, **kwargs).cpu()
     torch.testing.assert_close(generate("cuda", cache_implementation="offloaded"), generate("cpu"))
+
+
+def test_compiled_forward_generates_as_local():
+    """``model.forward = torch.compile(model.forward)`` then ``generate()``: the KV cache handed to
+    the forward is an object the trace would fill with its stand-ins, so those calls run eagerly
+    (the cache kept CPU stand-ins and the next step raised a device mismatch)."""
+    def generate(dev: str) -> torch.Tensor:
+        model = _llama().to(dev).eval()
+        if dev == "cuda":
+            model.forward = torch.compile(model.forward)
+        ids = torch.tensor([[1, 5, 9, 14, 7]], device=dev)
+        return model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0).cpu()
+    with pytest.warns(UserWarning, match="remotecuda: torch.compile runs"):
+        got = generate("cuda")
+    torch.testing.assert_close(got, generate("cpu"))
