@@ -3,7 +3,8 @@ no hub): ``from_pretrained`` with every kind of ``device_map`` (``"auto"``, ``{"
 offloading ``max_memory``), dtypes, and accelerate's ``dispatch_model``. These build devices from
 bare indices (``torch.device(0)``, which a CPU-only torch's C++ refuses), rebuild parameters by
 their class (``type(p)(data, requires_grad=...)``), and, by default, swap in compiled hub kernels
-for a model on 'cuda'.
+for a model on 'cuda'. Then what generation adds: the offloaded KV cache's ``torch.Stream()``, and a
+``torch.compile``d forward handed the cache.
 """
 from __future__ import annotations
 
