@@ -85,6 +85,50 @@ def get_device_capability(device: Any = None, /) -> dict[str, Any]:
     return {"supported_dtypes": {d for d in dtypes if not str(d).startswith(("torch.qint", "torch.quint"))}}
 
 
+# ---------------------------------------------------------------------- torch.Stream, torch.Event
+class _OnAccelerator(type):
+    """A stand-in for torch's device-generic ``torch.Stream`` / ``torch.Event``: with no device
+    (the current accelerator), an index or a 'cuda' one, the 'cuda' class here; torch's own for
+    the CPU. (transformers' offloaded KV cache prefetches on a ``torch.Stream()``.)"""
+
+    original: type
+    on_cuda: type
+    make: Any
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, (cls.original, cls.on_cuda))
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, (cls.original, cls.on_cuda))
+
+    def __call__(cls, device: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if device is None or isinstance(device, int) or torch.device(device).type == "cuda":
+            return cls.make(device, *args, **kwargs)
+        return cls.original(device, *args, **kwargs)
+
+
+class Stream(metaclass=_OnAccelerator):
+    """Stands in for ``torch.Stream`` while active."""
+
+    original, on_cuda = torch.Stream, cuda_api.Stream
+    make = staticmethod(cuda_api.Stream)
+
+
+class Event(metaclass=_OnAccelerator):
+    """Stands in for ``torch.Event`` while active (a 'cuda' event names no device: it is
+    recorded on its stream's)."""
+
+    original, on_cuda = torch.Event, cuda_api.Event
+
+    @staticmethod
+    def make(device: Any, **kwargs: Any) -> cuda_api.Event:
+        return cuda_api.Event(**kwargs)
+
+
+#: what replaces torch.<name> while active
+TORCH_REPLACEMENTS = {"Stream": Stream, "Event": Event}
+
+
 # ---------------------------------------------------------------------- memory
 def memory_stats(device_index: Any = None, /) -> OrderedDict[str, Any]:
     return OrderedDict(sorted(cuda_api.memory_stats(device_index).items()))

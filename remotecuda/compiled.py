@@ -22,6 +22,7 @@ import contextlib
 import functools
 import itertools
 import operator
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
@@ -40,6 +41,7 @@ MAX_TRACES = 8
 _ids = itertools.count(1)
 _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
           torch.layout)
+_CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
 
 
 class Unsupported(Exception):
@@ -75,7 +77,7 @@ class Compiled:
         tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors:  # (nothing for a gateway to run: create_block_mask, say)
             return self.fn(*args, **kwargs)
-        why = _why_eager(tensors)
+        why = _why_eager(tensors) or _mutable_argument(leaves)
         if why is None:
             session = cast(RemoteTensor, tensors[0])._s
             key = self._key(state, leaves, spec, tensors)
@@ -176,6 +178,16 @@ def _why_eager(tensors: list) -> str | None:
         return "its tensors (arguments, parameters and buffers) are not all on one 'cuda' device"
     if torch.is_autocast_enabled("cuda"):
         return "autocast is on (the trace does not apply it)"
+    return None
+
+
+def _mutable_argument(leaves: list) -> str | None:
+    """Why an argument keeps the call from being traced: the trace runs the Python code for real
+    on stand-ins, so an object it is given (transformers' KV cache) would be changed by it and
+    keep stand-in tensors (Dynamo replays such side effects; this tracer cannot)."""
+    for x in leaves:
+        if not isinstance(x, (torch.Tensor, *_PLAIN, torch.nn.Module, type, *_CALLABLES)):
+            return f"it takes a {type(x).__name__}, an object the trace would change"
     return None
 
 

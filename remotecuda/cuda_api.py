@@ -18,6 +18,7 @@ import torch
 
 from . import runtime
 from .cuda_graphs import is_current_stream_capturing
+from .device_type import DEVICE
 from .generator import CudaGenerator
 from .pool import VirtualDevice
 from .session import Session
@@ -33,7 +34,7 @@ def device_index(device: Any = None) -> int:
         return device
     if isinstance(device, str):
         device = torch.device(device)
-    if isinstance(device, torch.device):
+    if isinstance(device, DEVICE):
         if device.type != "cuda":
             raise ValueError(f"Expected a cuda device, but got: {device}")
         return _rt().current_device if device.index is None else device.index
@@ -289,6 +290,23 @@ class Stream:
         event = event or Event()
         event.record(self)
         return event
+
+    @property
+    def device_type(self) -> int:
+        return 1  # c10::DeviceType::CUDA, as torch.Stream gives it
+
+    @property
+    def device_index(self) -> int:
+        return self.device.index
+
+    def __enter__(self) -> Stream:
+        """``with stream:`` (torch.Stream's form): current on its device for the block."""
+        self.__dict__.setdefault("_outer", []).append(current_stream(self.device))
+        set_stream(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        set_stream(self.__dict__["_outer"].pop())
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Stream) and other.stream_id == self.stream_id

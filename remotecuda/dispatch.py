@@ -32,6 +32,7 @@ from remotecuda_wire.protocol import DTYPE_EXT, OP_NAMESPACES
 
 from . import dispatch_cache as dc
 from . import downloads, known, transfer
+from .device_type import DEVICE
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import RemoteCUDAError
 from .generator import wire_ref
@@ -170,7 +171,7 @@ def _join(s: Any, other: Any) -> Any:
 
 def _wire_other(a: Any, t: type, key: list) -> Any:
     """``_walk`` for the rarer argument types (devices, dtypes, generators...)."""
-    if t is torch.device:
+    if t is DEVICE:
         key.append("dev")
         return _CUDA if a.type in ("cuda", "meta") else a
     if t is torch.dtype:
@@ -220,7 +221,7 @@ def _to_meta(a: Any) -> Any:
         return a.to("meta")
     if type(a) is list or type(a) is tuple:
         return type(a)(_to_meta(v) for v in a)
-    if type(a) is torch.device:
+    if type(a) is DEVICE:
         return _META
     if isinstance(a, torch._C.Generator):
         return None  # meta kernels only need shapes
@@ -263,7 +264,7 @@ class Dispatcher:
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         m = self.ops.get(id(func)) or self.op_meta(func)
         dev = kwargs.get("device") if kwargs else None
-        if self.local.user_meta or (type(dev) is torch.device and dev.type == "cpu" and m.special is None):
+        if self.local.user_meta or (type(dev) is DEVICE and dev.type == "cpu" and m.special is None):
             # x.new_zeros(2, device='cpu'), zeros_like(x, device='meta'), x.to('meta'): a tensor made
             # here from the remote ones' metadata (user_meta: the user asked for 'meta', see interception)
             with _DisableTorchDispatch():

@@ -25,7 +25,7 @@ import functools
 import itertools
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
@@ -45,14 +45,17 @@ from . import (
     cuda_graphs,
     data_parallel,
     decode,
+    device_type,
     downloads,
     flags,
     flex_attention,
+    hub_kernels,
     rnn,
     runtime,
     serialization,
     transfer,
 )
+from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
@@ -92,7 +95,7 @@ def _context_device() -> torch.device | None:
 
 
 def _device(d: Any) -> torch.device | None:
-    if d is None or isinstance(d, torch.device):
+    if d is None or isinstance(d, DEVICE):
         return d
     if isinstance(d, int):
         return torch.device("cuda", d)
@@ -634,6 +637,7 @@ class _Patches:
 
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any, bool]] = []
+        self.items: list[tuple[MutableMapping, Any, Any, bool]] = []
         self.builtins: list[int] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
@@ -648,6 +652,11 @@ class _Patches:
             jit_builtins._register_builtin(value, op)
             self.builtins.append(id(value))
 
+    def set_item(self, table: MutableMapping, key: Any, value: Any) -> None:
+        """``table[key] = value`` (``copyreg.dispatch_table``, ``os.environ``), undone by restore."""
+        self.items.append((table, key, table.get(key), key in table))
+        table[key] = value
+
     def restore(self) -> None:
         for obj, name, value, had in reversed(self.saved):
             if had:
@@ -655,6 +664,12 @@ class _Patches:
             else:
                 delattr(obj, name)
         self.saved.clear()
+        for table, key, value, had in reversed(self.items):
+            if had:
+                table[key] = value
+            else:
+                table.pop(key, None)
+        self.items.clear()
         table = jit_builtins._get_builtin_table()
         for key in self.builtins:
             table.pop(key, None)
@@ -808,6 +823,8 @@ def install(rt: Runtime) -> Interception:
         p.set(torch.accelerator, name, obj)
     for name, obj in accelerator_api.MEMORY_REPLACEMENTS.items():
         p.set(torch.accelerator.memory, name, obj)
+    for name, obj in accelerator_api.TORCH_REPLACEMENTS.items():
+        p.set(torch, name, obj)
     # on cudnn's module object only: its own functions (set_flags...) still see the local truth
     p.set(torch.backends.cudnn, "is_available", lambda: True)
     p.set(torch.backends.cudnn, "is_acceptable", _cudnn_is_acceptable)
@@ -833,6 +850,8 @@ def install(rt: Runtime) -> Interception:
     decode.install(p)
     flex_attention.install(p)
     downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
+    device_type.install(p)
+    hub_kernels.install(p)
     foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)
                if RemoteTensor not in lst]
     for lst in foreach:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .device_type import DEVICE
 from .tensor import RemoteTensor
 
 #: the most elements a known value holds (a batch of prompts' ids and masks)
@@ -64,7 +65,7 @@ def value(t: RemoteTensor) -> torch.Tensor | None:
 def _local(a: Any) -> Any:
     if isinstance(a, RemoteTensor):
         return value(a)
-    if isinstance(a, torch.device) and a.type != "cpu":
+    if isinstance(a, DEVICE) and a.type != "cpu":
         return torch.device("cpu")
     if isinstance(a, str) and a.startswith("cuda"):
         return "cpu"

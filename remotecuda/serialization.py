@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from . import downloads
+from .device_type import DEVICE
 from .tensor import RemoteTensor
 
 #: during torch.load: ``current``, its _Load
@@ -99,7 +100,7 @@ def _index(location: str) -> int:
 
 
 def _map_location_device(map_location: Any) -> torch.device | None:
-    if isinstance(map_location, (str, torch.device)):
+    if isinstance(map_location, (str, DEVICE)):
         d = torch.device(map_location)
         return d
     return None

@@ -85,6 +85,14 @@ class RemoteTensor(torch.Tensor):
     #: the active runtime's ``Dispatcher.dispatch`` (set by interception while installed)
     dispatch: Any = staticmethod(_not_active)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> RemoteTensor:
+        """``type(p)(data, requires_grad=...)``: libraries rebuild a parameter by its class
+        (accelerate's ``set_module_tensor_to_device``, when it offloads or dispatches a model).
+        On a GPU that class is ``nn.Parameter``; ``nn.Parameter(x)`` of a 'cuda' tensor is a
+        RemoteTensor marked as a parameter, as for any tensor subclass, so the call means
+        ``nn.Parameter``. (Wrappers themselves are made by ``wrap``, never by calling the class.)"""
+        return cast(RemoteTensor, torch.nn.Parameter(*args, **kwargs))
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return cls.dispatch(func, args, kwargs or {})

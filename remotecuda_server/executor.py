@@ -332,7 +332,7 @@ class Executor:
             return x
         if t is list:
             return [self._arg(v) for v in a]
-        if t is torch.device:
+        if t is torch._C.device:  # (torch.device, whose name a client active in this process replaces)
             return self.device if a.type == "cuda" else a
         if t is GeneratorRef:
             g = self.generators.get(a.id)

@@ -105,7 +105,8 @@ class Program:
             return _Ref(v.id)
         if t is list:
             return [self._value(x, known, k) for x in v]
-        if t is torch.device:  # the client traced on stand-ins: any device named is this gateway's
+        # (torch._C.device is torch.device: a client active in this process replaces the name)
+        if t is torch._C.device:  # the client traced on stand-ins: any device named is this gateway's
             return self.device
         if isinstance(v, _PLAIN):
             return v
