@@ -21,6 +21,7 @@ needs; the ``Interception`` it returns belongs to the runtime, whose ``close`` c
 """
 from __future__ import annotations
 
+import collections.abc
 import functools
 import threading
 import types
@@ -247,13 +248,34 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+def _is_index_sequence(obj: Any) -> bool:
+    """What C++ indexing turns into an index tensor: any sequence that is not a tensor or a string
+    (a list, a range, a NumPy array, a tuple nested in the index)."""
+    return not isinstance(obj, (torch.Tensor, str, bytes)) and isinstance(obj, collections.abc.Sequence) \
+        or type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray"
+
+
+def _index_tensor(seq: Any) -> torch.Tensor:
+    """A CPU index tensor as C++'s ``indexing_tensor_from_data`` makes one: masks stay bool/uint8,
+    everything else (an empty list included) is int64."""
+    t = torch.as_tensor(seq)
+    return t if t.dtype in (torch.bool, torch.uint8) else t.long()
+
+
 def _index_lists(idx: Any) -> Any:
-    """Python lists in an index would become *meta* index tensors in C++; make them CPU tensors."""
-    if type(idx) is list:
-        return torch.tensor(idx)
+    """Sequences in an index would become *meta* index tensors in C++; make them CPU tensors.
+
+    A top-level sequence that holds sequences, slices, tensors, None or Ellipsis (fewer than 32
+    items) is read by C++ as a tuple of indices (NumPy's rule, with its deprecation warning), so
+    only its items are converted and the C++ rule still applies."""
     if type(idx) is tuple:
-        return tuple(torch.tensor(i) if type(i) is list else i for i in idx)
-    return idx
+        return tuple(_index_tensor(i) if _is_index_sequence(i) else i for i in idx)
+    if not _is_index_sequence(idx):
+        return idx
+    if type(idx).__name__ != "ndarray" and len(idx) < 32 and any(
+            _is_index_sequence(i) or isinstance(i, (torch.Tensor, slice)) or i is None or i is Ellipsis for i in idx):
+        return [_index_tensor(i) if _is_index_sequence(i) else i for i in idx]
+    return _index_tensor(idx)
 
 
 def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -125,6 +125,26 @@ def test_list_index_reads_the_right_rows():
     assert torch.equal(x.cpu(), ref)
 
 
+def test_every_sequence_in_an_index_reads_and_writes_as_on_the_cpu():
+    """A range, a NumPy array, a tuple or an empty list in an index becomes an index tensor in C++
+    (a meta one, for a cuda tensor): x[range(n), y] = v is the forward-forward tutorial's labelling."""
+    np = pytest.importorskip("numpy")
+
+    def index(x, y):
+        out = [x[range(5), y], x[:, range(1, 3)], x[np.array([0, 2])], x[np.array([0, 2]), np.int64(1)],
+               x[[]], x[[True, False, True, False, True]], x[(0, 1), ]]
+        x = x.clone()
+        x[range(x.shape[0]), y] = x.max()
+        x[range(2), [1, 2]] = torch.tensor([5.0, 6.0])
+        x[np.array([3])] = 0.0
+        return [*out, x]
+
+    ref = torch.arange(20.).reshape(5, 4)
+    y = torch.tensor([1, 3, 2, 0, 3])
+    for got, want in zip(index(ref.cuda(), y.cuda()), index(ref, y), strict=True):
+        assert torch.equal(got.cpu(), want)
+
+
 def test_new_tensor_is_a_cuda_tensor_with_the_values():
     x = torch.ones(2, device="cuda", dtype=torch.float64)
     y = x.new_tensor([1.5, 2.5])
