@@ -215,7 +215,7 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
         if d is not None and d.type == "meta":
             with _UserMeta():
                 return func(*args, **kwargs)
-        return func(*args, **_unpinned(kwargs))
+        return _build(func, args, _unpinned(kwargs))
     kw = dict(kwargs, device="cpu")
     requires_grad = kw.pop("requires_grad", False)
     src = args[0] if args else kw.get("obj", kw.get("data"))
@@ -224,10 +224,36 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
         dtype = kw.get("dtype")
         out = out.to(dtype) if dtype is not None else out
     else:
-        out = to_cuda(func(*args, **kw), _cuda_index(d))
+        out = to_cuda(_build(func, args, kw), _cuda_index(d))
     if requires_grad:
         out.requires_grad_(True)
     return out
+
+
+def _build(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A CPU tensor from ``args[0]``; cuda tensors in its lists are read first if C++ cannot."""
+    try:
+        return func(*args, **kwargs)
+    except (TypeError, RuntimeError):
+        local = _read_cuda_items(args[0]) if args else None
+        if local is None:
+            raise
+        return func(local, *args[1:], **kwargs)
+
+
+def _read_cuda_items(data: Any) -> Any:
+    """``data`` with each cuda tensor in its (nested) lists replaced by a CPU copy, or None if it
+    holds none. C++ reads a list's tensors itself (``torch.tensor([loss, loss2])``, as a GPU
+    allows) and cannot read a wrapper's value; asked only when that failed, so that a long list
+    of numbers is not walked twice."""
+    if isinstance(data, RemoteTensor):
+        return data.cpu()
+    if type(data) not in (list, tuple):
+        return None
+    items = [_read_cuda_items(x) for x in data]
+    if all(x is None for x in items):
+        return None
+    return type(data)(x if y is None else y for x, y in zip(data, items, strict=True))
 
 
 def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -279,21 +305,16 @@ def _index_lists(idx: Any) -> Any:
 
 
 def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
-    if isinstance(args[0], RemoteTensor):
-        args = (args[0], _index_lists(args[1]), *args[2:])
-    return func(*args, **kwargs)
+    return func(args[0], _index_lists(args[1]), *args[2:], **kwargs)
 
 
 def _setitem(func: Callable, args: tuple, kwargs: dict) -> Any:
-    self = args[0]
-    if isinstance(self, RemoteTensor):
-        value = args[2]
-        if isinstance(value, (int, float, bool, complex)):
-            value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
-        elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
-            value = to_cuda(value, self._dev)
-        args = (self, _index_lists(args[1]), value)
-    return func(*args, **kwargs)
+    self, index, value = args
+    if isinstance(value, (int, float, bool, complex)):
+        value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
+    elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
+        value = to_cuda(value, self._dev)
+    return func(self, _index_lists(index), value, **kwargs)
 
 
 def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -395,8 +416,11 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "as_tensor", _data_factory),
     (torch, "asarray", _data_factory),
     (torch.Tensor, "new_tensor", _new_tensor),
-    (torch.Tensor, "__getitem__", _getitem),
-    (torch.Tensor, "__setitem__", _setitem),
+    # on the subclass only: a Python __getitem__ gives a type the sequence slot, and C++ then reads
+    # every tensor as a sequence (torch.tensor([x[0]]) would fail on len() of a 0-d tensor, and
+    # the slot stays after the attribute is removed again)
+    (RemoteTensor, "__getitem__", _getitem),
+    (RemoteTensor, "__setitem__", _setitem),
     (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
     *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
     (torch._VF, "dropout", _dropout),  # what F.dropout calls

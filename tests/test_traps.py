@@ -145,6 +145,22 @@ def test_every_sequence_in_an_index_reads_and_writes_as_on_the_cpu():
         assert torch.equal(got.cpu(), want)
 
 
+def test_torch_tensor_of_a_list_of_zero_dim_tensors():
+    """torch.tensor([R]) with R a 0-d tensor (actor-critic's ``torch.tensor([R])`` of a return)
+    failed for CPU tensors too once indexing was routed on torch.Tensor: C++ then took every
+    tensor for a sequence. A GPU reads cuda tensors in such a list as well."""
+    returns = torch.tensor([1.5, -0.5])
+    assert torch.equal(torch.tensor([returns[0]]), torch.tensor([1.5]))
+    assert torch.equal(torch.as_tensor([[returns[1], 2.0]]), torch.tensor([[-0.5, 2.0]]))
+    losses = torch.tensor([0.25, 4.0], device="cuda")
+    got = torch.tensor([losses[0], 3.0, losses[1]])
+    assert not got.is_cuda and torch.equal(got, torch.tensor([0.25, 3.0, 4.0]))
+    on_gpu = torch.tensor([losses[1], losses[0]], device="cuda")
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), torch.tensor([4.0, 0.25]))
+    with pytest.raises(ValueError, match="only one element tensors"):
+        torch.tensor([losses, losses])
+
+
 def test_new_tensor_is_a_cuda_tensor_with_the_values():
     x = torch.ones(2, device="cuda", dtype=torch.float64)
     y = x.new_tensor([1.5, 2.5])
