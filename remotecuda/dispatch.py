@@ -474,11 +474,12 @@ class Dispatcher:
 
     def upload(self, cpu: torch.Tensor, s: Any, kwargs: dict | None = None) -> torch.Tensor:
         """A CPU tensor copied to session ``s``'s device (``_to_copy`` semantics): a RemoteTensor."""
-        if cpu.layout is not torch.strided or cpu.is_nested:
-            kind = "nested" if cpu.is_nested else str(cpu.layout).removeprefix("torch.")
-            dense = "torch.nested.to_padded_tensor(t, 0.0)" if cpu.is_nested else "t.to_dense()"
-            raise NotImplementedError(f"remotecuda: {kind} tensors cannot be moved to a remote 'cuda' device "
-                                      f"(only dense, strided tensors cross the wire); move {dense} instead")
+        if cpu.is_nested:
+            raise NotImplementedError("remotecuda: nested tensors cannot be moved to a remote 'cuda' device (only "
+                                      "dense, strided tensors cross the wire); move "
+                                      "torch.nested.to_padded_tensor(t, 0.0) instead")
+        if cpu.layout is not torch.strided:
+            raise not_dense(cpu.layout, "moved to")
         kwargs = kwargs or {}
         dtype = kwargs.get("dtype")
         if dtype is not None and dtype != cpu.dtype:
@@ -542,7 +543,19 @@ _META_NEEDS_DATA = Bypass(dc.META_NEEDS_DATA)
 _META_REFUSED = Bypass(dc.META_REFUSED)
 
 
+def not_dense(lay: torch.layout, doing: str) -> NotImplementedError:
+    """The error for a sparse tensor on 'cuda': a remote tensor is dense and strided (its wrapper
+    carries shape and strides only), and so is what crosses the wire."""
+    kind = str(lay).removeprefix("torch.")
+    return NotImplementedError(
+        f"remotecuda: {kind} tensors cannot be {doing} a remote 'cuda' device (only dense, strided tensors "
+        f"live there); use a dense tensor instead (t.to_dense(): torch.sparse.mm and @ take dense ones too), "
+        f"or keep the sparse tensor on the CPU")
+
+
 def _spec(r: torch.Tensor, alias: Any) -> ArgOut | ViewOut | NewOut:
+    if r.layout is not torch.strided:
+        raise not_dense(r.layout, "made on")
     if alias is not None and alias[2]:
         return ArgOut(alias[0], alias[1])
     lay = layout(r.shape, r.stride(), int(r.storage_offset()), r.dtype)

@@ -50,7 +50,7 @@ from . import (
     serialization,
     transfer,
 )
-from .dispatch import Dispatcher, meta_stand_in
+from .dispatch import Dispatcher, meta_stand_in, not_dense
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
 from .tensor import RemoteTensor, dlpack_error, follow, is_pinned
@@ -241,6 +241,19 @@ def _build(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         return func(local, *args[1:], **kwargs)
 
 
+def _sparse_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """torch.sparse_*_tensor on 'cuda': C++ says the device is absent; say why instead."""
+    d = _device(kwargs.get("device")) or _context_device()
+    if d is not None and d.type == "cuda":
+        raise not_dense(kwargs.get("layout") or _SPARSE_LAYOUTS[func.__name__], "made on")
+    return func(*args, **kwargs)
+
+
+_SPARSE_LAYOUTS = {"sparse_coo_tensor": torch.sparse_coo, "sparse_csr_tensor": torch.sparse_csr,
+                   "sparse_csc_tensor": torch.sparse_csc, "sparse_bsr_tensor": torch.sparse_bsr,
+                   "sparse_bsc_tensor": torch.sparse_bsc, "sparse_compressed_tensor": torch.sparse_csr}
+
+
 def _read_cuda_items(data: Any) -> Any:
     """``data`` with each cuda tensor in its (nested) lists replaced by a CPU copy, or None if it
     holds none. C++ reads a list's tensors itself (``torch.tensor([loss, loss2])``, as a GPU
@@ -416,6 +429,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "as_tensor", _data_factory),
     (torch, "asarray", _data_factory),
     (torch.Tensor, "new_tensor", _new_tensor),
+    *((torch, name, _sparse_factory) for name in _SPARSE_LAYOUTS),
     # on the subclass only: a Python __getitem__ gives a type the sequence slot, and C++ then reads
     # every tensor as a sequence (torch.tensor([x[0]]) would fail on len() of a 0-d tensor, and
     # the slot stays after the attribute is removed again)
