@@ -287,6 +287,21 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+def _legacy_new(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``x.new(...)``, the legacy constructor, on a cuda tensor: from data C++ builds a tensor on
+    the wrapper's own device, a plain meta one without the values, so that one is built on the
+    CPU and uploaded; ``device='cuda'`` names the wrapper's device type, which C++ takes for meta."""
+    self = args[0]
+    d = _device(kwargs.get("device"))
+    if not isinstance(self, RemoteTensor) or d is not None and d.type != "cuda":
+        return func(*args, **kwargs)
+    index = self._dev if d is None else _cuda_index(d)
+    out = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
+    if not isinstance(out, RemoteTensor):
+        return to_cuda(_build(torch.tensor, args[1:2], {"dtype": self.dtype}), index)
+    return out if index == self._dev else out.to(torch.device("cuda", index))
+
+
 def _is_index_sequence(obj: Any) -> bool:
     """What C++ indexing turns into an index tensor: any sequence that is not a tensor or a string
     (a list, a range, a NumPy array, a tuple nested in the index)."""
@@ -429,6 +444,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "as_tensor", _data_factory),
     (torch, "asarray", _data_factory),
     (torch.Tensor, "new_tensor", _new_tensor),
+    (torch.Tensor, "new", _legacy_new),
     *((torch, name, _sparse_factory) for name in _SPARSE_LAYOUTS),
     # on the subclass only: a Python __getitem__ gives a type the sequence slot, and C++ then reads
     # every tensor as a sequence (torch.tensor([x[0]]) would fail on len() of a 0-d tensor, and

@@ -190,6 +190,16 @@ def test_new_tensor_is_a_cuda_tensor_with_the_values():
     assert y.is_cuda and y.dtype == torch.float64 and y.cpu().tolist() == [1.5, 2.5]
 
 
+def test_legacy_new_with_data_keeps_the_values_on_cuda():
+    """x.new([1.5, 2.5]) gave a plain meta tensor (its values lost); x.new(2, device='cuda') raised."""
+    x = torch.ones(2, device="cuda", dtype=torch.float64)
+    for got, want in [(x.new([1.5, 2.5]), [1.5, 2.5]), (x.new([[1, 2]]), [[1.0, 2.0]]), (x.new([]), []),
+                      (x.new([3.0], device="cuda"), [3.0])]:
+        assert got.is_cuda and got.dtype == torch.float64 and got.cpu().tolist() == want
+    assert x.new(2, 3).is_cuda and x.new(2, 3).shape == (2, 3) and x.new().shape == (0,)
+    assert x.new(4, device="cuda").shape == (4,)
+
+
 def test_mixing_cpu_and_cuda_raises_as_on_a_gpu():
     x = torch.ones(3, device="cuda")
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
