@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -198,6 +199,18 @@ def test_legacy_new_with_data_keeps_the_values_on_cuda():
         assert got.is_cuda and got.dtype == torch.float64 and got.cpu().tolist() == want
     assert x.new(2, 3).is_cuda and x.new(2, 3).shape == (2, 3) and x.new().shape == (0,)
     assert x.new(4, device="cuda").shape == (4,)
+
+
+def test_sending_a_cuda_tensor_to_another_process_says_it_cannot_be_shared():
+    """Hogwild (mnist_hogwild with --cuda and spawn) shares a model's CUDA weights by CUDA IPC; the
+    spawned child's arguments failed with 'bad value(s) in fds_to_keep', and a copy would not be shared."""
+    from multiprocessing.reduction import ForkingPickler
+    model = nn.Linear(3, 2).cuda()
+    for t in (model.weight, torch.ones(2, device="cuda")):
+        with pytest.raises(NotImplementedError, match="remotecuda: a cuda tensor cannot be sent to another process"):
+            ForkingPickler.dumps(t)
+    cpu = model.weight.detach().cpu()
+    assert torch.equal(pickle.loads(ForkingPickler.dumps(cpu)), cpu)  # the advice
 
 
 def test_mixing_cpu_and_cuda_raises_as_on_a_gpu():
