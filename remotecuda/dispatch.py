@@ -47,8 +47,9 @@ _CUDA = torch.device("cuda")
 #: return types whose values the meta kernel gets right (SymInts are shapes, e.g. flash attention's max_q)
 _TENSOR_RETURNS = {"Tensor", "List[Tensor]", "Optional[Tensor]", "List[Optional[Tensor]]", "SymInt"}
 #: ops that accept CPU tensors (of any size) next to CUDA ones, as on a real GPU
-_CPU_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
-           aten._index_put_impl_.default, aten.copy_.default, aten._to_copy.default}
+#: ops whose indices may stay on the CPU while the indexed tensor is on 'cuda' (not the other way)
+_CPU_INDICES = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default)
+_CPU_OK = {*_CPU_INDICES, aten.copy_.default, aten._to_copy.default}
 #: ops that change a tensor's own shape/stride/storage in place
 _METADATA_MUTATION = {aten.resize_.default, aten.resize_as_.default, aten.set_.source_Tensor,
                       aten.set_.source_Tensor_storage_offset}
@@ -761,7 +762,29 @@ def _not_left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bo
     return False
 
 
+def _indexed(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """Indexing. A cuda tensor takes CPU indices (the common path uploads them); a CPU tensor
+    indexed with cuda indices is an error on a GPU, and one written with a 0-d cuda value reads
+    the value first. (Uploaded as an argument, the CPU tensor would be written as a copy on the
+    gateway, leaving the user's unchanged.)"""
+    self = args[0]
+    if isinstance(self, RemoteTensor):
+        return d.run(m, args, kwargs)
+    if any(isinstance(i, RemoteTensor) for i in args[1]):
+        raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor "
+                           f"({self.device})")
+    value = args[2] if len(args) > 2 else None
+    if isinstance(value, RemoteTensor):
+        if value.dim() > 0:
+            raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two devices, "
+                                 f"cuda:{value._s.vdev} and cpu!")
+        args = (self, args[1], d.download(value), *args[3:])
+    with _DisableTorchDispatch():
+        return m.func(*args, **kwargs)
+
+
 _SPECIAL = {
+    **dict.fromkeys(_CPU_INDICES, _indexed),
     aten._to_copy.default: _to_copy,
     aten.to.dtype_layout: _to,
     aten.to.device: _to,

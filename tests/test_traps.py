@@ -223,6 +223,20 @@ def test_mixing_cpu_and_cuda_raises_as_on_a_gpu():
     assert (x * torch.tensor(2.0)).cpu().tolist() == [2.0, 2.0, 2.0]
 
 
+def test_a_cpu_tensor_indexed_with_cuda_tensors_is_not_silently_left_unchanged():
+    """cpu[cuda_idx] = v wrote to a copy of the CPU tensor on the gateway (the user's unchanged) and
+    cpu[cuda_idx] came back on 'cuda'; a GPU raises for both, and reads a 0-d cuda value into cpu[idx]."""
+    c, g = torch.arange(6.0), torch.arange(6.0, device="cuda")
+    for write in (lambda: c.__setitem__(g > 2, 5.0), lambda: c[torch.tensor([1], device="cuda")]):
+        with pytest.raises(RuntimeError, match=r"indices should be either on cpu or on the same device .* \(cpu\)"):
+            write()
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        c[torch.tensor([0, 1])] = g[:2]
+    c[torch.tensor([0, 1])] = g[3]
+    g[torch.tensor([4, 5])] = torch.tensor(7.0)
+    assert c.tolist() == [3.0, 3.0, 2.0, 3.0, 4.0, 5.0] and g.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 7.0, 7.0]
+
+
 def test_device_identity():
     x = torch.zeros(4, 4, device="cuda")
     assert x.is_cuda and x.device == torch.device("cuda", 0) and x.get_device() == 0
