@@ -456,6 +456,13 @@ class Dispatcher:
                 if isinstance(a, RemoteTensor):
                     s = a._s
                     break
+        for i, sa in enumerate(m.func._schema.arguments):
+            if sa.alias_info is not None and sa.alias_info.is_write:
+                written = args[i] if i < len(args) and not sa.kwarg_only else kwargs.get(sa.name)
+                if any(not isinstance(t, RemoteTensor) for t in _iter_tensors([written])):
+                    # (uploaded, the copy on the gateway would be written and the CPU tensor left as it was)
+                    raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two "
+                                         f"devices, cuda:{s.vdev} and cpu!")
 
         def conv(a: Any) -> Any:
             if isinstance(a, RemoteTensor):

@@ -237,6 +237,22 @@ def test_a_cpu_tensor_indexed_with_cuda_tensors_is_not_silently_left_unchanged()
     assert c.tolist() == [3.0, 3.0, 2.0, 3.0, 4.0, 5.0] and g.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 7.0, 7.0]
 
 
+def test_a_cpu_tensor_written_with_a_cuda_tensor_raises_as_on_a_gpu():
+    """total = torch.tensor(0.); total += loss (a cuda loss) left total at 0: the 0-d CPU tensor
+    was uploaded as a scalar and the gateway's copy written. A GPU refuses a CPU output."""
+    loss = torch.tensor(2.5, device="cuda")
+    total = torch.tensor(0.0)
+    for write in (lambda: total.add_(loss), lambda: torch.add(total, loss, out=total),
+                  lambda: torch.add(loss, loss, out=torch.empty(0))):
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            write()
+    total += loss.item()
+    assert total.item() == 2.5 and total.copy_(loss * 2).item() == 5.0  # what works on a GPU works
+    g = torch.ones(2, device="cuda")
+    g += torch.tensor(2.0)  # a 0-d CPU input (not output) is fine, as on a GPU
+    assert g.cpu().tolist() == [3.0, 3.0]
+
+
 def test_device_identity():
     x = torch.zeros(4, 4, device="cuda")
     assert x.is_cuda and x.device == torch.device("cuda", 0) and x.get_device() == 0
