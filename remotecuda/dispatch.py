@@ -738,8 +738,15 @@ _MATERIALIZED = {aten._conj.default: aten.conj_physical.default, aten._neg_view.
 def _composite(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     """Ops whose kernel is a composite reading a CPU argument (``_pack_padded_sequence``'s
     lengths; its ``batch_sizes`` result stays on the CPU, as on a GPU): run that kernel here,
-    its slices and ``cat`` on the remote input come back through dispatch."""
-    return m.func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+    its slices and ``cat`` on the remote input come back through dispatch. Its checks see a cuda
+    argument's C++ device, meta: their messages name the device a GPU's would."""
+    try:
+        return m.func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+    except RuntimeError as e:
+        remote = next((a for a in _iter_tensors(list(args)) if isinstance(a, RemoteTensor)), None)
+        if remote is None or " meta " not in str(e):
+            raise
+        raise RuntimeError(str(e).replace(" meta ", f" {remote.device} ")) from None
 
 
 def _runs_here(func: Any) -> bool:

@@ -57,6 +57,12 @@ def rnn_packed_sequences(dev):
     return padded, lens, logits, gpad, lstm.weight_ih_l0.grad, gru.weight_hh_l0.grad
 
 
+def test_packing_with_lengths_on_cuda_says_what_a_gpu_says():
+    x = torch.zeros(2, 3, 4, device="cuda")
+    with pytest.raises(RuntimeError, match="should be a 1D CPU int64 tensor, but got 1D cuda:0 Long tensor"):
+        pack_padded_sequence(x, torch.tensor([3, 2], device="cuda"), batch_first=True)
+
+
 @case
 def word_language_model(dev):
     """pytorch/examples word_language_model: tied weights, repackage_hidden, clip_grad_norm_, p.data.add_."""
