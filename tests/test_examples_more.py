@@ -10,7 +10,9 @@ its own, so masks drawn on 'cuda' after CPU-side initialisation differ from the 
 from __future__ import annotations
 
 import copy
+import random
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -189,6 +191,48 @@ def actor_critic(dev):
     loss.backward()
     opt.step()
     return loss, body.weight
+
+
+@case
+def dqn_replay_and_soft_update(dev):
+    """The DQN tutorial: a replay batch with a non-final mask built from a tuple of bools, masked
+    writes of the target's values, clip_grad_value_ and a soft update through state_dicts."""
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    policy_net, target_net = (nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2)).to(dev) for _ in range(2))
+    target_net.load_state_dict(policy_net.state_dict())
+    optimizer = torch.optim.AdamW(policy_net.parameters(), lr=1e-3, amsgrad=True)
+    memory, losses, states = deque([], maxlen=100), [], _data(14, 4)
+    state = torch.tensor(states[0].tolist(), dtype=torch.float32, device=dev).unsqueeze(0)
+    for t in range(1, 14):
+        if rng.random() > 0.5:
+            with torch.no_grad():
+                action = policy_net(state).max(1).indices.view(1, 1)
+        else:
+            action = torch.tensor([[rng.randrange(2)]], device=dev, dtype=torch.long)
+        reward = torch.tensor([1.0 if action.item() == 0 else 0.0], device=dev)
+        following = torch.tensor(states[t].tolist(), dtype=torch.float32, device=dev).unsqueeze(0)
+        memory.append((state, action, None if t % 5 == 0 else following, reward))
+        state = following
+        if len(memory) >= 6:
+            batch_state, batch_action, batch_next, batch_reward = zip(*rng.sample(memory, 6), strict=True)
+            non_final_mask = torch.tensor(tuple(s is not None for s in batch_next), device=dev, dtype=torch.bool)
+            values = policy_net(torch.cat(batch_state)).gather(1, torch.cat(batch_action))
+            next_values = torch.zeros(6, device=dev)
+            non_final = torch.cat([s for s in batch_next if s is not None])
+            with torch.no_grad():
+                next_values[non_final_mask] = target_net(non_final).max(1).values
+            loss = nn.SmoothL1Loss()(values, (next_values * 0.99 + torch.cat(batch_reward)).unsqueeze(1))
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_value_(policy_net.parameters(), 100)
+            optimizer.step()
+            losses.append(loss.item())
+        target_sd, policy_sd = target_net.state_dict(), policy_net.state_dict()
+        for key in policy_sd:
+            target_sd[key] = policy_sd[key] * 0.005 + target_sd[key] * (1 - 0.005)
+        target_net.load_state_dict(target_sd)
+    return torch.tensor(losses), target_net[0].weight, policy_net[2].bias
 
 
 @case
