@@ -48,8 +48,9 @@ _CUDA = torch.device("cuda")
 #: return types whose values the meta kernel gets right (SymInts are shapes, e.g. flash attention's max_q)
 _TENSOR_RETURNS = {"Tensor", "List[Tensor]", "Optional[Tensor]", "List[Optional[Tensor]]", "SymInt"}
 #: ops that accept CPU tensors (of any size) next to CUDA ones, as on a real GPU
-_CPU_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
-           aten._index_put_impl_.default, aten.copy_.default, aten._to_copy.default}
+#: ops whose indices may stay on the CPU while the indexed tensor is on 'cuda' (not the other way)
+_CPU_INDICES = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default)
+_CPU_OK = {*_CPU_INDICES, aten.copy_.default, aten._to_copy.default}
 #: ops that change a tensor's own shape/stride/storage in place
 _METADATA_MUTATION = {aten.resize_.default, aten.resize_as_.default, aten.set_.source_Tensor,
                       aten.set_.source_Tensor_storage_offset}
@@ -456,6 +457,13 @@ class Dispatcher:
                 if isinstance(a, RemoteTensor):
                     s = a._s
                     break
+        for i, sa in enumerate(m.func._schema.arguments):
+            if sa.alias_info is not None and sa.alias_info.is_write:
+                written = args[i] if i < len(args) and not sa.kwarg_only else kwargs.get(sa.name)
+                if any(not isinstance(t, RemoteTensor) for t in _iter_tensors([written])):
+                    # (uploaded, the copy on the gateway would be written and the CPU tensor left as it was)
+                    raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two "
+                                         f"devices, cuda:{s.vdev} and cpu!")
 
         def conv(a: Any) -> Any:
             if isinstance(a, RemoteTensor):
@@ -475,11 +483,12 @@ class Dispatcher:
 
     def upload(self, cpu: torch.Tensor, s: Any, kwargs: dict | None = None) -> torch.Tensor:
         """A CPU tensor copied to session ``s``'s device (``_to_copy`` semantics): a RemoteTensor."""
-        if cpu.layout is not torch.strided or cpu.is_nested:
-            kind = "nested" if cpu.is_nested else str(cpu.layout).removeprefix("torch.")
-            dense = "torch.nested.to_padded_tensor(t, 0.0)" if cpu.is_nested else "t.to_dense()"
-            raise NotImplementedError(f"remotecuda: {kind} tensors cannot be moved to a remote 'cuda' device "
-                                      f"(only dense, strided tensors cross the wire); move {dense} instead")
+        if cpu.is_nested:
+            raise NotImplementedError("remotecuda: nested tensors cannot be moved to a remote 'cuda' device (only "
+                                      "dense, strided tensors cross the wire); move "
+                                      "torch.nested.to_padded_tensor(t, 0.0) instead")
+        if cpu.layout is not torch.strided:
+            raise not_dense(cpu.layout, "moved to")
         kwargs = kwargs or {}
         dtype = kwargs.get("dtype")
         if dtype is not None and dtype != cpu.dtype:
@@ -543,7 +552,19 @@ _META_NEEDS_DATA = Bypass(dc.META_NEEDS_DATA)
 _META_REFUSED = Bypass(dc.META_REFUSED)
 
 
+def not_dense(lay: torch.layout, doing: str) -> NotImplementedError:
+    """The error for a sparse tensor on 'cuda': a remote tensor is dense and strided (its wrapper
+    carries shape and strides only), and so is what crosses the wire."""
+    kind = str(lay).removeprefix("torch.")
+    return NotImplementedError(
+        f"remotecuda: {kind} tensors cannot be {doing} a remote 'cuda' device (only dense, strided tensors "
+        f"live there); use a dense tensor instead (t.to_dense(): torch.sparse.mm and @ take dense ones too), "
+        f"or keep the sparse tensor on the CPU")
+
+
 def _spec(r: torch.Tensor, alias: Any) -> ArgOut | ViewOut | NewOut:
+    if r.layout is not torch.strided:
+        raise not_dense(r.layout, "made on")
     if alias is not None and alias[2]:
         return ArgOut(alias[0], alias[1])
     lay = layout(r.shape, r.stride(), int(r.storage_offset()), r.dtype)
@@ -718,8 +739,15 @@ _MATERIALIZED = {aten._conj.default: aten.conj_physical.default, aten._neg_view.
 def _composite(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     """Ops whose kernel is a composite reading a CPU argument (``_pack_padded_sequence``'s
     lengths; its ``batch_sizes`` result stays on the CPU, as on a GPU): run that kernel here,
-    its slices and ``cat`` on the remote input come back through dispatch."""
-    return m.func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+    its slices and ``cat`` on the remote input come back through dispatch. Its checks see a cuda
+    argument's C++ device, meta: their messages name the device a GPU's would."""
+    try:
+        return m.func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+    except RuntimeError as e:
+        remote = next((a for a in _iter_tensors(list(args)) if isinstance(a, RemoteTensor)), None)
+        if remote is None or " meta " not in str(e):
+            raise
+        raise RuntimeError(str(e).replace(" meta ", f" {remote.device} ")) from None
 
 
 def _runs_here(func: Any) -> bool:
@@ -749,7 +777,29 @@ def _not_left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bo
     return False
 
 
+def _indexed(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """Indexing. A cuda tensor takes CPU indices (the common path uploads them); a CPU tensor
+    indexed with cuda indices is an error on a GPU, and one written with a 0-d cuda value reads
+    the value first. (Uploaded as an argument, the CPU tensor would be written as a copy on the
+    gateway, leaving the user's unchanged.)"""
+    self = args[0]
+    if isinstance(self, RemoteTensor):
+        return d.run(m, args, kwargs)
+    if any(isinstance(i, RemoteTensor) for i in args[1]):
+        raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor "
+                           f"({self.device})")
+    value = args[2] if len(args) > 2 else None
+    if isinstance(value, RemoteTensor):
+        if value.dim() > 0:
+            raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two devices, "
+                                 f"cuda:{value._s.vdev} and cpu!")
+        args = (self, args[1], d.download(value), *args[3:])
+    with _DisableTorchDispatch():
+        return m.func(*args, **kwargs)
+
+
 _SPECIAL = {
+    **dict.fromkeys(_CPU_INDICES, _indexed),
     aten._to_copy.default: _to_copy,
     aten.to.dtype_layout: _to,
     aten.to.device: _to,

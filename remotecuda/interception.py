@@ -21,6 +21,7 @@ needs; the ``Interception`` it returns belongs to the runtime, whose ``close`` c
 """
 from __future__ import annotations
 
+import collections.abc
 import functools
 import itertools
 import threading
@@ -56,7 +57,7 @@ from . import (
     transfer,
 )
 from .device_type import DEVICE
-from .dispatch import Dispatcher, meta_stand_in
+from .dispatch import Dispatcher, meta_stand_in, not_dense
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
 from .tensor import RemoteTensor, dlpack_error, follow, is_pinned
@@ -234,7 +235,7 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
         if d is not None and d.type == "meta":
             with _UserMeta():
                 return func(*args, **kwargs)
-        return func(*args, **_unpinned(kwargs))
+        return _build(func, args, _unpinned(kwargs))
     kw = dict(kwargs, device="cpu")
     requires_grad = kw.pop("requires_grad", False)
     src = args[0] if args else kw.get("obj", kw.get("data"))
@@ -243,10 +244,49 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
         dtype = kw.get("dtype")
         out = out.to(dtype) if dtype is not None else out
     else:
-        out = to_cuda(func(*args, **kw), _cuda_index(d))
+        out = to_cuda(_build(func, args, kw), _cuda_index(d))
     if requires_grad:
         out.requires_grad_(True)
     return out
+
+
+def _build(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A CPU tensor from ``args[0]``; cuda tensors in its lists are read first if C++ cannot."""
+    try:
+        return func(*args, **kwargs)
+    except (TypeError, RuntimeError):
+        local = _read_cuda_items(args[0]) if args else None
+        if local is None:
+            raise
+        return func(local, *args[1:], **kwargs)
+
+
+def _sparse_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """torch.sparse_*_tensor on 'cuda': C++ says the device is absent; say why instead."""
+    d = _device(kwargs.get("device")) or _context_device()
+    if d is not None and d.type == "cuda":
+        raise not_dense(kwargs.get("layout") or _SPARSE_LAYOUTS[func.__name__], "made on")
+    return func(*args, **kwargs)
+
+
+_SPARSE_LAYOUTS = {"sparse_coo_tensor": torch.sparse_coo, "sparse_csr_tensor": torch.sparse_csr,
+                   "sparse_csc_tensor": torch.sparse_csc, "sparse_bsr_tensor": torch.sparse_bsr,
+                   "sparse_bsc_tensor": torch.sparse_bsc, "sparse_compressed_tensor": torch.sparse_csr}
+
+
+def _read_cuda_items(data: Any) -> Any:
+    """``data`` with each cuda tensor in its (nested) lists replaced by a CPU copy, or None if it
+    holds none. C++ reads a list's tensors itself (``torch.tensor([loss, loss2])``, as a GPU
+    allows) and cannot read a wrapper's value; asked only when that failed, so that a long list
+    of numbers is not walked twice."""
+    if isinstance(data, RemoteTensor):
+        return data.cpu()
+    if type(data) not in (list, tuple):
+        return None
+    items = [_read_cuda_items(x) for x in data]
+    if all(x is None for x in items):
+        return None
+    return type(data)(x if y is None else y for x, y in zip(data, items, strict=True))
 
 
 def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -267,31 +307,62 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+def _legacy_new(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``x.new(...)``, the legacy constructor, on a cuda tensor: from data C++ builds a tensor on
+    the wrapper's own device, a plain meta one without the values, so that one is built on the
+    CPU and uploaded; ``device='cuda'`` names the wrapper's device type, which C++ takes for meta."""
+    self = args[0]
+    d = _device(kwargs.get("device"))
+    if not isinstance(self, RemoteTensor) or d is not None and d.type != "cuda":
+        return func(*args, **kwargs)
+    index = self._dev if d is None else _cuda_index(d)
+    out = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
+    if not isinstance(out, RemoteTensor):
+        return to_cuda(_build(torch.tensor, args[1:2], {"dtype": self.dtype}), index)
+    return out if index == self._dev else out.to(torch.device("cuda", index))
+
+
+def _is_index_sequence(obj: Any) -> bool:
+    """What C++ indexing turns into an index tensor: any sequence that is not a tensor or a string
+    (a list, a range, a NumPy array, a tuple nested in the index)."""
+    return not isinstance(obj, (torch.Tensor, str, bytes)) and isinstance(obj, collections.abc.Sequence) \
+        or type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray"
+
+
+def _index_tensor(seq: Any) -> torch.Tensor:
+    """A CPU index tensor as C++'s ``indexing_tensor_from_data`` makes one: masks stay bool/uint8,
+    everything else (an empty list included) is int64."""
+    t = torch.as_tensor(seq)
+    return t if t.dtype in (torch.bool, torch.uint8) else t.long()
+
+
 def _index_lists(idx: Any) -> Any:
-    """Python lists in an index would become *meta* index tensors in C++; make them CPU tensors."""
-    if type(idx) is list:
-        return torch.tensor(idx)
+    """Sequences in an index would become *meta* index tensors in C++; make them CPU tensors.
+
+    A top-level sequence that holds sequences, slices, tensors, None or Ellipsis (fewer than 32
+    items) is read by C++ as a tuple of indices (NumPy's rule, with its deprecation warning), so
+    only its items are converted and the C++ rule still applies."""
     if type(idx) is tuple:
-        return tuple(torch.tensor(i) if type(i) is list else i for i in idx)
-    return idx
+        return tuple(_index_tensor(i) if _is_index_sequence(i) else i for i in idx)
+    if not _is_index_sequence(idx):
+        return idx
+    if type(idx).__name__ != "ndarray" and len(idx) < 32 and any(
+            _is_index_sequence(i) or isinstance(i, (torch.Tensor, slice)) or i is None or i is Ellipsis for i in idx):
+        return [_index_tensor(i) if _is_index_sequence(i) else i for i in idx]
+    return _index_tensor(idx)
 
 
 def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
-    if isinstance(args[0], RemoteTensor):
-        args = (args[0], _index_lists(args[1]), *args[2:])
-    return func(*args, **kwargs)
+    return func(args[0], _index_lists(args[1]), *args[2:], **kwargs)
 
 
 def _setitem(func: Callable, args: tuple, kwargs: dict) -> Any:
-    self = args[0]
-    if isinstance(self, RemoteTensor):
-        value = args[2]
-        if isinstance(value, (int, float, bool, complex)):
-            value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
-        elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
-            value = to_cuda(value, self._dev)
-        args = (self, _index_lists(args[1]), value)
-    return func(*args, **kwargs)
+    self, index, value = args
+    if isinstance(value, (int, float, bool, complex)):
+        value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
+    elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
+        value = to_cuda(value, self._dev)
+    return func(self, _index_lists(index), value, **kwargs)
 
 
 def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -393,8 +464,13 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "as_tensor", _data_factory),
     (torch, "asarray", _data_factory),
     (torch.Tensor, "new_tensor", _new_tensor),
-    (torch.Tensor, "__getitem__", _getitem),
-    (torch.Tensor, "__setitem__", _setitem),
+    (torch.Tensor, "new", _legacy_new),
+    *((torch, name, _sparse_factory) for name in _SPARSE_LAYOUTS),
+    # on the subclass only: a Python __getitem__ gives a type the sequence slot, and C++ then reads
+    # every tensor as a sequence (torch.tensor([x[0]]) would fail on len() of a 0-d tensor, and
+    # the slot stays after the attribute is removed again)
+    (RemoteTensor, "__getitem__", _getitem),
+    (RemoteTensor, "__setitem__", _setitem),
     (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
     *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
     (torch._VF, "dropout", _dropout),  # what F.dropout calls

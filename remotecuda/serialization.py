@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -295,6 +296,16 @@ def _make_load(original: Any) -> Any:
     return load
 
 
+def _not_shared(t: RemoteTensor) -> Any:
+    """multiprocessing's pickler (a Queue, a spawned Process's arguments) shares a CUDA tensor by
+    CUDA IPC, so that both processes see one memory (Hogwild's shared weights); a remote device
+    offers no such sharing, and a copy would silently break what the program relies on."""
+    raise NotImplementedError(
+        "remotecuda: a cuda tensor cannot be sent to another process (torch.multiprocessing shares CUDA "
+        "tensors through CUDA IPC, which remote devices do not offer); send a CPU copy (t.cpu()) and move it "
+        "to 'cuda' there, or use threads")
+
+
 _registered = False
 
 
@@ -303,6 +314,7 @@ def install(patches: Any) -> None:
     if not _registered:  # torch has no unregister; the deserializer is inert unless loading
         torch.serialization.register_package(0, _tag, _deserialize)
         _registered = True
+    ForkingPickler.register(RemoteTensor, _not_shared)  # (inert for other types: nothing to undo)
     patches.set(torch, "load", _make_load(torch.load))
     patches.set(torch, "save", _make_save(torch.save))
     patches.set(RemoteTensor, "__reduce_ex__", _reduce_ex(RemoteTensor.__reduce_ex__))

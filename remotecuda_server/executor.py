@@ -507,6 +507,12 @@ class Executor:
 
         def walk(v: Any) -> Any:
             if isinstance(v, torch.Tensor):
+                if v.layout is not torch.strided:  # (the client's wrapper holds shape and strides only)
+                    kind = str(v.layout).removeprefix("torch.")
+                    raise NotImplementedError(
+                        f"remotecuda: {kind} tensors cannot be made on a remote 'cuda' device (only dense, strided "
+                        f"tensors live there); use a dense tensor instead (t.to_dense(): torch.sparse.mm and @ take "
+                        f"dense ones too), or keep the sparse tensor on the CPU")
                 h = next_id[0]
                 next_id[0] += 1
                 self.handles[h] = v

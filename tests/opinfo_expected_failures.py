@@ -8,7 +8,7 @@ does, which differs from the CPU reference).
 from __future__ import annotations
 
 _SPARSE_CSR = "unsupported: sparse CSR tensors (only dense tensors cross the wire: NotImplementedError)"
-_SPARSE_COO = "unsupported: sparse COO tensors (the gateway's download cannot serialise one)"
+_SPARSE_COO = "unsupported: sparse COO tensors (made on 'cuda': NotImplementedError)"
 _HALF_STATS = ("cuda semantics: CUDA's float32 mean/rstd for a half-precision input (the meta kernel's, "
                "so the wrapper's); the CPU gateway computes them in the input dtype")
 _GETITEM = ("client bug: Tensor.__getitem__ captured before activate() (OpInfo holds it) bypasses the "
@@ -39,6 +39,7 @@ EMPTY: dict[tuple[str, str], str] = {
 }
 
 BACKWARD: dict[tuple[str, str], str] = {
+    ("to_sparse", "float32"): _SPARSE_COO,
     ("sparse.sampled_addmm", "float32"): _SPARSE_CSR,
     ("sparse.mm.reduce", "float32"): _SPARSE_CSR,
     ("__getitem__", "float32"): _GETITEM,

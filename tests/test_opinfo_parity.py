@@ -29,8 +29,8 @@ update (torch 2.13, CPU gateway; 4137 tests in ~75 s on 2 busy cores):
   23 skipped (CUDA-only jiterator ops; unfold: only empty samples);
 - test_op_noncontiguous (677): 665 passed, 2 xfailed, 10 skipped;
 - test_op_empty (677): 250 passed, 1 xfailed, 426 skipped (no zero-size sample);
-- test_grad (540): 536 passed, 3 xfailed, 1 skipped;
-- xfailed by reason: unsupported (sparse layouts) 12, cuda semantics 10, client bug 6.
+- test_grad (540): 535 passed, 4 xfailed, 1 skipped;
+- xfailed by reason: unsupported (sparse layouts) 13, cuda semantics 10, client bug 6.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -78,6 +79,29 @@ def test_sparse_and_nested_tensors_say_plainly_they_do_not_cross():
     assert torch.equal(coo.to_dense().cuda().cpu(), coo.to_dense())  # the advice works, the session goes on
 
 
+def test_sparse_tensors_made_on_cuda_say_plainly_they_cannot_be():
+    """A GCN's adjacency made sparse on 'cuda' (by a constructor, from cuda parts, by to_sparse, or
+    as nn.Embedding(sparse=True)'s gradient) was a wrapper that said strided, or C++'s 'not linked
+    with support for cuda devices'; the dense adjacency the message advises gives the CPU's values."""
+    i, v = torch.tensor([[0, 1, 2], [1, 2, 0]]), torch.tensor([1.0, 2.0, 3.0])
+    for make, kind in [(lambda: torch.sparse_coo_tensor(i, v, (3, 3), device="cuda"), "sparse_coo"),
+                       (lambda: torch.sparse_coo_tensor(i.cuda(), v.cuda(), (3, 3)), "sparse_coo"),
+                       (lambda: torch.eye(3, device="cuda").to_sparse(), "sparse_coo"),
+                       (lambda: torch.eye(3, device="cuda").to_sparse_csr(), "sparse_csr"),
+                       (lambda: torch.sparse_csr_tensor(torch.tensor([0, 1, 2, 3]), i[1], v, device="cuda"),
+                        "sparse_csr")]:
+        with pytest.raises(NotImplementedError, match=f"remotecuda: {kind} tensors cannot be made on"):
+            make()
+    emb = nn.Embedding(4, 2, sparse=True).cuda()
+    with pytest.raises(NotImplementedError, match="sparse_coo tensors cannot be made on"):
+        emb(torch.tensor([1, 2], device="cuda")).sum().backward()
+        emb.weight.grad.cpu()
+    adj, x = torch.sparse_coo_tensor(i, v, (3, 3)), torch.randn(3, 4)
+    dense = adj.to_dense().cuda()
+    assert torch.allclose(torch.sparse.mm(dense, x.cuda()).cpu(), torch.sparse.mm(adj, x))
+    assert torch.allclose((dense @ x.cuda()).cpu(), adj @ x)
+
+
 def test_half_changes_the_gateway_tensor_too():
     m = nn.Linear(3, 2).cuda()
     ref = cpu_copy(m.weight).half()
@@ -125,10 +149,68 @@ def test_list_index_reads_the_right_rows():
     assert torch.equal(x.cpu(), ref)
 
 
+def test_every_sequence_in_an_index_reads_and_writes_as_on_the_cpu():
+    """A range, a NumPy array, a tuple or an empty list in an index becomes an index tensor in C++
+    (a meta one, for a cuda tensor): x[range(n), y] = v is the forward-forward tutorial's labelling."""
+    np = pytest.importorskip("numpy")
+
+    def index(x, y):
+        out = [x[range(5), y], x[:, range(1, 3)], x[np.array([0, 2])], x[np.array([0, 2]), np.int64(1)],
+               x[[]], x[[True, False, True, False, True]], x[(0, 1), ]]
+        x = x.clone()
+        x[range(x.shape[0]), y] = x.max()
+        x[range(2), [1, 2]] = torch.tensor([5.0, 6.0])
+        x[np.array([3])] = 0.0
+        return [*out, x]
+
+    ref = torch.arange(20.).reshape(5, 4)
+    y = torch.tensor([1, 3, 2, 0, 3])
+    for got, want in zip(index(ref.cuda(), y.cuda()), index(ref, y), strict=True):
+        assert torch.equal(got.cpu(), want)
+
+
+def test_torch_tensor_of_a_list_of_zero_dim_tensors():
+    """torch.tensor([R]) with R a 0-d tensor (actor-critic's ``torch.tensor([R])`` of a return)
+    failed for CPU tensors too once indexing was routed on torch.Tensor: C++ then took every
+    tensor for a sequence. A GPU reads cuda tensors in such a list as well."""
+    returns = torch.tensor([1.5, -0.5])
+    assert torch.equal(torch.tensor([returns[0]]), torch.tensor([1.5]))
+    assert torch.equal(torch.as_tensor([[returns[1], 2.0]]), torch.tensor([[-0.5, 2.0]]))
+    losses = torch.tensor([0.25, 4.0], device="cuda")
+    got = torch.tensor([losses[0], 3.0, losses[1]])
+    assert not got.is_cuda and torch.equal(got, torch.tensor([0.25, 3.0, 4.0]))
+    on_gpu = torch.tensor([losses[1], losses[0]], device="cuda")
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), torch.tensor([4.0, 0.25]))
+    with pytest.raises(ValueError, match="only one element tensors"):
+        torch.tensor([losses, losses])
+
+
 def test_new_tensor_is_a_cuda_tensor_with_the_values():
     x = torch.ones(2, device="cuda", dtype=torch.float64)
     y = x.new_tensor([1.5, 2.5])
     assert y.is_cuda and y.dtype == torch.float64 and y.cpu().tolist() == [1.5, 2.5]
+
+
+def test_legacy_new_with_data_keeps_the_values_on_cuda():
+    """x.new([1.5, 2.5]) gave a plain meta tensor (its values lost); x.new(2, device='cuda') raised."""
+    x = torch.ones(2, device="cuda", dtype=torch.float64)
+    for got, want in [(x.new([1.5, 2.5]), [1.5, 2.5]), (x.new([[1, 2]]), [[1.0, 2.0]]), (x.new([]), []),
+                      (x.new([3.0], device="cuda"), [3.0])]:
+        assert got.is_cuda and got.dtype == torch.float64 and got.cpu().tolist() == want
+    assert x.new(2, 3).is_cuda and x.new(2, 3).shape == (2, 3) and x.new().shape == (0,)
+    assert x.new(4, device="cuda").shape == (4,)
+
+
+def test_sending_a_cuda_tensor_to_another_process_says_it_cannot_be_shared():
+    """Hogwild (mnist_hogwild with --cuda and spawn) shares a model's CUDA weights by CUDA IPC; the
+    spawned child's arguments failed with 'bad value(s) in fds_to_keep', and a copy would not be shared."""
+    from multiprocessing.reduction import ForkingPickler
+    model = nn.Linear(3, 2).cuda()
+    for t in (model.weight, torch.ones(2, device="cuda")):
+        with pytest.raises(NotImplementedError, match="remotecuda: a cuda tensor cannot be sent to another process"):
+            ForkingPickler.dumps(t)
+    cpu = model.weight.detach().cpu()
+    assert torch.equal(pickle.loads(ForkingPickler.dumps(cpu)), cpu)  # the advice
 
 
 def test_mixing_cpu_and_cuda_raises_as_on_a_gpu():
@@ -139,6 +221,36 @@ def test_mixing_cpu_and_cuda_raises_as_on_a_gpu():
         torch.mm(torch.ones(3, 3), torch.ones(3, 3, device="cuda"))
     # a 0-dim CPU tensor is allowed with CUDA tensors, as in PyTorch
     assert (x * torch.tensor(2.0)).cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_cpu_tensor_indexed_with_cuda_tensors_is_not_silently_left_unchanged():
+    """cpu[cuda_idx] = v wrote to a copy of the CPU tensor on the gateway (the user's unchanged) and
+    cpu[cuda_idx] came back on 'cuda'; a GPU raises for both, and reads a 0-d cuda value into cpu[idx]."""
+    c, g = torch.arange(6.0), torch.arange(6.0, device="cuda")
+    for write in (lambda: c.__setitem__(g > 2, 5.0), lambda: c[torch.tensor([1], device="cuda")]):
+        with pytest.raises(RuntimeError, match=r"indices should be either on cpu or on the same device .* \(cpu\)"):
+            write()
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        c[torch.tensor([0, 1])] = g[:2]
+    c[torch.tensor([0, 1])] = g[3]
+    g[torch.tensor([4, 5])] = torch.tensor(7.0)
+    assert c.tolist() == [3.0, 3.0, 2.0, 3.0, 4.0, 5.0] and g.cpu().tolist() == [0.0, 1.0, 2.0, 3.0, 7.0, 7.0]
+
+
+def test_a_cpu_tensor_written_with_a_cuda_tensor_raises_as_on_a_gpu():
+    """total = torch.tensor(0.); total += loss (a cuda loss) left total at 0: the 0-d CPU tensor
+    was uploaded as a scalar and the gateway's copy written. A GPU refuses a CPU output."""
+    loss = torch.tensor(2.5, device="cuda")
+    total = torch.tensor(0.0)
+    for write in (lambda: total.add_(loss), lambda: torch.add(total, loss, out=total),
+                  lambda: torch.add(loss, loss, out=torch.empty(0))):
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            write()
+    total += loss.item()
+    assert total.item() == 2.5 and total.copy_(loss * 2).item() == 5.0  # what works on a GPU works
+    g = torch.ones(2, device="cuda")
+    g += torch.tensor(2.0)  # a 0-d CPU input (not output) is fine, as on a GPU
+    assert g.cpu().tolist() == [3.0, 3.0]
 
 
 def test_device_identity():
