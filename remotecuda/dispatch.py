@@ -130,6 +130,10 @@ _SAME_DTYPE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddb
                aten.mv.default, aten.addmv.default}
 
 
+#: advanced indexing, which takes a CPU tensor indexed with 'cuda' indices as a GPU's torch does
+_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+
+
 class _NeedUpload(Exception):
     """A CPU tensor sits among the arguments; take the slow path that uploads it."""
 
@@ -312,6 +316,8 @@ class Dispatcher:
                 wkw = dict(zip(kwargs, values))
                 parts.append(tuple(kwargs))
         except _NeedUpload:
+            if m.func in _INDEXING and session is None and not isinstance(args[0], RemoteTensor):
+                return _index_cpu_tensor(m, args, kwargs)
             args, kwargs = self._upload_cpu_args(m, args, kwargs, session)
             return self.run(m, args, kwargs, session, factory)
         if s is None:
@@ -527,6 +533,29 @@ class Dispatcher:
     def download(self, t: RemoteTensor) -> torch.Tensor:
         fetched = downloads.take(t)  # fetched ahead with others (torch.save, Module.cpu...)
         return fetched if fetched is not None else t._s.request("rc::fetch", [t._h])
+
+
+def _index_cpu_tensor(m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """A CPU tensor indexed with 'cuda' indices, as PyTorch treats it: reading refuses (index's
+    device check), writing moves the indices (and a 0-d value) to the CPU and writes there, so
+    the CPU tensor itself changes (it must not be uploaded and written on the gateway)."""
+    if m.func is aten.index.Tensor:
+        raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+    values = _arg_at(args, kwargs, 2, "values")
+    if isinstance(values, RemoteTensor) and values.dim() > 0:
+        raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two "
+                             f"devices, cpu and cuda:{values._dev}!")
+    remote = [t for t in _iter_tensors(list(args) + list(kwargs.values())) if isinstance(t, RemoteTensor)]
+    copies = dict(zip(map(id, remote), downloads.fetch([t.detach() for t in remote])))
+
+    def local(a: Any) -> Any:
+        if isinstance(a, RemoteTensor):
+            return copies[id(a)]
+        if type(a) is list or type(a) is tuple:
+            return type(a)(local(v) for v in a)
+        return a
+    with _DisableTorchDispatch():
+        return m.func(*local(args), **{k: local(v) for k, v in kwargs.items()})
 
 
 def _is_data_dependent(e: Exception) -> bool:

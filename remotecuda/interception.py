@@ -44,6 +44,7 @@ from . import (
     decode,
     downloads,
     flags,
+    legacy_types,
     rnn,
     runtime,
     serialization,
@@ -209,6 +210,7 @@ def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     """torch.tensor / as_tensor / asarray with device='cuda': build on the CPU, then upload."""
+    args, kwargs = _read_remote_elements(args, kwargs)
     d = _device(kwargs.get("device")) or _context_device()
     if d is None or d.type != "cuda":
         if d is not None and d.type == "meta":
@@ -227,6 +229,37 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     if requires_grad:
         out.requires_grad_(True)
     return out
+
+
+def _read_remote_elements(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A factory's data with the 'cuda' tensors inside its lists (``torch.tensor([loss_a, loss_b])``)
+    read into CPU copies, in one round trip: torch reads each element's value, as from a GPU; a
+    wrapper would be a sequence to C++ (its ``__getitem__`` is Python) and a 0-d one has no len()."""
+    data = args[0] if args else kwargs.get("obj", kwargs.get("data"))
+    if type(data) is not list and type(data) is not tuple:
+        return args, kwargs
+    found: list[RemoteTensor] = []
+
+    def collect(x: Any) -> None:
+        if isinstance(x, RemoteTensor):
+            found.append(x)
+        elif type(x) is list or type(x) is tuple:
+            for v in x:
+                collect(v)
+    collect(data)
+    if not found:
+        return args, kwargs
+    copies = dict(zip(map(id, found), downloads.fetch([t.detach() for t in found])))
+
+    def local(x: Any) -> Any:
+        if isinstance(x, RemoteTensor):
+            return copies[id(x)]
+        if type(x) is list or type(x) is tuple:
+            return type(x)(local(v) for v in x)
+        return x
+    if args:
+        return (local(data), *args[1:]), kwargs
+    return args, {k: local(v) if v is data else v for k, v in kwargs.items()}
 
 
 def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -373,7 +406,11 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "as_tensor", _data_factory),
     (torch, "asarray", _data_factory),
     (torch.Tensor, "new_tensor", _new_tensor),
-    (torch.Tensor, "__getitem__", _getitem),
+    (torch.Tensor, "type", legacy_types.tensor_type),
+    (torch, "set_default_tensor_type", legacy_types.set_default_tensor_type),
+    # on RemoteTensor only: a Python ``__getitem__`` on torch.Tensor would make every tensor a
+    # sequence to C++, and ``torch.tensor([a, b])`` of 0-d tensors would take len() of them
+    (RemoteTensor, "__getitem__", _getitem),
     (torch.Tensor, "__setitem__", _setitem),
     (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
     *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
@@ -762,6 +799,8 @@ def install(rt: Runtime) -> Interception:
         for module in (torch.cuda.memory, torch.cuda.random):  # what their own functions call
             if name in vars(module):
                 p.set(module, name, obj)
+    for name, obj in legacy_types.REPLACEMENTS.items():
+        p.set(torch.cuda, name, obj)
     for name, obj in cuda_graphs.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
         p.set(torch.cuda.graphs, name, obj)

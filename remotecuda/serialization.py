@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import downloads
+from . import downloads, runtime
 from .tensor import RemoteTensor
 
 #: during torch.load: ``current``, its _Load
@@ -81,6 +81,24 @@ class _Load:
         if metadata:
             torch._utils.set_tensor_metadata(moved, metadata)
         return moved.requires_grad_(t.requires_grad)
+
+
+def _storage_to(original: Any) -> Any:
+    """``storage.to('cuda')`` (what ``storage.cuda()`` calls): inside torch.load, a ``map_location``
+    callable's ``lambda storage, loc: storage.cuda()``, whose storage stays on the CPU located on
+    the device, and the tensors torch builds on it go there, as for a file's 'cuda' storages.
+    Elsewhere a storage cannot live on a remote device (only tensors do): said plainly."""
+    def to(self: Any, *, device: Any, non_blocking: bool = False) -> Any:
+        d = device if isinstance(device, torch.device) else torch.device(device)
+        if d.type != "cuda":
+            return original(self, device=device, non_blocking=non_blocking)
+        load = getattr(_loading, "current", None)
+        if load is None:
+            raise NotImplementedError("remotecuda: a storage cannot move to a remote 'cuda' device, only tensors "
+                                      "can: move a tensor viewing it (torch.empty(0, dtype=...).set_(storage).cuda())")
+        load.storages[self._cdata] = (runtime.current().current_device if d.index is None else d.index, self)
+        return self
+    return to
 
 
 def _restored_on_device(plain: Any) -> Any:
@@ -305,6 +323,7 @@ def install(patches: Any) -> None:
     patches.set(torch, "load", _make_load(torch.load))
     patches.set(torch, "save", _make_save(torch.save))
     patches.set(RemoteTensor, "__reduce_ex__", _reduce_ex(RemoteTensor.__reduce_ex__))
+    patches.set(torch.storage._StorageBase, "to", _storage_to(torch.storage._StorageBase.to))
     patches.set(torch._utils, "_restore_device_fake_mode", _restored_on_device(torch._utils._restore_device_fake_mode))
     patches.set(torch.serialization, "save", torch.save)
     patches.set(torch.serialization, "load", torch.load)

@@ -63,7 +63,7 @@ def _not_active(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 #: the legacy tensor type names (``torch.cuda.FloatTensor``...) → their dtype
-_LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
+LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
                  "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
                  "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8,
                  "BoolTensor": torch.bool}
@@ -117,7 +117,7 @@ class RemoteTensor(torch.Tensor):
         if isinstance(dtype, torch.dtype):
             return self.to(dtype, non_blocking=non_blocking)
         name = dtype if isinstance(dtype, str) else f"{dtype.__module__}.{dtype.__name__}"
-        legacy = _LEGACY_TYPES.get(name.rsplit(".", 1)[-1])
+        legacy = LEGACY_TYPES.get(name.rsplit(".", 1)[-1])
         if legacy is None or not name.startswith("torch."):
             raise ValueError(f"invalid type: {dtype!r}")
         device = "cuda" if name.startswith("torch.cuda.") else "cpu"
@@ -163,7 +163,10 @@ class RemoteTensor(torch.Tensor):
 
     # ---------------------------------------------------------------- values (sync points)
     def numpy(self, *, force: bool = False) -> Any:
-        if self.requires_grad and not force:
+        """A GPU's refusal, but ``force=True`` copies to the host first (torch's documented meaning)."""
+        if force:
+            return self.detach().cpu().resolve_conj().resolve_neg().numpy()
+        if self.requires_grad:
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
                                "Use tensor.detach().numpy() instead.")
         raise TypeError(f"can't convert cuda:{self._dev} device type tensor to numpy. Use Tensor.cpu() "

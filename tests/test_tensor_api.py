@@ -1,0 +1,113 @@
+"""Everyday tensor idioms on 'cuda' that a notebook user types, answered as a GPU's PyTorch
+answers them: tensors built from lists of scalar tensors, CPU tensors indexed with 'cuda'
+indices, ``map_location`` callables that move storages, the legacy ``torch.cuda.FloatTensor``
+types. Values are compared with the same code on the CPU."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def test_a_list_of_scalar_tensors_becomes_a_tensor():
+    """``torch.tensor([loss_a, loss_b])``: torch reads each element's value (the dtype promoted
+    from theirs); with CPU tensors too while active, which C++ once took for sequences."""
+    x = torch.arange(4.0, device="cuda")
+    built = torch.tensor([x[0], x[3]])
+    assert built.device.type == "cpu" and torch.equal(built, torch.tensor([0.0, 3.0]))
+    on_cuda = torch.tensor([x[1], x[2]], device="cuda")
+    assert on_cuda.is_cuda and torch.equal(on_cuda.cpu(), torch.tensor([1.0, 2.0]))
+    mixed = [torch.tensor(2, dtype=torch.int32, device="cuda"), torch.tensor(1.5, dtype=torch.float16, device="cuda")]
+    assert torch.tensor(mixed).dtype == torch.float16 and torch.as_tensor([[x[1]], [x[2]]]).shape == (2, 1)
+    cpu = torch.tensor([torch.tensor(1.0), torch.tensor(2.0)])
+    assert torch.equal(cpu, torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="only one element tensors"):
+        torch.tensor([torch.ones(2), torch.ones(2)])
+    assert x[torch.tensor([1, 3])].tolist() == [1.0, 3.0] and x[[0, 2]].tolist() == [0.0, 2.0]
+
+
+def test_a_cpu_tensor_indexed_with_cuda_indices():
+    """Reading a CPU tensor at 'cuda' indices is refused, as PyTorch refuses it; writing there
+    moves the indices to the CPU and changes the CPU tensor itself (it was uploaded and written
+    on the gateway, and the write was lost)."""
+    idx = torch.tensor([1, 3], device="cuda")
+    with pytest.raises(RuntimeError, match=r"indices should be either on cpu or on the same device as the "
+                                           r"indexed tensor \(cpu\)"):
+        torch.arange(5.0)[idx]
+    c = torch.zeros(5)
+    c[idx] = 2.0
+    c[torch.arange(5, device="cuda") == 4] = 7.0
+    c[torch.tensor([0])] = torch.tensor(3.0, device="cuda")
+    c.index_put_((torch.tensor([2, 2], device="cuda"),), torch.tensor(1.5), accumulate=True)
+    assert c.tolist() == [3.0, 2.0, 3.0, 2.0, 7.0]
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        c[torch.tensor([0, 1])] = torch.ones(2, device="cuda")
+    y = torch.zeros(4, 2, device="cuda")
+    y[torch.tensor([0, 2])] += 1  # (a CPU index on a cuda tensor is fine)
+    assert y.sum().item() == 4.0
+
+
+@pytest.mark.parametrize("saved_on", ["cuda", "cpu"])
+def test_map_location_callable_that_moves_storages_to_cuda(saved_on):
+    """``torch.load(f, map_location=lambda storage, loc: storage.cuda())`` of older code loads
+    every tensor on 'cuda', with its values."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    buf = io.BytesIO()
+    torch.save(model.to(saved_on).state_dict(), buf)
+    for to_cuda in (lambda storage, loc: storage.cuda(), lambda storage, loc: storage.cuda(0)):
+        buf.seek(0)
+        back = torch.load(buf, map_location=to_cuda)
+        assert all(v.is_cuda for v in back.values())
+        torch.testing.assert_close({k: v.cpu() for k, v in back.items()}, want)
+    with pytest.raises(NotImplementedError, match="remotecuda: a storage cannot move"):
+        torch.ones(2).untyped_storage().cuda()
+
+
+def test_legacy_cuda_tensor_types_build_convert_and_match():
+    """The PyTorch-GAN idiom: ``Tensor = torch.cuda.FloatTensor``, ``Tensor(n, 1).fill_(1.0)``,
+    ``imgs.type(Tensor)``, and ``isinstance`` against the CUDA types."""
+    Tensor = torch.cuda.FloatTensor
+    valid = Tensor(4, 1).fill_(1.0)
+    assert valid.is_cuda and valid.shape == (4, 1) and valid.dtype == torch.float32 and valid.sum().item() == 4.0
+    assert torch.cuda.LongTensor([1, 2]).tolist() == [1, 2]
+    assert torch.cuda.ByteTensor(torch.Size([2, 3])).shape == (2, 3)
+    imgs = torch.arange(6, dtype=torch.uint8).reshape(2, 3)
+    real = imgs.type(Tensor)
+    assert real.is_cuda and real.dtype == torch.float32 and torch.equal(real.cpu(), imgs.float())
+    assert imgs.type("torch.cuda.DoubleTensor").dtype == torch.float64 and imgs.type(torch.float16).device.type == "cpu"
+    assert isinstance(real, torch.cuda.FloatTensor) and not isinstance(real, torch.cuda.LongTensor)
+    assert not isinstance(imgs, torch.cuda.ByteTensor) and isinstance(imgs, torch.ByteTensor)
+    assert real.type() == "torch.cuda.FloatTensor" and real.type(torch.cuda.LongTensor).dtype == torch.int64
+    with pytest.raises(TypeError, match="expected torch.cuda.FloatTensor"):
+        Tensor(torch.ones(2))
+
+
+def test_set_default_tensor_type_to_a_cuda_type():
+    """nerf-pytorch's ``torch.set_default_tensor_type('torch.cuda.FloatTensor')``: factories and
+    modules are made on 'cuda' with its dtype; a CPU type makes the CPU the default again."""
+    try:
+        with pytest.warns(UserWarning, match="deprecated"):
+            torch.set_default_tensor_type("torch.cuda.FloatTensor")
+        assert torch.ones(2).is_cuda and torch.tensor([1.0]).is_cuda and nn.Linear(2, 2).weight.is_cuda
+        torch.set_default_tensor_type(torch.cuda.DoubleTensor)
+        assert torch.zeros(1).dtype == torch.float64 and torch.zeros(1).is_cuda
+        with pytest.raises(TypeError, match="only floating-point types"):
+            torch.set_default_tensor_type(torch.cuda.LongTensor)
+    finally:
+        torch.set_default_tensor_type(torch.FloatTensor)
+    assert torch.ones(2).device.type == "cpu" and torch.ones(2).dtype == torch.float32
+
+
+def test_numpy_force_copies_to_the_host():
+    """``t.numpy(force=True)`` is ``t.detach().cpu().resolve_conj().resolve_neg().numpy()``, on a GPU too."""
+    w = torch.tensor([1.0, 2.0], device="cuda", requires_grad=True)
+    assert w.numpy(force=True).tolist() == [1.0, 2.0]
+    assert torch.tensor([1 + 2j], device="cuda").conj().numpy(force=True).tolist() == [1 - 2j]
+    with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
+        w.detach().numpy()
