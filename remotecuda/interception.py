@@ -44,6 +44,7 @@ from . import (
     decode,
     downloads,
     flags,
+    indexing,
     legacy_types,
     rnn,
     runtime,
@@ -280,18 +281,9 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-def _index_lists(idx: Any) -> Any:
-    """Python lists in an index would become *meta* index tensors in C++; make them CPU tensors."""
-    if type(idx) is list:
-        return torch.tensor(idx)
-    if type(idx) is tuple:
-        return tuple(torch.tensor(i) if type(i) is list else i for i in idx)
-    return idx
-
-
 def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
     if isinstance(args[0], RemoteTensor):
-        args = (args[0], _index_lists(args[1]), *args[2:])
+        args = (args[0], indexing.index_parts(args[1]), *args[2:])
     return func(*args, **kwargs)
 
 
@@ -303,7 +295,9 @@ def _setitem(func: Callable, args: tuple, kwargs: dict) -> Any:
             value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
         elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
             value = to_cuda(value, self._dev)
-        args = (self, _index_lists(args[1]), value)
+        elif isinstance(value, (list, tuple, dict, str)):  # (C++ would name the wrapper's meta type)
+            raise TypeError(f"can't assign a {type(value).__name__} to a {self.type()}")
+        args = (self, indexing.index_parts(args[1]), value)
     return func(*args, **kwargs)
 
 
@@ -407,6 +401,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "asarray", _data_factory),
     (torch.Tensor, "new_tensor", _new_tensor),
     (torch.Tensor, "type", legacy_types.tensor_type),
+    (torch.Tensor, "new", legacy_types.tensor_new),
     (torch, "set_default_tensor_type", legacy_types.set_default_tensor_type),
     # on RemoteTensor only: a Python ``__getitem__`` on torch.Tensor would make every tensor a
     # sequence to C++, and ``torch.tensor([a, b])`` of 0-d tensors would take len() of them

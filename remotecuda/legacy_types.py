@@ -1,4 +1,4 @@
-"""The legacy CUDA tensor types: ``torch.cuda.FloatTensor`` and its kin, while active.
+"""The legacy tensor API on 'cuda': ``torch.cuda.FloatTensor`` and its kin, and ``Tensor.new``.
 
 Older code (GAN and RL tutorials) picks a type once, ``Tensor = torch.cuda.FloatTensor if cuda
 else torch.FloatTensor``, then builds with it (``Tensor(n, 1).fill_(1.0)``), converts with it
@@ -73,3 +73,13 @@ def set_default_tensor_type(func: Callable, args: tuple, kwargs: dict) -> None:
     func(t)
     if torch.get_default_device().type == "cuda":
         torch.set_default_device(None)
+
+
+def tensor_new(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``x.new([1, 2])``, the legacy constructor from data: a tensor of ``x``'s dtype on its device,
+    as the C++ constructor makes it; for a wrapper C++ would make it on 'meta' (the data lost).
+    Sizes (``x.new(2, 3)``, a ``torch.Size``) and the other forms are C++'s own."""
+    self = args[0]
+    if isinstance(self, RemoteTensor) and len(args) == 2 and type(args[1]) in (list, tuple):
+        return torch.tensor(args[1], dtype=self.dtype, device=kwargs.get("device") or self.device)
+    return func(*args, **kwargs)

@@ -5,6 +5,7 @@ types. Values are compared with the same code on the CPU."""
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -88,6 +89,16 @@ def test_legacy_cuda_tensor_types_build_convert_and_match():
         Tensor(torch.ones(2))
 
 
+def test_legacy_new_from_data_keeps_the_data():
+    """``x.new([1, 2])`` is a tensor of x's dtype on x's device holding the data (it was a meta
+    tensor: the data lost); ``x.new(2, 3)`` and ``x.new(torch.Size(...))`` are sizes."""
+    x = torch.zeros(2, dtype=torch.int32, device="cuda")
+    made = x.new([1.7, 2])
+    assert made.is_cuda and made.dtype == torch.int32 and made.tolist() == [1, 2]
+    assert x.new((3.5,)).tolist() == [3] and x.new(2, 3).shape == (2, 3) and x.new(torch.Size([4])).shape == (4,)
+    assert x.new(2, 3).is_cuda and x.new().shape == (0,)
+
+
 def test_set_default_tensor_type_to_a_cuda_type():
     """nerf-pytorch's ``torch.set_default_tensor_type('torch.cuda.FloatTensor')``: factories and
     modules are made on 'cuda' with its dtype; a CPU type makes the CPU the default again."""
@@ -111,3 +122,39 @@ def test_numpy_force_copies_to_the_host():
     assert torch.tensor([1 + 2j], device="cuda").conj().numpy(force=True).tolist() == [1 - 2j]
     with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
         w.detach().numpy()
+
+
+def _index_programs() -> list:
+    """Indices made of Python sequences, read and written (each on a fresh copy)."""
+    def write(idx: object, value: object = -1.0):
+        def go(x: torch.Tensor) -> torch.Tensor:
+            y = x.clone()
+            y[idx] = value
+            return y
+        return go
+    return [lambda x: x[range(2)], lambda x: x[:, range(1, 3)], lambda x: x[(0, 2), :], lambda x: x[[1.0]],
+            lambda x: x[[[0, 2], [1, 3]]], lambda x: x[[slice(None), 1]], lambda x: x[[None, 1]],
+            lambda x: x[[Ellipsis, 1]], lambda x: x[[torch.tensor([0, 2]), torch.tensor([1, 3])]],
+            lambda x: x[[True, False, True]], lambda x: x[[[0], [2]], [1, 3]],
+            write(range(2)), write(((0, 2), slice(None))), write([[0, 2], [1, 3]]), write([1, 2], 5.0)]
+
+
+@pytest.mark.parametrize("k", range(len(_index_programs())))
+def test_python_sequences_in_an_index_read_as_torch_reads_them(k):
+    """Ranges, tuples inside a tuple, lists of lists, lists holding slices or tensors: torch's own
+    reading (several dimensions, or one index tensor), where they became meta index tensors (lost)
+    or one index tensor of the wrong shape."""
+    fn = _index_programs()[k]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's deprecation of lists read as tuples: below)
+        got, want = fn(torch.arange(12.0, device="cuda").reshape(3, 4)), fn(torch.arange(12.0).reshape(3, 4))
+    torch.testing.assert_close(got.cpu(), want)
+
+
+def test_index_warnings_and_refusals_name_what_torch_names():
+    y = torch.zeros(3, 4, device="cuda")
+    with pytest.warns(UserWarning, match="non-tuple sequence for multidimensional indexing") as caught:
+        y[[[0, 2], [1, 3]]]
+    assert caught[0].filename == __file__
+    with pytest.raises(TypeError, match=r"can't assign a list to a torch\.cuda\.FloatTensor"):
+        y[0] = [1.0] * 4
