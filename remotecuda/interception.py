@@ -295,9 +295,13 @@ def _setitem(func: Callable, args: tuple, kwargs: dict) -> Any:
             value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
         elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
             value = to_cuda(value, self._dev)
-        elif isinstance(value, (list, tuple, dict, str)):  # (C++ would name the wrapper's meta type)
-            raise TypeError(f"can't assign a {type(value).__name__} to a {self.type()}")
         args = (self, indexing.index_parts(args[1]), value)
+        try:
+            return func(*args, **kwargs)
+        except TypeError as e:  # "can't assign a str to a torch.meta.FloatTensor": name the cuda type
+            if "torch.meta." not in str(e):
+                raise
+            raise TypeError(str(e).replace("torch.meta.", "torch.cuda.")) from None
     return func(*args, **kwargs)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -158,3 +159,5 @@ def test_index_warnings_and_refusals_name_what_torch_names():
     assert caught[0].filename == __file__
     with pytest.raises(TypeError, match=r"can't assign a list to a torch\.cuda\.FloatTensor"):
         y[0] = [1.0] * 4
+    with pytest.raises(TypeError, match=r"can't assign a numpy\.ndarray to a torch\.cuda\.FloatTensor"):
+        y[torch.tensor([0])] = np.ones(4)
