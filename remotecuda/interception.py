@@ -250,7 +250,7 @@ def _read_remote_elements(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     collect(data)
     if not found:
         return args, kwargs
-    copies = dict(zip(map(id, found), downloads.fetch([t.detach() for t in found])))
+    copies = dict(zip(map(id, found), downloads.fetch(found)))  # (requires_grad kept: torch warns of it)
 
     def local(x: Any) -> Any:
         if isinstance(x, RemoteTensor):
