@@ -44,7 +44,12 @@ def _deserialize(obj: Any, location: str) -> Any:
         load = getattr(_loading, "current", None)
         if load is None:  # not inside remotecuda's torch.load: let torch say what it says
             return None
-        load.storages[obj._cdata] = (_index(location), obj)
+        index, count = _index(location), torch.cuda.device_count()
+        if index >= count:  # (torch's own words, which name the remedy)
+            raise RuntimeError(f"Attempting to deserialize object on CUDA device {index} but "
+                               f"torch.cuda.device_count() is {count}. Please use torch.load with "
+                               "map_location to map your storages to an existing device.")
+        load.storages[obj._cdata] = (index, obj)
         return obj
     return None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import warnings
+import zipfile
 
 import numpy as np
 import pytest
@@ -69,6 +70,33 @@ def test_map_location_callable_that_moves_storages_to_cuda(saved_on):
         torch.testing.assert_close({k: v.cpu() for k, v in back.items()}, want)
     with pytest.raises(NotImplementedError, match="remotecuda: a storage cannot move"):
         torch.ones(2).untyped_storage().cuda()
+
+
+def _saved_on_device_1() -> io.BytesIO:
+    """A checkpoint as a second GPU writes it: its storage located on 'cuda:1'."""
+    saved = io.BytesIO()
+    torch.save({"w": torch.arange(3.0, device="cuda")}, saved)
+    moved = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(saved.getvalue())) as zin, zipfile.ZipFile(moved, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            zout.writestr(info, data.replace(b"cuda:0", b"cuda:1") if info.filename.endswith("data.pkl") else data)
+    moved.seek(0)
+    return moved
+
+
+@pytest.mark.parametrize("map_location", [{"cuda:1": "cuda:0"}, "cuda:0", {"cuda:1": "cpu"}])
+def test_a_checkpoint_of_another_gpu_maps_to_this_one(map_location):
+    back = torch.load(_saved_on_device_1(), map_location=map_location)["w"]
+    where = map_location["cuda:1"] if isinstance(map_location, dict) else map_location
+    assert back.device == torch.device(where)
+    assert back.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_checkpoint_of_a_missing_gpu_says_to_use_map_location():
+    with pytest.raises(RuntimeError, match="on CUDA device 1 but torch.cuda.device_count.. is 1. Please use torch.load "
+                                           "with map_location"):
+        torch.load(_saved_on_device_1())
 
 
 def test_legacy_cuda_tensor_types_build_convert_and_match():
