@@ -69,6 +69,10 @@ LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "Ha
                  "BoolTensor": torch.bool}
 
 
+#: a signed dtype of the same size, for copying the unsigned ones' bits
+_SAME_BITS = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
 class RemoteTensor(torch.Tensor):
     # Set by wrap(), and read by the dispatcher, downloads, rnn, attention and transfer: the
     # wrapper's own fields, underscored to stay out of torch.Tensor's namespace; changed only here
@@ -209,7 +213,9 @@ class RemoteTensor(torch.Tensor):
                 places.append(torch.arange(n))
         out = torch.empty(self.shape, dtype=self.dtype)
         nd = self.dim()
-        out.index_put_(tuple(i.view([-1 if k == d else 1 for k in range(nd)]) for d, i in enumerate(places)), t.cpu())
+        bits = _SAME_BITS.get(self.dtype, self.dtype)  # (the CPU's index_put_ takes no uint16/32/64)
+        out.view(bits).index_put_(tuple(i.view([-1 if k == d else 1 for k in range(nd)]) for d, i in enumerate(places)),
+                                  t.cpu().view(bits))
         return out
 
     # ---------------------------------------------------------------- copies and pickling

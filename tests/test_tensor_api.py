@@ -189,3 +189,11 @@ def test_index_warnings_and_refusals_name_what_torch_names():
         y[0] = [1.0] * 4
     with pytest.raises(TypeError, match=r"can't assign a numpy\.ndarray to a torch\.cuda\.FloatTensor"):
         y[torch.tensor([0])] = np.ones(4)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.bool])
+def test_large_tensors_of_every_dtype_print_their_edge_items(dtype):
+    """A tensor too large to print whole prints its edge items (the CPU's index_put_, which places
+    them, takes no unsigned 16-64 bit type: printing one raised)."""
+    cpu = (torch.arange(3000) % 7).to(dtype)
+    assert " ".join(repr(cpu.cuda()).replace(", device='cuda:0'", "").split()) == " ".join(repr(cpu).split())
