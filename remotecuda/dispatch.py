@@ -55,7 +55,12 @@ _METADATA_MUTATION = {aten.resize_.default, aten.resize_as_.default, aten.set_.s
 
 
 class DeviceMismatch(RuntimeError):
-    pass
+    """Tensors of an op on two devices. A traceback names it ``RuntimeError``, as a GPU's torch
+    names its most common error (the class stays distinct for compiled.py to recognise)."""
+
+
+DeviceMismatch.__module__ = "builtins"
+DeviceMismatch.__name__ = DeviceMismatch.__qualname__ = "RuntimeError"
 
 
 @dataclass(slots=True, eq=False)

@@ -5,6 +5,7 @@ types. Values are compared with the same code on the CPU."""
 from __future__ import annotations
 
 import io
+import traceback
 import warnings
 import zipfile
 
@@ -197,3 +198,14 @@ def test_large_tensors_of_every_dtype_print_their_edge_items(dtype):
     them, takes no unsigned 16-64 bit type: printing one raised)."""
     cpu = (torch.arange(3000) % 7).to(dtype)
     assert " ".join(repr(cpu.cuda()).replace(", device='cuda:0'", "").split()) == " ".join(repr(cpu).split())
+
+
+def test_a_device_mismatch_is_a_runtime_error_by_name():
+    """The most searched-for PyTorch error reads as a GPU prints it: ``RuntimeError: Expected all
+    tensors to be on the same device, ...`` (the traceback named remotecuda.dispatch.DeviceMismatch)."""
+    try:
+        torch.ones(2, device="cuda") + torch.ones(2)
+    except RuntimeError as e:
+        shown = traceback.format_exception_only(type(e), e)[-1]
+    assert shown == ("RuntimeError: Expected all tensors to be on the same device, but found at least two devices, "
+                     "cuda:0 and cpu!\n")
