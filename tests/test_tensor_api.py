@@ -209,3 +209,17 @@ def test_a_device_mismatch_is_a_runtime_error_by_name():
         shown = traceback.format_exception_only(type(e), e)[-1]
     assert shown == ("RuntimeError: Expected all tensors to be on the same device, but found at least two devices, "
                      "cuda:0 and cpu!\n")
+
+
+def test_an_rnn_with_state_or_input_left_on_the_cpu_names_the_devices():
+    """A forgotten ``h0.to(device)``: torch's message, naming cuda:0 (it named the wrappers' meta)."""
+    lstm = nn.LSTM(3, 4).cuda()
+    h0 = (torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    with pytest.raises(RuntimeError, match=r"^Input and hidden tensors are not at the same device, found input "
+                                           r"tensor at cuda:0 and hidden tensor at cpu$"):
+        lstm(torch.ones(2, 1, 3, device="cuda"), h0)
+    with pytest.raises(RuntimeError, match=r"^Input and parameter tensors are not at the same device, found input "
+                                           r"tensor at cpu and parameter tensor at cuda:0$"):
+        nn.GRU(3, 4).cuda()(torch.ones(2, 1, 3))
+    out, _ = lstm(torch.ones(2, 1, 3, device="cuda"), tuple(h.cuda() for h in h0))
+    assert out.is_cuda
