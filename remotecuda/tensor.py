@@ -220,15 +220,28 @@ class RemoteTensor(torch.Tensor):
 
     # ---------------------------------------------------------------- copies and pickling
     def __deepcopy__(self, memo: dict) -> RemoteTensor:
+        """torch's deepcopy: leaves only, and views deepcopied together stay views of one copy
+        (torch copies each storage once per deepcopy): a view copies its base, and views that."""
         if id(self) in memo:
             return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment.  If you were attempting to deepcopy a module, this may be "
+                               "because of a torch.nn.utils.weight_norm usage, see "
+                               "https://github.com/pytorch/pytorch/pull/103001")
+        import copy
+        base = self._base
         with torch.no_grad():
-            new = cast(RemoteTensor, self.clone())
+            if isinstance(base, RemoteTensor) and base.is_contiguous():
+                new_base = copy.deepcopy(base, memo)
+                offset = self.storage_offset() - base.storage_offset() + new_base.storage_offset()
+                new = cast(RemoteTensor, new_base.as_strided(self.shape, self.stride(), offset))
+            else:
+                new = cast(RemoteTensor, self.clone())
         if self.requires_grad:
             new.requires_grad_(True)
         if self.grad is not None:
             new.grad = self.grad.__deepcopy__(memo)
-        import copy
         for k, v in self.__dict__.items():
             if not k.startswith("_") or k == "_is_param":
                 new.__dict__[k] = copy.deepcopy(v, memo)

@@ -4,6 +4,7 @@ indices, ``map_location`` callables that move storages, the legacy ``torch.cuda.
 types. Values are compared with the same code on the CPU."""
 from __future__ import annotations
 
+import copy
 import io
 import traceback
 import warnings
@@ -223,3 +224,16 @@ def test_an_rnn_with_state_or_input_left_on_the_cpu_names_the_devices():
         nn.GRU(3, 4).cuda()(torch.ones(2, 1, 3))
     out, _ = lstm(torch.ones(2, 1, 3, device="cuda"), tuple(h.cuda() for h in h0))
     assert out.is_cuda
+
+
+def test_deepcopy_keeps_views_together_and_refuses_non_leaves():
+    """torch's deepcopy: tensors viewing one storage, deepcopied together, view one copy; a
+    non-leaf is refused (it was copied, with a warning about .grad)."""
+    x = torch.arange(4.0, device="cuda")
+    copied = copy.deepcopy({"rows": x[1:], "all": x, "col": x.view(2, 2)[:, 1]})
+    copied["all"][1] = 100.0
+    assert copied["rows"][0].item() == 100.0 and copied["col"].tolist() == [100.0, 3.0] and x[1].item() == 1.0
+    w = torch.ones(2, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"Only Tensors created explicitly by the user \(graph leaves\)"):
+        copy.deepcopy(w * 2)
+    assert copy.deepcopy(w).requires_grad and copy.deepcopy(w).is_leaf
