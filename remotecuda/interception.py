@@ -845,6 +845,7 @@ def install(rt: Runtime) -> Interception:
         p.set(owner, name, _routed(getattr(owner, name), handler))
     for owner, name, handler in _ROUTES_EVERY_THREAD:
         p.set(owner, name, _everywhere(getattr(owner, name), handler))
+    p.set(torch.Tensor, "__new__", staticmethod(legacy_types.tensor_base_new(torch._C.TensorBase.__new__)))
     p.set(torch.Tensor, "data", _data_property())
     for name in ("device", "is_cuda", "is_meta"):
         p.set(torch.Tensor, name, _identity_property(name))

@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
+from . import runtime
 from .tensor import LEGACY_TYPES, RemoteTensor
+
+_active_here = torch._C._len_torch_dispatch_stack  # > 0: remotecuda's mode is on this thread's stack
 
 
 class _CudaTensorType(type):
@@ -62,17 +65,34 @@ def tensor_type(func: Callable, args: tuple, kwargs: dict) -> Any:
 def set_default_tensor_type(func: Callable, args: tuple, kwargs: dict) -> None:
     """``torch.set_default_tensor_type('torch.cuda.FloatTensor')`` (nerf-pytorch's first line): the
     dtype as torch sets it (with its deprecation warning and its refusal of non-float types), and
-    'cuda' as the default device, which is what the type's backend means; a CPU type makes the CPU
-    the default device again."""
+    'cuda' as the default device, which is what the type's backend means, for the factories and
+    for the legacy ``torch.Tensor(...)`` (``tensor_base_new``); a CPU type undoes that."""
     t = args[0] if args else kwargs["t"]
     name = t if isinstance(t, str) else f"{t.__module__}.{t.__name__}"
+    rt = runtime.current()
     if name.startswith("torch.cuda.") and name.removeprefix("torch.cuda.") in LEGACY_TYPES:
         func(getattr(torch, name.removeprefix("torch.cuda.")))
         torch.set_default_device("cuda")
+        rt.default_type_cuda = True
         return
     func(t)
-    if torch.get_default_device().type == "cuda":
+    if rt.default_type_cuda:
         torch.set_default_device(None)
+        rt.default_type_cuda = False
+
+
+def tensor_base_new(original: Callable) -> Callable:
+    """``torch.Tensor(...)``, the legacy constructor, builds with the default tensor type: on 'cuda'
+    after ``set_default_tensor_type`` named a CUDA type (nerf-pytorch's ``torch.Tensor([1e10])``),
+    which a CPU-only torch cannot take, so the CPU tensor it builds is moved there."""
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        out = original(cls, *args, **kwargs)
+        rt = runtime.active()
+        if cls is torch.Tensor and rt is not None and rt.default_type_cuda and _active_here() \
+                and not isinstance(out, RemoteTensor):
+            return out.to("cuda")
+        return out
+    return __new__
 
 
 def tensor_new(func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -137,6 +137,9 @@ def test_set_default_tensor_type_to_a_cuda_type():
         with pytest.warns(UserWarning, match="deprecated"):
             torch.set_default_tensor_type("torch.cuda.FloatTensor")
         assert torch.ones(2).is_cuda and torch.tensor([1.0]).is_cuda and nn.Linear(2, 2).weight.is_cuda
+        big = torch.Tensor([1e10])  # (nerf-pytorch's raw2outputs, then cat with cuda distances)
+        assert big.is_cuda and big.tolist() == [1e10] and torch.Tensor(2, 3).is_cuda
+        assert torch.FloatTensor([1.0]).device.type == "cpu"
         torch.set_default_tensor_type(torch.cuda.DoubleTensor)
         assert torch.zeros(1).dtype == torch.float64 and torch.zeros(1).is_cuda
         with pytest.raises(TypeError, match="only floating-point types"):
@@ -144,6 +147,13 @@ def test_set_default_tensor_type_to_a_cuda_type():
     finally:
         torch.set_default_tensor_type(torch.FloatTensor)
     assert torch.ones(2).device.type == "cpu" and torch.ones(2).dtype == torch.float32
+    assert torch.Tensor([1.0]).device.type == "cpu"
+    torch.set_default_device("cuda")  # a device set apart from the type stays, as torch keeps it
+    try:
+        torch.set_default_tensor_type(torch.FloatTensor)
+        assert torch.ones(1).is_cuda and torch.Tensor([1.0]).device.type == "cpu"
+    finally:
+        torch.set_default_device(None)
 
 
 def test_numpy_force_copies_to_the_host():
