@@ -85,10 +85,10 @@ def tensor_base_new(original: Callable) -> Callable:
     """``torch.Tensor(...)``, the legacy constructor, builds with the default tensor type: on 'cuda'
     after ``set_default_tensor_type`` named a CUDA type (nerf-pytorch's ``torch.Tensor([1e10])``),
     which a CPU-only torch cannot take, so the CPU tensor it builds is moved there."""
-    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
-        out = original(cls, *args, **kwargs)
+    def __new__(*args: Any, **kwargs: Any) -> Any:  # (a wildcard signature: dynamo's polyfill of it checks)
+        out = original(*args, **kwargs)
         rt = runtime.active()
-        if cls is torch.Tensor and rt is not None and rt.default_type_cuda and _active_here() \
+        if args[0] is torch.Tensor and rt is not None and rt.default_type_cuda and _active_here() \
                 and not isinstance(out, RemoteTensor):
             return out.to("cuda")
         return out
