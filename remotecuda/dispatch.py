@@ -135,6 +135,26 @@ _SAME_DTYPE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddb
                aten.mv.default, aten.addmv.default}
 
 
+
+
+def _tensor_dtype(args: tuple, i: int) -> torch.dtype | None:
+    return args[i].dtype if len(args) > i and isinstance(args[i], torch.Tensor) else None
+
+
+#: ops whose meta kernels pass dtypes their device kernels refuse at the call (a float index, a
+#: long softmax, a value of another dtype put into a tensor): such a signature is asked of the
+#: gateway at once (``_refused``), so the error comes at the call as on a GPU, not at a later sync
+_DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
+    # (a one-element value may take the masked-fill path, which reads it whatever its dtype)
+    **{op: lambda a: _tensor_dtype(a, 2) not in (None, _tensor_dtype(a, 0)) and a[2].numel() != 1
+       for op in (aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default)},
+    aten.index_select.default: lambda a: _tensor_dtype(a, 2) not in (None, torch.int32, torch.int64),
+    **{op: lambda a: _tensor_dtype(a, 1) not in (None, torch.int64)
+       for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)},
+    **{op: lambda a: not (_tensor_dtype(a, 0) or torch.float32).is_floating_point
+       for op in (aten._softmax.default, aten._log_softmax.default)},
+}
+
 #: advanced indexing, which takes a CPU tensor indexed with 'cuda' indices as a GPU's torch does
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
@@ -369,6 +389,9 @@ class Dispatcher:
         """Output metadata from the meta kernel, as a cache entry."""
         if m.func in _SAME_DTYPE and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
             raise TypeError(f"{m.name}: tensors of different dtypes")  # for the gateway to word
+        suspect = _DTYPE_SUSPECT.get(m.func)
+        if suspect is not None and suspect(args):
+            raise TypeError(f"{m.name}: dtypes its kernels may refuse")  # (the gateway says whether they do)
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
         try:

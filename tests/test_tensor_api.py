@@ -247,3 +247,17 @@ def test_deepcopy_keeps_views_together_and_refuses_non_leaves():
     with pytest.raises(RuntimeError, match=r"Only Tensors created explicitly by the user \(graph leaves\)"):
         copy.deepcopy(w * 2)
     assert copy.deepcopy(w).requires_grad and copy.deepcopy(w).is_leaf
+
+
+@pytest.mark.parametrize("mistake", [
+    lambda y: y.__setitem__(torch.tensor([0], device="cuda"), torch.ones(1, 3, dtype=torch.int64, device="cuda")),
+    lambda y: y.index_select(0, torch.tensor([0.0], device="cuda")),
+    lambda y: torch.nn.functional.cross_entropy(y, torch.tensor([0, 1], dtype=torch.int32, device="cuda")),
+    lambda y: torch.softmax(y.long(), 0)])
+def test_dtype_mistakes_are_raised_at_the_call(mistake):
+    """As README says and a GPU does: a dtype its kernels refuse fails at the call, not at a later
+    sync (the meta kernels pass these)."""
+    y = torch.zeros(2, 3, device="cuda")
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        mistake(y)
+    torch.cuda.synchronize()  # (nothing left pending)
