@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -273,7 +274,13 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     kw.pop("device", None)
     kw.setdefault("dtype", self.dtype)
     data = args[1] if len(args) > 1 else kw.pop("data")
-    cpu = data.detach().cpu().to(kw["dtype"]).clone() if isinstance(data, torch.Tensor) else torch.tensor(data, **kw)
+    if isinstance(data, torch.Tensor):
+        warnings.warn("To copy construct from a tensor, it is recommended to use sourceTensor.detach().clone() or "
+                      "sourceTensor.detach().clone().requires_grad_(True), rather than "
+                      "tensor.new_tensor(sourceTensor).", UserWarning, stacklevel=3)  # (torch's, at the user's line)
+        cpu = data.detach().cpu().to(kw["dtype"]).clone()
+    else:
+        cpu = torch.tensor(data, **kw)
     index = _cuda_index(d) if d is not None else self._dev
     out = to_cuda(cpu, index)
     if requires_grad:

@@ -261,3 +261,11 @@ def test_dtype_mistakes_are_raised_at_the_call(mistake):
     with pytest.raises((RuntimeError, NotImplementedError)):
         mistake(y)
     torch.cuda.synchronize()  # (nothing left pending)
+
+
+def test_new_tensor_from_a_tensor_warns_at_the_users_line():
+    """``x.new_tensor(t)`` warns as torch does, naming the caller's line (it was silent)."""
+    x = torch.zeros(2, device="cuda")
+    with pytest.warns(UserWarning, match=r"rather than tensor\.new_tensor\(sourceTensor\)") as caught:
+        made = x.new_tensor(torch.ones(2))
+    assert caught[0].filename == __file__ and made.is_cuda and made.tolist() == [1.0, 1.0]
