@@ -460,6 +460,21 @@ def _data_property() -> property:
     return property(_DATA.__get__, set_data, doc=_DATA.__doc__)
 
 
+def _grad_property() -> property:
+    """``Tensor.grad`` whose setter names 'cuda' where C++ names a wrapper's device ('meta') in its
+    refusal of a gradient on another device (``p.grad = torch.zeros(n)`` for a cuda ``p``)."""
+    getset = vars(torch._C.TensorBase)["grad"]
+
+    def set_grad(self: torch.Tensor, new: Any) -> None:
+        try:
+            getset.__set__(self, new)
+        except RuntimeError as e:
+            if "device type 'meta'" not in str(e):
+                raise
+            raise RuntimeError(str(e).replace("device type 'meta'", "device type 'cuda'")) from None
+    return property(getset.__get__, set_grad, getset.__delete__, doc=getset.__doc__)
+
+
 _IS_META: Any = vars(torch._C.TensorBase)["is_meta"].__get__
 _functorch = torch._C._functorch
 
@@ -854,6 +869,7 @@ def install(rt: Runtime) -> Interception:
         p.set(owner, name, _everywhere(getattr(owner, name), handler))
     p.set(torch.Tensor, "__new__", staticmethod(legacy_types.tensor_base_new(torch._C.TensorBase.__new__)))
     p.set(torch.Tensor, "data", _data_property())
+    p.set(torch.Tensor, "grad", _grad_property())
     for name in ("device", "is_cuda", "is_meta"):
         p.set(torch.Tensor, name, _identity_property(name))
     p.set(torch.Tensor, "get_device", _get_device)

@@ -269,3 +269,14 @@ def test_new_tensor_from_a_tensor_warns_at_the_users_line():
     with pytest.warns(UserWarning, match=r"rather than tensor\.new_tensor\(sourceTensor\)") as caught:
         made = x.new_tensor(torch.ones(2))
     assert caught[0].filename == __file__ and made.is_cuda and made.tolist() == [1.0, 1.0]
+
+
+def test_a_gradient_from_another_device_is_refused_naming_cuda():
+    w = torch.zeros(2, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"^attempting to assign a gradient with device type 'cpu' to a tensor "
+                                           r"with device type 'cuda'\. Please ensure"):
+        w.grad = torch.ones(2)
+    w.grad = torch.ones(2, device="cuda")
+    assert w.grad.tolist() == [1.0, 1.0]
+    del w.grad
+    assert w.grad is None
