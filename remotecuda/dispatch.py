@@ -48,16 +48,20 @@ _CUDA = torch.device("cuda")
 #: return types whose values the meta kernel gets right (SymInts are shapes, e.g. flash attention's max_q)
 _TENSOR_RETURNS = {"Tensor", "List[Tensor]", "Optional[Tensor]", "List[Optional[Tensor]]", "SymInt"}
 #: ops that accept CPU tensors (of any size) next to CUDA ones, as on a real GPU
-#: ops whose indices may stay on the CPU while the indexed tensor is on 'cuda' (not the other way)
-_CPU_INDICES = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default)
-_CPU_OK = {*_CPU_INDICES, aten.copy_.default, aten._to_copy.default}
+_CPU_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
+           aten._index_put_impl_.default, aten.copy_.default, aten._to_copy.default}
 #: ops that change a tensor's own shape/stride/storage in place
 _METADATA_MUTATION = {aten.resize_.default, aten.resize_as_.default, aten.set_.source_Tensor,
                       aten.set_.source_Tensor_storage_offset}
 
 
 class DeviceMismatch(RuntimeError):
-    pass
+    """Tensors of an op on two devices. A traceback names it ``RuntimeError``, as a GPU's torch
+    names its most common error (the class stays distinct for compiled.py to recognise)."""
+
+
+DeviceMismatch.__module__ = "builtins"
+DeviceMismatch.__name__ = DeviceMismatch.__qualname__ = "RuntimeError"
 
 
 @dataclass(slots=True, eq=False)
@@ -130,6 +134,28 @@ _TENSOR_ARGS = {"Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Ten
 #: into a float32 nn.Linear): refused here at once, as on a device, not at the next sync point
 _SAME_DTYPE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                aten.mv.default, aten.addmv.default}
+
+
+def _tensor_dtype(args: tuple, i: int) -> torch.dtype | None:
+    return args[i].dtype if len(args) > i and isinstance(args[i], torch.Tensor) else None
+
+
+#: ops whose meta kernels pass dtypes their device kernels refuse at the call (a float index, a
+#: long softmax, a value of another dtype put into a tensor): such a signature is asked of the
+#: gateway at once (``_refused``), so the error comes at the call as on a GPU, not at a later sync
+_DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
+    # (a one-element value may take the masked-fill path, which reads it whatever its dtype)
+    **{op: lambda a: _tensor_dtype(a, 2) not in (None, _tensor_dtype(a, 0)) and a[2].numel() != 1
+       for op in (aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default)},
+    aten.index_select.default: lambda a: _tensor_dtype(a, 2) not in (None, torch.int32, torch.int64),
+    **{op: lambda a: _tensor_dtype(a, 1) not in (None, torch.int64)
+       for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)},
+    **{op: lambda a: not (_tensor_dtype(a, 0) or torch.float32).is_floating_point
+       for op in (aten._softmax.default, aten._log_softmax.default)},
+}
+
+#: advanced indexing, which takes a CPU tensor indexed with 'cuda' indices as a GPU's torch does
+_INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
 
 class _NeedUpload(Exception):
@@ -314,6 +340,8 @@ class Dispatcher:
                 wkw = dict(zip(kwargs, values))
                 parts.append(tuple(kwargs))
         except _NeedUpload:
+            if m.func in _INDEXING and session is None and not isinstance(args[0], RemoteTensor):
+                return _index_cpu_tensor(m, args, kwargs)
             args, kwargs = self._upload_cpu_args(m, args, kwargs, session)
             return self.run(m, args, kwargs, session, factory)
         if s is None:
@@ -360,6 +388,9 @@ class Dispatcher:
         """Output metadata from the meta kernel, as a cache entry."""
         if m.func in _SAME_DTYPE and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
             raise TypeError(f"{m.name}: tensors of different dtypes")  # for the gateway to word
+        suspect = _DTYPE_SUSPECT.get(m.func)
+        if suspect is not None and suspect(args):
+            raise TypeError(f"{m.name}: dtypes its kernels may refuse")  # (the gateway says whether they do)
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
         try:
@@ -537,6 +568,29 @@ class Dispatcher:
     def download(self, t: RemoteTensor) -> torch.Tensor:
         fetched = downloads.take(t)  # fetched ahead with others (torch.save, Module.cpu...)
         return fetched if fetched is not None else t._s.request("rc::fetch", [t._h])
+
+
+def _index_cpu_tensor(m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """A CPU tensor indexed with 'cuda' indices, as PyTorch treats it: reading refuses (index's
+    device check), writing moves the indices (and a 0-d value) to the CPU and writes there, so
+    the CPU tensor itself changes (it must not be uploaded and written on the gateway)."""
+    if m.func is aten.index.Tensor:
+        raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+    values = _arg_at(args, kwargs, 2, "values")
+    if isinstance(values, RemoteTensor) and values.dim() > 0:
+        raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two "
+                             f"devices, cpu and cuda:{values._dev}!")
+    remote = [t for t in _iter_tensors(list(args) + list(kwargs.values())) if isinstance(t, RemoteTensor)]
+    copies = dict(zip(map(id, remote), downloads.fetch([t.detach() for t in remote])))
+
+    def local(a: Any) -> Any:
+        if isinstance(a, RemoteTensor):
+            return copies[id(a)]
+        if type(a) is list or type(a) is tuple:
+            return type(a)(local(v) for v in a)
+        return a
+    with _DisableTorchDispatch():
+        return m.func(*local(args), **{k: local(v) for k, v in kwargs.items()})
 
 
 def _is_data_dependent(e: Exception) -> bool:
@@ -777,29 +831,7 @@ def _not_left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bo
     return False
 
 
-def _indexed(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
-    """Indexing. A cuda tensor takes CPU indices (the common path uploads them); a CPU tensor
-    indexed with cuda indices is an error on a GPU, and one written with a 0-d cuda value reads
-    the value first. (Uploaded as an argument, the CPU tensor would be written as a copy on the
-    gateway, leaving the user's unchanged.)"""
-    self = args[0]
-    if isinstance(self, RemoteTensor):
-        return d.run(m, args, kwargs)
-    if any(isinstance(i, RemoteTensor) for i in args[1]):
-        raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor "
-                           f"({self.device})")
-    value = args[2] if len(args) > 2 else None
-    if isinstance(value, RemoteTensor):
-        if value.dim() > 0:
-            raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two devices, "
-                                 f"cuda:{value._s.vdev} and cpu!")
-        args = (self, args[1], d.download(value), *args[3:])
-    with _DisableTorchDispatch():
-        return m.func(*args, **kwargs)
-
-
 _SPECIAL = {
-    **dict.fromkeys(_CPU_INDICES, _indexed),
     aten._to_copy.default: _to_copy,
     aten.to.dtype_layout: _to,
     aten.to.device: _to,

@@ -21,11 +21,11 @@ needs; the ``Interception`` it returns belongs to the runtime, whose ``close`` c
 """
 from __future__ import annotations
 
-import collections.abc
 import functools
 import itertools
 import threading
 import types
+import warnings
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -51,6 +51,8 @@ from . import (
     flags,
     flex_attention,
     hub_kernels,
+    indexing,
+    legacy_types,
     rnn,
     runtime,
     serialization,
@@ -230,12 +232,13 @@ def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     """torch.tensor / as_tensor / asarray with device='cuda': build on the CPU, then upload."""
+    args, kwargs = _read_remote_elements(args, kwargs)
     d = _device(kwargs.get("device")) or _context_device()
     if d is None or d.type != "cuda":
         if d is not None and d.type == "meta":
             with _UserMeta():
                 return func(*args, **kwargs)
-        return _build(func, args, _unpinned(kwargs))
+        return func(*args, **_unpinned(kwargs))
     kw = dict(kwargs, device="cpu")
     requires_grad = kw.pop("requires_grad", False)
     src = args[0] if args else kw.get("obj", kw.get("data"))
@@ -244,21 +247,10 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
         dtype = kw.get("dtype")
         out = out.to(dtype) if dtype is not None else out
     else:
-        out = to_cuda(_build(func, args, kw), _cuda_index(d))
+        out = to_cuda(func(*args, **kw), _cuda_index(d))
     if requires_grad:
         out.requires_grad_(True)
     return out
-
-
-def _build(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
-    """A CPU tensor from ``args[0]``; cuda tensors in its lists are read first if C++ cannot."""
-    try:
-        return func(*args, **kwargs)
-    except (TypeError, RuntimeError):
-        local = _read_cuda_items(args[0]) if args else None
-        if local is None:
-            raise
-        return func(local, *args[1:], **kwargs)
 
 
 def _sparse_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -274,19 +266,35 @@ _SPARSE_LAYOUTS = {"sparse_coo_tensor": torch.sparse_coo, "sparse_csr_tensor": t
                    "sparse_bsc_tensor": torch.sparse_bsc, "sparse_compressed_tensor": torch.sparse_csr}
 
 
-def _read_cuda_items(data: Any) -> Any:
-    """``data`` with each cuda tensor in its (nested) lists replaced by a CPU copy, or None if it
-    holds none. C++ reads a list's tensors itself (``torch.tensor([loss, loss2])``, as a GPU
-    allows) and cannot read a wrapper's value; asked only when that failed, so that a long list
-    of numbers is not walked twice."""
-    if isinstance(data, RemoteTensor):
-        return data.cpu()
-    if type(data) not in (list, tuple):
-        return None
-    items = [_read_cuda_items(x) for x in data]
-    if all(x is None for x in items):
-        return None
-    return type(data)(x if y is None else y for x, y in zip(data, items, strict=True))
+def _read_remote_elements(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A factory's data with the 'cuda' tensors inside its lists (``torch.tensor([loss_a, loss_b])``)
+    read into CPU copies, in one round trip: torch reads each element's value, as from a GPU; a
+    wrapper would be a sequence to C++ (its ``__getitem__`` is Python) and a 0-d one has no len()."""
+    data = args[0] if args else kwargs.get("obj", kwargs.get("data"))
+    if type(data) is not list and type(data) is not tuple:
+        return args, kwargs
+    found: list[RemoteTensor] = []
+
+    def collect(x: Any) -> None:
+        if isinstance(x, RemoteTensor):
+            found.append(x)
+        elif type(x) is list or type(x) is tuple:
+            for v in x:
+                collect(v)
+    collect(data)
+    if not found:
+        return args, kwargs
+    copies = dict(zip(map(id, found), downloads.fetch(found)))  # (requires_grad kept: torch warns of it)
+
+    def local(x: Any) -> Any:
+        if isinstance(x, RemoteTensor):
+            return copies[id(x)]
+        if type(x) is list or type(x) is tuple:
+            return type(x)(local(v) for v in x)
+        return x
+    if args:
+        return (local(data), *args[1:]), kwargs
+    return args, {k: local(v) if v is data else v for k, v in kwargs.items()}
 
 
 def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -299,7 +307,13 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     kw.pop("device", None)
     kw.setdefault("dtype", self.dtype)
     data = args[1] if len(args) > 1 else kw.pop("data")
-    cpu = data.detach().cpu().to(kw["dtype"]).clone() if isinstance(data, torch.Tensor) else torch.tensor(data, **kw)
+    if isinstance(data, torch.Tensor):
+        warnings.warn("To copy construct from a tensor, it is recommended to use sourceTensor.detach().clone() or "
+                      "sourceTensor.detach().clone().requires_grad_(True), rather than "
+                      "tensor.new_tensor(sourceTensor).", UserWarning, stacklevel=3)  # (torch's, at the user's line)
+        cpu = data.detach().cpu().to(kw["dtype"]).clone()
+    else:
+        cpu = torch.tensor(data, **kw)
     index = _cuda_index(d) if d is not None else self._dev
     out = to_cuda(cpu, index)
     if requires_grad:
@@ -307,62 +321,28 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     return out
 
 
-def _legacy_new(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """``x.new(...)``, the legacy constructor, on a cuda tensor: from data C++ builds a tensor on
-    the wrapper's own device, a plain meta one without the values, so that one is built on the
-    CPU and uploaded; ``device='cuda'`` names the wrapper's device type, which C++ takes for meta."""
-    self = args[0]
-    d = _device(kwargs.get("device"))
-    if not isinstance(self, RemoteTensor) or d is not None and d.type != "cuda":
-        return func(*args, **kwargs)
-    index = self._dev if d is None else _cuda_index(d)
-    out = func(*args, **{k: v for k, v in kwargs.items() if k != "device"})
-    if not isinstance(out, RemoteTensor):
-        return to_cuda(_build(torch.tensor, args[1:2], {"dtype": self.dtype}), index)
-    return out if index == self._dev else out.to(torch.device("cuda", index))
-
-
-def _is_index_sequence(obj: Any) -> bool:
-    """What C++ indexing turns into an index tensor: any sequence that is not a tensor or a string
-    (a list, a range, a NumPy array, a tuple nested in the index)."""
-    return not isinstance(obj, (torch.Tensor, str, bytes)) and isinstance(obj, collections.abc.Sequence) \
-        or type(obj).__module__ == "numpy" and type(obj).__name__ == "ndarray"
-
-
-def _index_tensor(seq: Any) -> torch.Tensor:
-    """A CPU index tensor as C++'s ``indexing_tensor_from_data`` makes one: masks stay bool/uint8,
-    everything else (an empty list included) is int64."""
-    t = torch.as_tensor(seq)
-    return t if t.dtype in (torch.bool, torch.uint8) else t.long()
-
-
-def _index_lists(idx: Any) -> Any:
-    """Sequences in an index would become *meta* index tensors in C++; make them CPU tensors.
-
-    A top-level sequence that holds sequences, slices, tensors, None or Ellipsis (fewer than 32
-    items) is read by C++ as a tuple of indices (NumPy's rule, with its deprecation warning), so
-    only its items are converted and the C++ rule still applies."""
-    if type(idx) is tuple:
-        return tuple(_index_tensor(i) if _is_index_sequence(i) else i for i in idx)
-    if not _is_index_sequence(idx):
-        return idx
-    if type(idx).__name__ != "ndarray" and len(idx) < 32 and any(
-            _is_index_sequence(i) or isinstance(i, (torch.Tensor, slice)) or i is None or i is Ellipsis for i in idx):
-        return [_index_tensor(i) if _is_index_sequence(i) else i for i in idx]
-    return _index_tensor(idx)
-
-
 def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
-    return func(args[0], _index_lists(args[1]), *args[2:], **kwargs)
+    if isinstance(args[0], RemoteTensor):
+        args = (args[0], indexing.index_parts(args[1]), *args[2:])
+    return func(*args, **kwargs)
 
 
 def _setitem(func: Callable, args: tuple, kwargs: dict) -> Any:
-    self, index, value = args
-    if isinstance(value, (int, float, bool, complex)):
-        value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
-    elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
-        value = to_cuda(value, self._dev)
-    return func(self, _index_lists(index), value, **kwargs)
+    self = args[0]
+    if isinstance(self, RemoteTensor):
+        value = args[2]
+        if isinstance(value, (int, float, bool, complex)):
+            value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
+        elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
+            value = to_cuda(value, self._dev)
+        args = (self, indexing.index_parts(args[1]), value)
+        try:
+            return func(*args, **kwargs)
+        except TypeError as e:  # "can't assign a str to a torch.meta.FloatTensor": name the cuda type
+            if "torch.meta." not in str(e):
+                raise
+            raise TypeError(str(e).replace("torch.meta.", "torch.cuda.")) from None
+    return func(*args, **kwargs)
 
 
 def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -464,13 +444,14 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "as_tensor", _data_factory),
     (torch, "asarray", _data_factory),
     (torch.Tensor, "new_tensor", _new_tensor),
-    (torch.Tensor, "new", _legacy_new),
     *((torch, name, _sparse_factory) for name in _SPARSE_LAYOUTS),
-    # on the subclass only: a Python __getitem__ gives a type the sequence slot, and C++ then reads
-    # every tensor as a sequence (torch.tensor([x[0]]) would fail on len() of a 0-d tensor, and
-    # the slot stays after the attribute is removed again)
+    (torch.Tensor, "type", legacy_types.tensor_type),
+    (torch.Tensor, "new", legacy_types.tensor_new),
+    (torch, "set_default_tensor_type", legacy_types.set_default_tensor_type),
+    # on RemoteTensor only: a Python ``__getitem__`` on torch.Tensor would make every tensor a
+    # sequence to C++, and ``torch.tensor([a, b])`` of 0-d tensors would take len() of them
     (RemoteTensor, "__getitem__", _getitem),
-    (RemoteTensor, "__setitem__", _setitem),
+    (torch.Tensor, "__setitem__", _setitem),
     (torch.nn.functional, "scaled_dot_product_attention", autocast.sdpa),
     *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
     (torch._VF, "dropout", _dropout),  # what F.dropout calls
@@ -513,6 +494,21 @@ def _data_property() -> property:
     def set_data(self: torch.Tensor, new: torch.Tensor) -> None:
         _set_data(_DATA.__set__, (self, new), {})
     return property(_DATA.__get__, set_data, doc=_DATA.__doc__)
+
+
+def _grad_property() -> property:
+    """``Tensor.grad`` whose setter names 'cuda' where C++ names a wrapper's device ('meta') in its
+    refusal of a gradient on another device (``p.grad = torch.zeros(n)`` for a cuda ``p``)."""
+    getset = vars(torch._C.TensorBase)["grad"]
+
+    def set_grad(self: torch.Tensor, new: Any) -> None:
+        try:
+            getset.__set__(self, new)
+        except RuntimeError as e:
+            if "device type 'meta'" not in str(e):
+                raise
+            raise RuntimeError(str(e).replace("device type 'meta'", "device type 'cuda'")) from None
+    return property(getset.__get__, set_grad, getset.__delete__, doc=getset.__doc__)
 
 
 _IS_META: Any = vars(torch._C.TensorBase)["is_meta"].__get__
@@ -887,6 +883,8 @@ def install(rt: Runtime) -> Interception:
         for module in (torch.cuda.memory, torch.cuda.random):  # what their own functions call
             if name in vars(module):
                 p.set(module, name, obj)
+    for name, obj in legacy_types.REPLACEMENTS.items():
+        p.set(torch.cuda, name, obj)
     for name, obj in cuda_graphs.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
         p.set(torch.cuda.graphs, name, obj)
@@ -938,7 +936,9 @@ def install(rt: Runtime) -> Interception:
         p.set(owner, name, _routed(getattr(owner, name), handler))
     for owner, name, handler in _ROUTES_EVERY_THREAD:
         p.set(owner, name, _everywhere(getattr(owner, name), handler))
+    p.set(torch.Tensor, "__new__", staticmethod(legacy_types.tensor_base_new(torch._C.TensorBase.__new__)))
     p.set(torch.Tensor, "data", _data_property())
+    p.set(torch.Tensor, "grad", _grad_property())
     for name in ("device", "is_cuda", "is_meta"):
         p.set(torch.Tensor, name, _identity_property(name))
     p.set(torch.Tensor, "get_device", _get_device)

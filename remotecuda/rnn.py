@@ -87,6 +87,18 @@ def _forward(call: _Call, tensors: list, needs: list | None) -> list:
                  lays + graph)
 
 
+def _check_devices(call: _Call) -> None:
+    """C++'s own check, with the devices named as a GPU names them: the wrappers' C++ device is meta
+    ("found input tensor at meta and hidden tensor at cpu" for a forgotten ``h0.to(device)``)."""
+    x = call.tensors[0]
+    n = len(call.hx)
+    for kind, group in (("hidden", call.tensors[1:1 + n]), ("parameter", call.tensors[1 + n:])):
+        for t in group:
+            if isinstance(t, RemoteTensor) != isinstance(x, RemoteTensor):
+                raise RuntimeError(f"Input and {kind} tensors are not at the same device, found input tensor at "
+                                   f"{x.device} and {kind} tensor at {t.device}")
+
+
 class _RNN(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, *tensors: RemoteTensor) -> tuple:
@@ -119,6 +131,7 @@ def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
         args = autocast.lowered(args)
     call = _Call(func.__name__, args)
     s = getattr(call.tensors[0], "_s", None)
+    _check_devices(call)
     if s is None or call.tensors[0].dim() != (2 if call.packed else 3) or \
             not all(isinstance(t, RemoteTensor) and t._s is s for t in call.tensors):
         return func(*args, **kwargs)

@@ -71,6 +71,9 @@ class Runtime:
         self.capturing: Any = None
         #: inside a decode (decode.py): attention runs as the gateway's own SDPA, with no choice asked
         self.decoding = False
+        #: ``torch.set_default_tensor_type`` named a CUDA type (legacy_types.py): 'cuda' is the default
+        #: device by it, and ``torch.Tensor(...)`` builds there
+        self.default_type_cuda = False
         #: (device kind, input layouts and options) → the attention backend the gateway picked
         self.sdpa_choices: dict[tuple, int] = {}
         self.codecs = protocol.enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import downloads
+from . import downloads, runtime
 from .device_type import DEVICE
 from .tensor import RemoteTensor
 
@@ -46,7 +46,12 @@ def _deserialize(obj: Any, location: str) -> Any:
         load = getattr(_loading, "current", None)
         if load is None:  # not inside remotecuda's torch.load: let torch say what it says
             return None
-        load.storages[obj._cdata] = (_index(location), obj)
+        index, count = _index(location), torch.cuda.device_count()
+        if index >= count:  # (torch's own words, which name the remedy)
+            raise RuntimeError(f"Attempting to deserialize object on CUDA device {index} but "
+                               f"torch.cuda.device_count() is {count}. Please use torch.load with "
+                               "map_location to map your storages to an existing device.")
+        load.storages[obj._cdata] = (index, obj)
         return obj
     return None
 
@@ -83,6 +88,24 @@ class _Load:
         if metadata:
             torch._utils.set_tensor_metadata(moved, metadata)
         return moved.requires_grad_(t.requires_grad)
+
+
+def _storage_to(original: Any) -> Any:
+    """``storage.to('cuda')`` (what ``storage.cuda()`` calls): inside torch.load, a ``map_location``
+    callable's ``lambda storage, loc: storage.cuda()``, whose storage stays on the CPU located on
+    the device, and the tensors torch builds on it go there, as for a file's 'cuda' storages.
+    Elsewhere a storage cannot live on a remote device (only tensors do): said plainly."""
+    def to(self: Any, *, device: Any, non_blocking: bool = False) -> Any:
+        d = device if isinstance(device, torch.device) else torch.device(device)
+        if d.type != "cuda":
+            return original(self, device=device, non_blocking=non_blocking)
+        load = getattr(_loading, "current", None)
+        if load is None:
+            raise NotImplementedError("remotecuda: a storage cannot move to a remote 'cuda' device, only tensors "
+                                      "can: move a tensor viewing it (torch.empty(0, dtype=...).set_(storage).cuda())")
+        load.storages[self._cdata] = (runtime.current().current_device if d.index is None else d.index, self)
+        return self
+    return to
 
 
 def _restored_on_device(plain: Any) -> Any:
@@ -318,6 +341,7 @@ def install(patches: Any) -> None:
     patches.set(torch, "load", _make_load(torch.load))
     patches.set(torch, "save", _make_save(torch.save))
     patches.set(RemoteTensor, "__reduce_ex__", _reduce_ex(RemoteTensor.__reduce_ex__))
+    patches.set(torch.storage._StorageBase, "to", _storage_to(torch.storage._StorageBase.to))
     patches.set(torch._utils, "_restore_device_fake_mode", _restored_on_device(torch._utils._restore_device_fake_mode))
     patches.set(torch.serialization, "save", torch.save)
     patches.set(torch.serialization, "load", torch.load)

@@ -63,10 +63,14 @@ def _not_active(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 #: the legacy tensor type names (``torch.cuda.FloatTensor``...) → their dtype
-_LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
+LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
                  "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
                  "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8,
                  "BoolTensor": torch.bool}
+
+
+#: a signed dtype of the same size, for copying the unsigned ones' bits
+_SAME_BITS = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
 class RemoteTensor(torch.Tensor):
@@ -125,7 +129,7 @@ class RemoteTensor(torch.Tensor):
         if isinstance(dtype, torch.dtype):
             return self.to(dtype, non_blocking=non_blocking)
         name = dtype if isinstance(dtype, str) else f"{dtype.__module__}.{dtype.__name__}"
-        legacy = _LEGACY_TYPES.get(name.rsplit(".", 1)[-1])
+        legacy = LEGACY_TYPES.get(name.rsplit(".", 1)[-1])
         if legacy is None or not name.startswith("torch."):
             raise ValueError(f"invalid type: {dtype!r}")
         device = "cuda" if name.startswith("torch.cuda.") else "cpu"
@@ -171,7 +175,10 @@ class RemoteTensor(torch.Tensor):
 
     # ---------------------------------------------------------------- values (sync points)
     def numpy(self, *, force: bool = False) -> Any:
-        if self.requires_grad and not force:
+        """A GPU's refusal, but ``force=True`` copies to the host first (torch's documented meaning)."""
+        if force:
+            return self.detach().cpu().resolve_conj().resolve_neg().numpy()
+        if self.requires_grad:
             raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
                                "Use tensor.detach().numpy() instead.")
         raise TypeError(f"can't convert cuda:{self._dev} device type tensor to numpy. Use Tensor.cpu() "
@@ -214,20 +221,35 @@ class RemoteTensor(torch.Tensor):
                 places.append(torch.arange(n))
         out = torch.empty(self.shape, dtype=self.dtype)
         nd = self.dim()
-        out.index_put_(tuple(i.view([-1 if k == d else 1 for k in range(nd)]) for d, i in enumerate(places)), t.cpu())
+        bits = _SAME_BITS.get(self.dtype, self.dtype)  # (the CPU's index_put_ takes no uint16/32/64)
+        out.view(bits).index_put_(tuple(i.view([-1 if k == d else 1 for k in range(nd)]) for d, i in enumerate(places)),
+                                  t.cpu().view(bits))
         return out
 
     # ---------------------------------------------------------------- copies and pickling
     def __deepcopy__(self, memo: dict) -> RemoteTensor:
+        """torch's deepcopy: leaves only, and views deepcopied together stay views of one copy
+        (torch copies each storage once per deepcopy): a view copies its base, and views that."""
         if id(self) in memo:
             return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment.  If you were attempting to deepcopy a module, this may be "
+                               "because of a torch.nn.utils.weight_norm usage, see "
+                               "https://github.com/pytorch/pytorch/pull/103001")
+        import copy
+        base = self._base
         with torch.no_grad():
-            new = cast(RemoteTensor, self.clone())
+            if isinstance(base, RemoteTensor) and base.is_contiguous():
+                new_base = copy.deepcopy(base, memo)
+                offset = self.storage_offset() - base.storage_offset() + new_base.storage_offset()
+                new = cast(RemoteTensor, new_base.as_strided(self.shape, self.stride(), offset))
+            else:
+                new = cast(RemoteTensor, self.clone())
         if self.requires_grad:
             new.requires_grad_(True)
         if self.grad is not None:
             new.grad = self.grad.__deepcopy__(memo)
-        import copy
         for k, v in self.__dict__.items():
             if not k.startswith("_") or k == "_is_param":
                 new.__dict__[k] = copy.deepcopy(v, memo)
