@@ -580,17 +580,9 @@ def _index_cpu_tensor(m: OpMeta, args: tuple, kwargs: dict) -> Any:
     if isinstance(values, RemoteTensor) and values.dim() > 0:
         raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two "
                              f"devices, cpu and cuda:{values._dev}!")
-    remote = [t for t in _iter_tensors(list(args) + list(kwargs.values())) if isinstance(t, RemoteTensor)]
-    copies = dict(zip(map(id, remote), downloads.fetch([t.detach() for t in remote])))
-
-    def local(a: Any) -> Any:
-        if isinstance(a, RemoteTensor):
-            return copies[id(a)]
-        if type(a) is list or type(a) is tuple:
-            return type(a)(local(v) for v in a)
-        return a
+    args, kwargs = downloads.localized((args, kwargs), detach=True)
     with _DisableTorchDispatch():
-        return m.func(*local(args), **{k: local(v) for k, v in kwargs.items()})
+        return m.func(*args, **kwargs)
 
 
 def _is_data_dependent(e: Exception) -> bool:

@@ -87,6 +87,36 @@ def fetch(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         return [t.cpu() for t in tensors]
 
 
+def localized(tree: Any, detach: bool = False) -> Any:
+    """``tree`` (nested lists, tuples and dicts) with each cuda tensor in it replaced by a CPU
+    copy, all fetched in one round trip; ``tree`` itself when it holds none."""
+    found: list[RemoteTensor] = []
+
+    def collect(x: Any) -> None:
+        if isinstance(x, RemoteTensor):
+            found.append(x)
+        elif type(x) is list or type(x) is tuple:
+            for v in x:
+                collect(v)
+        elif type(x) is dict:
+            for v in x.values():
+                collect(v)
+    collect(tree)
+    if not found:
+        return tree
+    copies = dict(zip(map(id, found), fetch([t.detach() for t in found] if detach else found)))
+
+    def local(x: Any) -> Any:
+        if isinstance(x, RemoteTensor):
+            return copies[id(x)]
+        if type(x) is list or type(x) is tuple:
+            return type(x)(local(v) for v in x)
+        if type(x) is dict:
+            return {k: local(v) for k, v in x.items()}
+        return x
+    return local(tree)
+
+
 def module_tensors(m: torch.nn.Module) -> list[torch.Tensor]:
     """What ``Module._apply`` converts: parameters, their gradients, buffers."""
     params = list(m.parameters())

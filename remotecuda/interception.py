@@ -273,28 +273,12 @@ def _read_remote_elements(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     data = args[0] if args else kwargs.get("obj", kwargs.get("data"))
     if type(data) is not list and type(data) is not tuple:
         return args, kwargs
-    found: list[RemoteTensor] = []
-
-    def collect(x: Any) -> None:
-        if isinstance(x, RemoteTensor):
-            found.append(x)
-        elif type(x) is list or type(x) is tuple:
-            for v in x:
-                collect(v)
-    collect(data)
-    if not found:
+    local = downloads.localized(data)  # (requires_grad kept: torch warns of it)
+    if local is data:
         return args, kwargs
-    copies = dict(zip(map(id, found), downloads.fetch(found)))  # (requires_grad kept: torch warns of it)
-
-    def local(x: Any) -> Any:
-        if isinstance(x, RemoteTensor):
-            return copies[id(x)]
-        if type(x) is list or type(x) is tuple:
-            return type(x)(local(v) for v in x)
-        return x
     if args:
-        return (local(data), *args[1:]), kwargs
-    return args, {k: local(v) if v is data else v for k, v in kwargs.items()}
+        return (local, *args[1:]), kwargs
+    return args, {k: local if v is data else v for k, v in kwargs.items()}
 
 
 def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
