@@ -339,6 +339,7 @@ class Dispatcher:
                     entry = self._compute(m, args, kwargs)
                 except Exception as e:
                     return self._refused(m, key, s, wargs, wkw, args, kwargs, e)
+                _check_fits(entry, s)
                 cache.store(key, entry)
                 if type(entry) is not Bypass:
                     cache.misses += 1
@@ -581,6 +582,39 @@ def _view(src: Any, fn: Any, *a: Any) -> RemoteTensor:
         with torch.inference_mode(False):
             return fn(*a)
     return fn(*a)
+
+
+#: new outputs at least this large are checked against the device's memory (smaller ones cannot
+#: exceed a GPU's; checking them would cost a look-up per cache miss for nothing)
+CHECKED_BYTES = 1 << 30
+
+
+def _check_fits(entry: Entry, s: Any) -> None:
+    """An op whose new output is larger than its GPU's whole memory raises
+    ``torch.OutOfMemoryError`` here, at the call, as CUDA's allocator does: not at the next
+    sync (the gateway's asynchronous error would point at no line of the user's). Only on cache
+    misses: a cached signature's outputs have been checked."""
+    if type(entry) is NewTensor:
+        layouts_: list = [entry.layout]
+    elif type(entry) is Outputs:
+        layouts_ = [x.layout for it in entry.items for x in (it if type(it) is list else [it])
+                    if type(x) is NewOut]
+    else:
+        return
+    for (dtype, shape, stride, offset), _ in layouts_:
+        if 0 in shape:
+            continue
+        nbytes = (offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))) * dtype.itemsize
+        if nbytes < CHECKED_BYTES:
+            continue
+        from .runtime import active
+        rt = active()
+        total = rt.device(s.vdev).props.get("total_memory") if rt is not None else None
+        if total and nbytes > total:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {nbytes / 2**30:.2f} GiB. GPU {s.vdev} has a "
+                f"total capacity of {total / 2**30:.2f} GiB (remotecuda: refused before it was sent "
+                f"to gateway {s.endpoint})")
 
 
 def _build(entry: Entry, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:

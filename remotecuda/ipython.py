@@ -22,6 +22,7 @@ overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS; empty: 
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -148,6 +149,7 @@ class Extension:
         self._pusher: threading.Thread | None = None  # running while a comm is open
         self._pusher_lock = threading.Lock()
         self._push_seq = 0
+        self._timeit: Any = None  # IPython's %timeit, which ours wraps while loaded
 
     # -------------------------------------------------------------- activation
     def activate(self) -> bool:
@@ -191,6 +193,7 @@ class Extension:
         self._register_comm_target()
         self._hook_kernel_shutdown()
         self._hide_runtime_frames()
+        self._sync_timeit()
         if defer_activation:
             self._activation_pending, self._notices_shown = True, False
             return
@@ -233,6 +236,9 @@ class Extension:
             del kernel.do_shutdown
         if "showtraceback" in vars(ip):
             del ip.showtraceback
+        if self._timeit is not None:
+            self._set_timeit(self._timeit)
+            self._timeit = None
         remotecuda.deactivate()
 
     def _hook_kernel_shutdown(self) -> None:
@@ -267,6 +273,43 @@ class Extension:
                 exc_tuple = (etype, value, hide_runtime_frames(value).__traceback__)
             return original(exc_tuple, *args, **kwargs)
         ip.showtraceback = showtraceback
+
+    def _sync_timeit(self) -> None:
+        """``%timeit`` times the remote work, not only its issue: its clock waits for the queued
+        work at the start and end of each run (of ``-n`` loops). On a GPU, the launch queue (about
+        a thousand kernels) blocks a long run at the device's pace; the gateway's queue is
+        unbounded, so without this ``%timeit`` reported the issue rate and its cell then waited,
+        at the end-of-cell sync, for every loop it had queued."""
+        ip = self.ip
+        try:  # the magics instance, not the registered name (IPython 9 loads it lazily on a miss)
+            original = ip.magics_manager.registry["ExecutionMagics"].timeit
+        except (KeyError, AttributeError):
+            return
+        if self._timeit is not None:
+            return
+        self._timeit = original
+
+        @functools.wraps(original)
+        def timeit(line: str = "", cell: str | None = None, local_ns: Any = None) -> Any:
+            import timeit as stdlib_timeit
+            rt = _rt()
+            clock = stdlib_timeit.default_timer  # what IPython's %timeit reads at each call
+            if rt is None:
+                return original(line, cell, local_ns)
+
+            def synced_clock() -> float:
+                rt.synchronize()
+                return clock()
+            stdlib_timeit.default_timer = synced_clock
+            try:
+                return original(line, cell, local_ns)
+            finally:
+                stdlib_timeit.default_timer = clock
+        self._set_timeit(timeit)
+
+    def _set_timeit(self, fn: Any) -> None:
+        for kind in ("line", "cell"):
+            self.ip.magics_manager.magics[kind]["timeit"] = fn
 
     # -------------------------------------------------------------- per cell
     def _snapshot(self) -> tuple | None:
