@@ -370,7 +370,8 @@ class Extension:
                 # show it as this cell's error, and make the cell end with status "error"
                 if hasattr(err, "add_note") and not isinstance(err, KeyboardInterrupt):
                     err.add_note("[remotecuda] raised at the end of this cell, when its remote "
-                                 "work was waited for")
+                                 "work was waited for; %remotecuda sync on, then run the cell "
+                                 "again, raises it at the line that issued it")
                 # no frames: they would be remotecuda's own, not the line that issued the op
                 self.ip.showtraceback(exc_tuple=(type(err), err, None))
                 result.error_in_exec = err
@@ -551,6 +552,16 @@ class Extension:
             remotecuda.set_strategy(name)
         return name
 
+    def set_sync(self, on: bool) -> None:
+        """Every op synchronous (or not again) from the next one on, in the open sessions and
+        those opened later: an asynchronous error is then raised at the line that issued it."""
+        self.config.sync = on
+        rt = _rt()
+        if rt is not None:
+            rt.pool.sync = on
+            for sess in list(rt.pool.sessions.values()):
+                sess.sync = on
+
     def live(self) -> dict:
         """The running cell so far (``None`` between cells): what the panel shows while it runs."""
         started, before = self._cell_started, self._before
@@ -635,7 +646,7 @@ def _magics_class() -> type:
 
     @magics_class
     class _RemoteCUDAMagics(Magics):
-        """``%remotecuda status|servers|use DEVICES|strategy [NAME]|last|fallback on|off|trace ...``"""
+        """``%remotecuda status|servers|use DEVICES|strategy [NAME]|last|fallback on|off|sync on|off|trace ...``"""
 
         def __init__(self, shell: Any, ext: Extension):
             super().__init__(shell)
@@ -646,7 +657,7 @@ def _magics_class() -> type:
             """RemoteCUDA: %remotecuda status | servers | use HOST:PORT[,HOST:PORT] |
             use DEVICES (REMOTECUDA_DEVICES syntax: 2, host1:55555/0,any, any/A100) |
             strategy [adaptive|load-balancing|memory-aware|latency-optimized] | last |
-            fallback on|off | trace on|off|save FILE|last FILE"""
+            fallback on|off | sync on|off | trace on|off|save FILE|last FILE"""
             parts = line.split()
             cmd, args = (parts[0].lower(), parts[1:]) if parts else ("status", [])
             fn = getattr(self, "_cmd_" + cmd.replace("-", "_"), None)
@@ -797,6 +808,15 @@ def _magics_class() -> type:
                 recording = _rt() is not None and trace.is_recording()
                 print(f"trace: {'on' if recording else 'off'} "
                       "(usage: %remotecuda trace on|off|save FILE|last FILE)")
+
+        def _cmd_sync(self, args: list) -> None:
+            if not args or args[0].lower() not in ("on", "off"):
+                print(f"sync: {'on' if self.ext.config.sync else 'off'} (usage: %remotecuda sync on|off)")
+                return
+            self.ext.set_sync(args[0].lower() == "on")
+            print(f"sync: {args[0].lower()} (" + ("every op waits for the gateway: an error is raised at "
+                  "its line, and cells run slower" if self.ext.config.sync else "ops run asynchronously")
+                  + ")")
 
         def _cmd_fallback(self, args: list) -> None:
             if not args or args[0].lower() not in ("on", "off"):

@@ -360,7 +360,7 @@ for i in range(1_000_000):
     assert r["stdout"].strip() == "10.0 torch.Size([256, 256])", r
 
 
-def test_oom_points_at_the_users_line_and_timeit_waits_for_the_work(rc):
+def test_errors_point_at_the_users_line_and_timeit_waits_for_the_work(rc):
     r = rc.run("def make(n):\n    return torch.empty(n, n, device='cuda')\nbig = make(10**7)")
     assert r["reply"]["ename"] == "OutOfMemoryError" and "CUDA out of memory" in r["reply"]["evalue"], r["reply"]
     tb = ANSI.sub("", "\n".join(r["errors"][0]["traceback"]))
@@ -377,6 +377,17 @@ except IndexError:
     assert r["stdout"].strip() == "raised in timeit", r
     r = rc.ok("r = %timeit -o -q -n 3 -r 2 torch.ones(8, device='cuda') * 2\nprint(len(r.all_runs), r.loops)")
     assert r["stdout"].split() == ["2", "3"], r
+    # an asynchronous error has no line of the cell; %remotecuda sync on (said in its note) gives it
+    cell = "v = torch.zeros(2, device='cuda')\nw = v[torch.tensor([5], device='cuda')]\nu = v + 1"
+    r = rc.run(cell)
+    assert r["reply"]["ename"] == "IndexError" and "%remotecuda sync on" in "".join(r["errors"][0]["traceback"])
+    assert "sync: on" in rc.ok("%remotecuda sync on")["stdout"]
+    r = rc.run(cell)
+    tb = ANSI.sub("", "\n".join(r["errors"][0]["traceback"]))
+    assert r["reply"]["ename"] == "IndexError" and "----> 2 w = v[torch.tensor([5], device='cuda')]" in tb, tb
+    assert "sync: off" in rc.ok("%remotecuda sync off")["stdout"]
+    r = rc.run(cell)
+    assert r["reply"]["ename"] == "IndexError" and "----> 2" not in "".join(r["errors"][0]["traceback"])
 
 
 def test_restart_frees_gateway_sessions(rc, jgw):
