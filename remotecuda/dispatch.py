@@ -34,7 +34,7 @@ from . import dispatch_cache as dc
 from . import downloads, known, transfer
 from .device_type import DEVICE
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
-from .errors import RemoteCUDAError
+from .errors import GatewayLostError, RemoteCUDAError
 from .generator import wire_ref
 from .tensor import RemoteTensor, is_pinned, layout, make, refresh_key, wrap
 
@@ -166,6 +166,9 @@ def _join(s: Any, other: Any) -> Any:
     """The session of an op whose arguments so far were on ``s`` (None: no tensor yet) and ``other``."""
     if s is None:
         return other
+    for x in (s, other):  # a tensor of a session closed since (deactivate): not a device question
+        if x.closed:
+            raise GatewayLostError(f"this remotecuda session is closed{x.closed_why}")
     raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two "
                          f"devices, cuda:{s.vdev} and cuda:{other.vdev}!")
 
