@@ -388,6 +388,10 @@ except IndexError:
     assert "sync: off" in rc.ok("%remotecuda sync off")["stdout"]
     r = rc.run(cell)
     assert r["reply"]["ename"] == "IndexError" and "----> 2" not in "".join(r["errors"][0]["traceback"])
+    # the error met while showing the cell's value: remotecuda's frames are not shown either
+    r = rc.run("torch.zeros(2, device='cuda')[torch.tensor([7], device='cuda')]")
+    tb = ANSI.sub("", "\n".join(e for err in r["errors"] for e in err["traceback"]))
+    assert "index 7 is out of bounds" in tb and "remotecuda/" not in tb, tb
 
 
 def test_restart_frees_gateway_sessions(rc, jgw):
