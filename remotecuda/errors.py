@@ -103,7 +103,8 @@ def user_traceback(tb: TracebackType | None, remote: bool = False) -> TracebackT
 
     Dropped: remotecuda's own frames, those above the user's code (``remotecuda run``,
     runpy), and the library frames below a remotecuda frame (meta kernels, ZeroMQ: where
-    local PyTorch is in C++). The last frame shown is then the line that called torch.
+    local PyTorch is in C++), generated code's among them (a dataclass's ``__eq__``, file
+    ``<string>``, where an interrupt may land). The last frame shown is then the line that called torch.
     A traceback with no frame of the user's (a bug of remotecuda's) is left whole, unless
     ``remote``: the gateway's error, raised where no user code is on the stack (Jupyter showing
     a cell's value): then no frame is shown, as for the error of a cell's end.
@@ -119,7 +120,7 @@ def user_traceback(tb: TracebackType | None, remote: bool = False) -> TracebackT
             below_ours = user
         elif not user and t.tb_frame.f_code.co_filename == "<frozen runpy>":
             continue
-        elif not (below_ours and _library(t)):
+        elif not (below_ours and (_library(t) or t.tb_frame.f_code.co_filename == "<string>")):
             kept.append(t)
             if not _library(t):
                 user, below_ours = True, False

@@ -117,6 +117,24 @@ def test_script_traceback_ends_at_the_users_line(gateway, tmp_path, how):
     assert "remotecuda" + os.sep not in r.stderr and "torch" + os.sep not in r.stderr, r.stderr
 
 
+def test_generated_code_below_remotecuda_is_hidden():
+    """An interrupt landing in a dataclass's generated ``__eq__`` (file ``<string>``) called by
+    remotecuda: the traceback ends at the user's line, not at "Could not get source"."""
+    import remotecuda.errors as errors
+    ns: dict = {}
+    exec(compile("def ours(cb):\n    return cb()\n", errors.__file__, "exec"), ns)
+    exec(compile("def generated():\n    raise KeyboardInterrupt\n", "<string>", "exec"), ns)
+    try:
+        ns["ours"](ns["generated"])
+    except KeyboardInterrupt as e:
+        tb = errors.hide_runtime_frames(e).__traceback__
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    assert names == [__file__], names
+
+
 def test_ipython_traceback_has_no_runtime_frames(gateway):
     pytest.importorskip("jupyter_client")
     from test_jupyter import Kernel
