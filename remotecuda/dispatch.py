@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch._C import _DisableTorchDispatch
+from torch._prims_common import canonicalize_dim
 
 from remotecuda_wire import layouts
 from remotecuda_wire.protocol import DTYPE_EXT, OP_NAMESPACES
@@ -130,6 +131,12 @@ _TENSOR_ARGS = {"Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Ten
 #: into a float32 nn.Linear): refused here at once, as on a device, not at the next sync point
 _SAME_DTYPE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                aten.mv.default, aten.addmv.default}
+#: ops whose meta kernel accepts any ``dim``: (the tensor's position, the dim's position or None,
+#: its name); the device's kernel refuses one out of range, so the gateway is asked, at the call
+_UNCHECKED_DIM: dict[Any, tuple[int, int | None, str]] = {
+    aten._softmax.default: (0, 1, "dim"), aten._log_softmax.default: (0, 1, "dim"),
+    aten._softmax_backward_data.default: (1, 2, "dim"), aten.sort.default: (0, 1, "dim"),
+    aten.sort.stable: (0, None, "dim")}
 
 
 class _NeedUpload(Exception):
@@ -364,6 +371,11 @@ class Dispatcher:
         """Output metadata from the meta kernel, as a cache entry."""
         if m.func in _SAME_DTYPE and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
             raise TypeError(f"{m.name}: tensors of different dtypes")  # for the gateway to word
+        unchecked = _UNCHECKED_DIM.get(m.func)
+        if unchecked is not None:
+            pos, dim_pos, name = unchecked
+            dim = args[dim_pos] if dim_pos is not None and len(args) > dim_pos else kwargs.get(name, -1)
+            canonicalize_dim(args[pos].dim(), dim)  # IndexError: for the gateway to word
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
         try:

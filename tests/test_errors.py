@@ -49,6 +49,19 @@ def test_error_type_and_message_are_the_devices(remote, mistake):
     assert torch.ones(2, device="cuda").sum().item() == 2.0  # the session goes on
 
 
+@pytest.mark.parametrize("mistake", [lambda t: t.softmax(5), lambda t: t.log_softmax(-3), lambda t: t.sort(dim=2),
+                                     lambda t: t.sort(dim=5, stable=True), lambda t: t.argsort(dim=-3),
+                                     lambda t: t[0, 0].softmax(1)],
+                         ids=["softmax", "log_softmax", "sort", "sort_stable", "argsort", "softmax_0d"])
+def test_dim_out_of_range_is_raised_at_the_call(remote, mistake):
+    """As on a GPU, where the kernel's launch checks it; these ops' meta kernels accept any dim."""
+    local = _raised(mistake, torch.randn(2, 3))
+    with pytest.raises(IndexError) as info:
+        mistake(torch.randn(2, 3, device="cuda"))
+    assert str(info.value) == str(local) and not getattr(info.value, "__notes__", None)  # not asynchronous
+    torch.cuda.synchronize()  # nothing left pending
+
+
 def test_meta_refusal_costs_one_round_trip(remote):
     import remotecuda
     a, b = torch.randn(3, 4, device="cuda"), torch.randn(5, 6, device="cuda")
