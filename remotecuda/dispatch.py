@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch._C import _DisableTorchDispatch
+from torch._prims_common import canonicalize_dim
 
 from remotecuda_wire import layouts
 from remotecuda_wire.protocol import DTYPE_EXT, OP_NAMESPACES
@@ -34,7 +35,7 @@ from . import dispatch_cache as dc
 from . import downloads, known, transfer
 from .device_type import DEVICE
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
-from .errors import RemoteCUDAError
+from .errors import GatewayLostError, RemoteCUDAError
 from .generator import wire_ref
 from .tensor import RemoteTensor, is_pinned, layout, make, refresh_key, wrap
 
@@ -134,6 +135,12 @@ _TENSOR_ARGS = {"Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Ten
 #: into a float32 nn.Linear): refused here at once, as on a device, not at the next sync point
 _SAME_DTYPE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                aten.mv.default, aten.addmv.default}
+#: ops whose meta kernel accepts any ``dim``: (the tensor's position, the dim's position or None,
+#: its name); the device's kernel refuses one out of range, so the gateway is asked, at the call
+_UNCHECKED_DIM: dict[Any, tuple[int, int | None, str]] = {
+    aten._softmax.default: (0, 1, "dim"), aten._log_softmax.default: (0, 1, "dim"),
+    aten._softmax_backward_data.default: (1, 2, "dim"), aten.sort.default: (0, 1, "dim"),
+    aten.sort.stable: (0, None, "dim")}
 
 
 def _tensor_dtype(args: tuple, i: int) -> torch.dtype | None:
@@ -192,6 +199,9 @@ def _join(s: Any, other: Any) -> Any:
     """The session of an op whose arguments so far were on ``s`` (None: no tensor yet) and ``other``."""
     if s is None:
         return other
+    for x in (s, other):  # a tensor of a session closed since (deactivate): not a device question
+        if x.closed:
+            raise GatewayLostError(f"this remotecuda session is closed{x.closed_why}")
     raise DeviceMismatch("Expected all tensors to be on the same device, but found at least two "
                          f"devices, cuda:{s.vdev} and cuda:{other.vdev}!")
 
@@ -367,6 +377,7 @@ class Dispatcher:
                     entry = self._compute(m, args, kwargs)
                 except Exception as e:
                     return self._refused(m, key, s, wargs, wkw, args, kwargs, e)
+                _check_fits(entry, s)
                 cache.store(key, entry)
                 if type(entry) is not Bypass:
                     cache.misses += 1
@@ -391,6 +402,11 @@ class Dispatcher:
         suspect = _DTYPE_SUSPECT.get(m.func)
         if suspect is not None and suspect(args):
             raise TypeError(f"{m.name}: dtypes its kernels may refuse")  # (the gateway says whether they do)
+        unchecked = _UNCHECKED_DIM.get(m.func)
+        if unchecked is not None:
+            pos, dim_pos, name = unchecked
+            dim = args[dim_pos] if dim_pos is not None and len(args) > dim_pos else kwargs.get(name, -1)
+            canonicalize_dim(args[pos].dim(), dim)  # IndexError: for the gateway to word
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
         try:
@@ -627,6 +643,39 @@ def _view(src: Any, fn: Any, *a: Any) -> RemoteTensor:
         with torch.inference_mode(False):
             return fn(*a)
     return fn(*a)
+
+
+#: new outputs at least this large are checked against the device's memory (smaller ones cannot
+#: exceed a GPU's; checking them would cost a look-up per cache miss for nothing)
+CHECKED_BYTES = 1 << 30
+
+
+def _check_fits(entry: Entry, s: Any) -> None:
+    """An op whose new output is larger than its GPU's whole memory raises
+    ``torch.OutOfMemoryError`` here, at the call, as CUDA's allocator does: not at the next
+    sync (the gateway's asynchronous error would point at no line of the user's). Only on cache
+    misses: a cached signature's outputs have been checked."""
+    if type(entry) is NewTensor:
+        layouts_: list = [entry.layout]
+    elif type(entry) is Outputs:
+        layouts_ = [x.layout for it in entry.items for x in (it if type(it) is list else [it])
+                    if type(x) is NewOut]
+    else:
+        return
+    for (dtype, shape, stride, offset), _ in layouts_:
+        if 0 in shape:
+            continue
+        nbytes = (offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))) * dtype.itemsize
+        if nbytes < CHECKED_BYTES:
+            continue
+        from .runtime import active
+        rt = active()
+        total = rt.device(s.vdev).props.get("total_memory") if rt is not None else None
+        if total and nbytes > total:
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {nbytes / 2**30:.2f} GiB. GPU {s.vdev} has a "
+                f"total capacity of {total / 2**30:.2f} GiB (remotecuda: refused before it was sent "
+                f"to gateway {s.endpoint})")
 
 
 def _build(entry: Entry, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:

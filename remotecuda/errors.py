@@ -51,6 +51,10 @@ _TYPES: dict[str, type[BaseException]] = {
 _CANCELLED = "cancelled by an interrupt"
 
 
+#: the attribute that marks an exception raised on the gateway (its client frames are all ours)
+_REMOTE = "_remotecuda_remote"
+
+
 def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
     """The exception local PyTorch would raise: the gateway's type and message, unchanged.
 
@@ -65,6 +69,7 @@ def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
         cls = _TYPES.get(info.get("type", ""), RuntimeError)
     msg = str(info.get("msg", ""))
     e = (RuntimeError if cls is KeyError else cls)(msg)  # KeyError would quote the message
+    setattr(e, _REMOTE, True)
     if _CANCELLED in msg:
         e.add_note("[remotecuda] an interrupt (Ctrl-C, or Jupyter's interrupt) cancelled the op "
                    "that was to compute this tensor; run the code that computes it again")
@@ -93,13 +98,16 @@ def _library(tb: TracebackType) -> bool:
         not (os.path.isabs(name) or name.startswith("<"))
 
 
-def user_traceback(tb: TracebackType | None) -> TracebackType | None:
+def user_traceback(tb: TracebackType | None, remote: bool = False) -> TracebackType | None:
     """``tb`` as local PyTorch would have it: without the runtime's frames.
 
     Dropped: remotecuda's own frames, those above the user's code (``remotecuda run``,
     runpy), and the library frames below a remotecuda frame (meta kernels, ZeroMQ: where
-    local PyTorch is in C++). The last frame shown is then the line that called torch.
-    A traceback with no frame of the user's (a bug of remotecuda's) is left whole.
+    local PyTorch is in C++), generated code's among them (a dataclass's ``__eq__``, file
+    ``<string>``, where an interrupt may land). The last frame shown is then the line that called torch.
+    A traceback with no frame of the user's (a bug of remotecuda's) is left whole, unless
+    ``remote``: the gateway's error, raised where no user code is on the stack (Jupyter showing
+    a cell's value): then no frame is shown, as for the error of a cell's end.
     """
     frames = []
     while tb is not None:
@@ -112,12 +120,12 @@ def user_traceback(tb: TracebackType | None) -> TracebackType | None:
             below_ours = user
         elif not user and t.tb_frame.f_code.co_filename == "<frozen runpy>":
             continue
-        elif not (below_ours and _library(t)):
+        elif not (below_ours and (_library(t) or t.tb_frame.f_code.co_filename == "<string>")):
             kept.append(t)
             if not _library(t):
                 user, below_ours = True, False
     if not user:
-        return frames[0] if frames else None
+        return None if remote or not frames else frames[0]
     out = None
     for t in reversed(kept):
         out = TracebackType(out, t.tb_frame, t.tb_lasti, t.tb_lineno)
@@ -129,7 +137,7 @@ def hide_runtime_frames(e: BaseException, _seen: set | None = None) -> BaseExcep
     seen = set() if _seen is None else _seen
     if e is not None and id(e) not in seen:
         seen.add(id(e))
-        e.__traceback__ = user_traceback(e.__traceback__)
+        e.__traceback__ = user_traceback(e.__traceback__, getattr(e, _REMOTE, False))
         for chained in (e.__cause__, e.__context__):
             if chained is not None:
                 hide_runtime_frames(chained, seen)

@@ -22,6 +22,7 @@ overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS; empty: 
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -148,6 +149,7 @@ class Extension:
         self._pusher: threading.Thread | None = None  # running while a comm is open
         self._pusher_lock = threading.Lock()
         self._push_seq = 0
+        self._timeit: Any = None  # IPython's %timeit, which ours wraps while loaded
 
     # -------------------------------------------------------------- activation
     def activate(self) -> bool:
@@ -191,6 +193,7 @@ class Extension:
         self._register_comm_target()
         self._hook_kernel_shutdown()
         self._hide_runtime_frames()
+        self._sync_timeit()
         if defer_activation:
             self._activation_pending, self._notices_shown = True, False
             return
@@ -233,6 +236,9 @@ class Extension:
             del kernel.do_shutdown
         if "showtraceback" in vars(ip):
             del ip.showtraceback
+        if self._timeit is not None:
+            self._set_timeit(self._timeit)
+            self._timeit = None
         remotecuda.deactivate()
 
     def _hook_kernel_shutdown(self) -> None:
@@ -267,6 +273,43 @@ class Extension:
                 exc_tuple = (etype, value, hide_runtime_frames(value).__traceback__)
             return original(exc_tuple, *args, **kwargs)
         ip.showtraceback = showtraceback
+
+    def _sync_timeit(self) -> None:
+        """``%timeit`` times the remote work, not only its issue: its clock waits for the queued
+        work at the start and end of each run (of ``-n`` loops). On a GPU, the launch queue (about
+        a thousand kernels) blocks a long run at the device's pace; the gateway's queue is
+        unbounded, so without this ``%timeit`` reported the issue rate and its cell then waited,
+        at the end-of-cell sync, for every loop it had queued."""
+        ip = self.ip
+        try:  # the magics instance, not the registered name (IPython 9 loads it lazily on a miss)
+            original = ip.magics_manager.registry["ExecutionMagics"].timeit
+        except (KeyError, AttributeError):
+            return
+        if self._timeit is not None:
+            return
+        self._timeit = original
+
+        @functools.wraps(original)
+        def timeit(line: str = "", cell: str | None = None, local_ns: Any = None) -> Any:
+            import timeit as stdlib_timeit
+            rt = _rt()
+            clock = stdlib_timeit.default_timer  # what IPython's %timeit reads at each call
+            if rt is None:
+                return original(line, cell, local_ns)
+
+            def synced_clock() -> float:
+                rt.synchronize()
+                return clock()
+            stdlib_timeit.default_timer = synced_clock
+            try:
+                return original(line, cell, local_ns)
+            finally:
+                stdlib_timeit.default_timer = clock
+        self._set_timeit(timeit)
+
+    def _set_timeit(self, fn: Any) -> None:
+        for kind in ("line", "cell"):
+            self.ip.magics_manager.magics[kind]["timeit"] = fn
 
     # -------------------------------------------------------------- per cell
     def _snapshot(self) -> tuple | None:
@@ -327,7 +370,8 @@ class Extension:
                 # show it as this cell's error, and make the cell end with status "error"
                 if hasattr(err, "add_note") and not isinstance(err, KeyboardInterrupt):
                     err.add_note("[remotecuda] raised at the end of this cell, when its remote "
-                                 "work was waited for")
+                                 "work was waited for; %remotecuda sync on, then run the cell "
+                                 "again, raises it at the line that issued it")
                 # no frames: they would be remotecuda's own, not the line that issued the op
                 self.ip.showtraceback(exc_tuple=(type(err), err, None))
                 result.error_in_exec = err
@@ -508,6 +552,16 @@ class Extension:
             remotecuda.set_strategy(name)
         return name
 
+    def set_sync(self, on: bool) -> None:
+        """Every op synchronous (or not again) from the next one on, in the open sessions and
+        those opened later: an asynchronous error is then raised at the line that issued it."""
+        self.config.sync = on
+        rt = _rt()
+        if rt is not None:
+            rt.pool.sync = on
+            for sess in list(rt.pool.sessions.values()):
+                sess.sync = on
+
     def live(self) -> dict:
         """The running cell so far (``None`` between cells): what the panel shows while it runs."""
         started, before = self._cell_started, self._before
@@ -592,7 +646,7 @@ def _magics_class() -> type:
 
     @magics_class
     class _RemoteCUDAMagics(Magics):
-        """``%remotecuda status|servers|use DEVICES|strategy [NAME]|last|fallback on|off|trace ...``"""
+        """``%remotecuda status|servers|use DEVICES|strategy [NAME]|last|fallback on|off|sync on|off|trace ...``"""
 
         def __init__(self, shell: Any, ext: Extension):
             super().__init__(shell)
@@ -603,7 +657,7 @@ def _magics_class() -> type:
             """RemoteCUDA: %remotecuda status | servers | use HOST:PORT[,HOST:PORT] |
             use DEVICES (REMOTECUDA_DEVICES syntax: 2, host1:55555/0,any, any/A100) |
             strategy [adaptive|load-balancing|memory-aware|latency-optimized] | last |
-            fallback on|off | trace on|off|save FILE|last FILE"""
+            fallback on|off | sync on|off | trace on|off|save FILE|last FILE"""
             parts = line.split()
             cmd, args = (parts[0].lower(), parts[1:]) if parts else ("status", [])
             fn = getattr(self, "_cmd_" + cmd.replace("-", "_"), None)
@@ -754,6 +808,15 @@ def _magics_class() -> type:
                 recording = _rt() is not None and trace.is_recording()
                 print(f"trace: {'on' if recording else 'off'} "
                       "(usage: %remotecuda trace on|off|save FILE|last FILE)")
+
+        def _cmd_sync(self, args: list) -> None:
+            if not args or args[0].lower() not in ("on", "off"):
+                print(f"sync: {'on' if self.ext.config.sync else 'off'} (usage: %remotecuda sync on|off)")
+                return
+            self.ext.set_sync(args[0].lower() == "on")
+            print(f"sync: {args[0].lower()} (" + ("every op waits for the gateway: an error is raised at "
+                  "its line, and cells run slower" if self.ext.config.sync else "ops run asynchronously")
+                  + ")")
 
         def _cmd_fallback(self, args: list) -> None:
             if not args or args[0].lower() not in ("on", "off"):

@@ -78,6 +78,8 @@ Recover = Callable[["Session", BaseException], None]
 class Session:
     #: why the gateway is gone, once liveness.py found it down or restarted (``mark_lost``)
     lost: str | None = None
+    #: said with "this remotecuda session is closed" once ``close`` ended it
+    closed_why = ""
 
     def __init__(self, ctx: zmq.Context, endpoint: str | None, gpu: int | None, vdev: int,
                  connect_timeout: float = 5.0, sync: bool = False,
@@ -475,7 +477,7 @@ class Session:
             if not self.connected:
                 self.open("flush")
                 if not self.connected:
-                    raise GatewayLostError("this remotecuda session is closed")
+                    raise GatewayLostError(f"this remotecuda session is closed{self.closed_why}")
             if self.lost is not None and self._may_recover():  # the queued ops go with the replay
                 self._recover(GatewayDownError(self.lost), req)
                 return
@@ -565,7 +567,7 @@ class Session:
             if self.closed:
                 if self.lost is not None:
                     raise GatewayDownError(self.lost)
-                raise GatewayLostError("this remotecuda session is closed")
+                raise GatewayLostError(f"this remotecuda session is closed{self.closed_why}")
             self.open(name)
             index = self._op_index + len(self._ops)  # this op's number in the session's stream
             self._ops.append([name, args, kwargs, {"base": base}])
@@ -900,6 +902,9 @@ class Session:
     def close(self) -> None:
         with self.lock:
             self.failover = None  # (a gateway gone at exit is no reason to move)
+            self.closed_why = (" (remotecuda was deactivated or reconnected since: deactivate(), "
+                               "%unload_ext remotecuda, %remotecuda use); the data of its 'cuda' "
+                               "tensors is gone")
             if not self.connected:  # never placed: its queued ops never ran, nothing to say BYE to
                 self.closed = True
                 return

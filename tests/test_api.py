@@ -228,6 +228,20 @@ def test_remote_errors_have_torch_types_and_the_session_survives():
         torch.ones(2, device="cuda") + torch.ones(3, device="cuda")
 
 
+def test_allocation_larger_than_the_gpu_raises_at_the_call():
+    """As CUDA's allocator does: at the line that asked, not at the next sync."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    n = total // 4 + 1
+    keep = torch.arange(3.0, device="cuda")
+    for make in (lambda: torch.empty(n, device="cuda"), lambda: torch.zeros(2, n // 2 + 1, device="cuda"),
+                 lambda: torch.ones(n, 1, device="cuda").expand(n, 4).contiguous()):
+        with pytest.raises(torch.cuda.OutOfMemoryError, match=r"CUDA out of memory. Tried to allocate .* GiB"):
+            make()
+    torch.cuda.synchronize()  # nothing was sent: no error left pending
+    assert torch.ones(1, device="cuda").expand(n).shape == (n,)  # a view allocates nothing
+    assert keep.sum().item() == 3.0
+
+
 def test_async_round_trips():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).cuda()
     opt = torch.optim.AdamW(model.parameters())

@@ -49,6 +49,19 @@ def test_error_type_and_message_are_the_devices(remote, mistake):
     assert torch.ones(2, device="cuda").sum().item() == 2.0  # the session goes on
 
 
+@pytest.mark.parametrize("mistake", [lambda t: t.softmax(5), lambda t: t.log_softmax(-3), lambda t: t.sort(dim=2),
+                                     lambda t: t.sort(dim=5, stable=True), lambda t: t.argsort(dim=-3),
+                                     lambda t: t[0, 0].softmax(1)],
+                         ids=["softmax", "log_softmax", "sort", "sort_stable", "argsort", "softmax_0d"])
+def test_dim_out_of_range_is_raised_at_the_call(remote, mistake):
+    """As on a GPU, where the kernel's launch checks it; these ops' meta kernels accept any dim."""
+    local = _raised(mistake, torch.randn(2, 3))
+    with pytest.raises(IndexError) as info:
+        mistake(torch.randn(2, 3, device="cuda"))
+    assert str(info.value) == str(local) and not getattr(info.value, "__notes__", None)  # not asynchronous
+    torch.cuda.synchronize()  # nothing left pending
+
+
 def test_meta_refusal_costs_one_round_trip(remote):
     import remotecuda
     a, b = torch.randn(3, 4, device="cuda"), torch.randn(5, 6, device="cuda")
@@ -115,6 +128,24 @@ def test_script_traceback_ends_at_the_users_line(gateway, tmp_path, how):
     frames = [line.strip() for line in lines if line.startswith('  File "')]
     assert frames == [f'File "{path}", line 10, in <module>', f'File "{path}", line 7, in step'], r.stderr
     assert "remotecuda" + os.sep not in r.stderr and "torch" + os.sep not in r.stderr, r.stderr
+
+
+def test_generated_code_below_remotecuda_is_hidden():
+    """An interrupt landing in a dataclass's generated ``__eq__`` (file ``<string>``) called by
+    remotecuda: the traceback ends at the user's line, not at "Could not get source"."""
+    import remotecuda.errors as errors
+    ns: dict = {}
+    exec(compile("def ours(cb):\n    return cb()\n", errors.__file__, "exec"), ns)
+    exec(compile("def generated():\n    raise KeyboardInterrupt\n", "<string>", "exec"), ns)
+    try:
+        ns["ours"](ns["generated"])
+    except KeyboardInterrupt as e:
+        tb = errors.hide_runtime_frames(e).__traceback__
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    assert names == [__file__], names
 
 
 def test_ipython_traceback_has_no_runtime_frames(gateway):

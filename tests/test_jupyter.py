@@ -20,6 +20,7 @@ from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
 
 START_TIMEOUT = 120
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class Kernel:
@@ -359,6 +360,40 @@ for i in range(1_000_000):
     assert r["stdout"].strip() == "10.0 torch.Size([256, 256])", r
 
 
+def test_errors_point_at_the_users_line_and_timeit_waits_for_the_work(rc):
+    r = rc.run("def make(n):\n    return torch.empty(n, n, device='cuda')\nbig = make(10**7)")
+    assert r["reply"]["ename"] == "OutOfMemoryError" and "CUDA out of memory" in r["reply"]["evalue"], r["reply"]
+    tb = ANSI.sub("", "\n".join(r["errors"][0]["traceback"]))
+    assert "----> 2     return torch.empty(n, n, device='cuda')" in tb, tb  # raised at the call, as on a GPU
+    assert "remotecuda/" not in tb, tb
+    # %timeit's clock waits for the queued work: a remote error of the timed statement is raised
+    # inside %timeit (before, the loops were only queued and the cell waited for them at its end)
+    r = rc.ok("""
+try:
+    %timeit -n 2 -r 1 torch.zeros(2, device='cuda')[torch.tensor([5], device='cuda')]
+except IndexError:
+    print('raised in timeit')
+""")
+    assert r["stdout"].strip() == "raised in timeit", r
+    r = rc.ok("r = %timeit -o -q -n 3 -r 2 torch.ones(8, device='cuda') * 2\nprint(len(r.all_runs), r.loops)")
+    assert r["stdout"].split() == ["2", "3"], r
+    # an asynchronous error has no line of the cell; %remotecuda sync on (said in its note) gives it
+    cell = "v = torch.zeros(2, device='cuda')\nw = v[torch.tensor([5], device='cuda')]\nu = v + 1"
+    r = rc.run(cell)
+    assert r["reply"]["ename"] == "IndexError" and "%remotecuda sync on" in "".join(r["errors"][0]["traceback"])
+    assert "sync: on" in rc.ok("%remotecuda sync on")["stdout"]
+    r = rc.run(cell)
+    tb = ANSI.sub("", "\n".join(r["errors"][0]["traceback"]))
+    assert r["reply"]["ename"] == "IndexError" and "----> 2 w = v[torch.tensor([5], device='cuda')]" in tb, tb
+    assert "sync: off" in rc.ok("%remotecuda sync off")["stdout"]
+    r = rc.run(cell)
+    assert r["reply"]["ename"] == "IndexError" and "----> 2" not in "".join(r["errors"][0]["traceback"])
+    # the error met while showing the cell's value: remotecuda's frames are not shown either
+    r = rc.run("torch.zeros(2, device='cuda')[torch.tensor([7], device='cuda')]")
+    tb = ANSI.sub("", "\n".join(e for err in r["errors"] for e in err["traceback"]))
+    assert "index 7 is out of bounds" in tb and "remotecuda/" not in tb, tb
+
+
 def test_restart_frees_gateway_sessions(rc, jgw):
     rc.ok("torch.ones(1, device='cuda').item()")
     n = gateway_sessions(jgw.address)
@@ -388,6 +423,8 @@ def test_load_and_unload_extension_in_plain_kernel(plain, jgw):
     assert wait_for(lambda: gateway_sessions(jgw.address) == n - 1, 20)  # BYE: gateway memory freed
     r = plain.ok("print(torch.cuda.is_available())")
     assert r["stdout"].strip() == "False"
+    r = plain.ok("%timeit -n 2 -r 1 torch.ones(3) * 2")  # IPython's own %timeit again
+    assert "per loop" in r["stdout"], r
     r = plain.run("torch.randn(2, device='cuda')")
     assert r["reply"]["status"] == "error" and "CUDA" in r["reply"]["evalue"], r["reply"]
     plain.ok("%load_ext remotecuda")  # and back again, and reloaded

@@ -81,6 +81,13 @@ def test_nothing_keeps_an_old_runtime_alive(gateway):
             raise SystemExit('an op on a tensor of a deactivated runtime did not raise')
 
         remotecuda.activate()
+        for use in (lambda: x.cpu(), lambda: x + torch.ones(3, device='cuda')):  # (not a device mismatch)
+            try:
+                use()
+            except remotecuda.GatewayLostError as e:
+                assert 'session is closed (remotecuda was deactivated' in str(e), e
+            else:
+                raise SystemExit('a tensor of the old runtime was used')
         try:
             torch.rand(2, device='cuda', generator=g)
         except RuntimeError as e:
