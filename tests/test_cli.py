@@ -185,6 +185,38 @@ def test_run_ends_as_python_does(gateway, tmp_path, ending):
                                                                  run[0].stderr)
 
 
+FLAGS = r'''
+import sys
+print("FLAGS", sys.flags.optimize, sys.flags.dont_write_bytecode, sys.flags.dev_mode, sys.flags.safe_path,
+      sys.warnoptions, sys._xoptions, sys.argv[1:], sys.stdout.write_through)
+try:
+    assert False
+except AssertionError:
+    print("ASSERTS ON")
+print("PATH0", sys.path[0])
+'''
+
+
+@pytest.mark.parametrize("options", [["-u", "-O", "-W", "ignore::DeprecationWarning", "-X", "dev", "-B"],
+                                     ["-uOWerror::FutureWarning", "-P"]], ids=["separate", "grouped"])
+def test_run_keeps_python_options(gateway, tmp_path, options):
+    """``remotecuda run python -u -O ... train.py`` (job scripts' ``python -u``) acts as ``python -u -O ...``."""
+    (tmp_path / "flags.py").write_text(FLAGS)
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error", PYTHONPATH=ROOT)
+    env.pop("PYTHONUNBUFFERED", None)
+    run = [subprocess.run(cmd + [*options, "flags.py", "a", "-u"], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=tmp_path)
+           for cmd in ([sys.executable], [sys.executable, "-m", "remotecuda", "run", "python"])]
+    assert (run[1].returncode, run[1].stdout, run[1].stderr) == (run[0].returncode, run[0].stdout,
+                                                                 run[0].stderr)
+    assert run[0].stdout.startswith("FLAGS 1 ") and "ASSERTS ON" not in run[0].stdout
+
+
+def test_run_refuses_python_options_it_cannot_keep(gateway):
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address, "python", "-S", "x.py"])
+    assert r.returncode == 2 and "usage: remotecuda run" in r.stderr
+
+
 ACTIVATE = r'''
 import warnings
 warnings.simplefilter("always")
