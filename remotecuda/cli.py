@@ -12,6 +12,7 @@ import runpy
 import signal
 import sys
 import types
+import warnings
 import zipfile
 
 from remotecuda_wire.limits import CACHE_BYTES, MAX_QUEUED
@@ -214,7 +215,10 @@ def _run(a: argparse.Namespace) -> int:
     atexit.register(_exit_by_sigint)  # first registered, so it runs last, as Python's own does
     import remotecuda
     from remotecuda.errors import hide_runtime_frames
-    remotecuda.activate(a.server)
+    with warnings.catch_warnings(record=True) as said:  # the program has no activate() line to name
+        remotecuda.activate(a.server)
+    for w in said:
+        print(w.message, file=sys.stderr, flush=True)
     if a.trace:
         remotecuda.trace.start()
     try:

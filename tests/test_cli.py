@@ -235,6 +235,7 @@ relevant = [w for w in caught if issubclass(w.category, RuntimeWarning)]
 print("RUNTIME_WARNINGS", len(relevant))
 for w in relevant:
     print("WARNING", str(w.message).replace("\n", " "))
+    print("WHERE", w.filename, w.lineno)
 '''
 _EXPECTED_RESULT = float(((torch.arange(12.0).reshape(3, 4) @ torch.arange(12.0).reshape(3, 4).T).relu() * 0.5).sum())
 
@@ -260,6 +261,23 @@ def test_cpu_fallback_when_no_gateway_answers():
     assert f["RUNTIME_WARNINGS"] == "1", r.stdout
     msg = f["WARNING"]
     assert "no gateway is reachable" in msg and f"127.0.0.1:{port}" in msg and "local CPU" in msg
+    assert f["WHERE"] == "<string> 7", "the warning names the program's activate() line"
+
+
+def test_run_falls_back_with_one_clear_line(tmp_path):
+    """``remotecuda run`` with no gateway: the program runs (on the local CPU) as with ``python``, and
+    stderr says why in one line, without a source line of RemoteCUDA's."""
+    port = _free_port()
+    (tmp_path / "t.py").write_text("import torch\nx = torch.arange(6.0, device='cuda').reshape(2, 3)\n"
+                                   "print('RESULT', (x @ x.T).tolist(), x.device)\n")
+    env = dict(os.environ, REMOTECUDA_SERVERS=f"127.0.0.1:{port}", PYTHONPATH=ROOT)
+    env.pop("REMOTECUDA_FALLBACK", None)
+    r = subprocess.run([sys.executable, "-m", "remotecuda", "run", "python", "t.py"], capture_output=True,
+                       text=True, timeout=180, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == "RESULT [[5.0, 14.0], [14.0, 50.0]] cuda:0\n"
+    assert r.stderr.startswith("remotecuda: no gateway is reachable (") and r.stderr.count("\n") == 1
+    assert f"127.0.0.1:{port}" in r.stderr and r.stderr.endswith("running 'cuda' work on the local CPU instead\n")
 
 
 def test_fallback_error_raises_gateway_unavailable():
