@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -78,7 +79,7 @@ def _caller_level() -> int:
     """The ``stacklevel`` that names the first caller outside remotecuda (the program's
     ``activate()`` line), for a warning issued by the function calling this one."""
     inside, level = os.path.dirname(os.path.abspath(__file__)) + os.sep, 1
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
