@@ -213,6 +213,8 @@ def _run(a: argparse.Namespace) -> int:
         sys.stderr.flush()
         os.execv(sys.executable, [sys.executable, *options, "-m", "remotecuda", "run", *again, "python", *rest])
     atexit.register(_exit_by_sigint)  # first registered, so it runs last, as Python's own does
+    if a.server is not None:  # the processes the program starts find the same gateways (activate() there)
+        os.environ["REMOTECUDA_SERVERS"] = a.server
     import remotecuda
     from remotecuda.errors import hide_runtime_frames
     with warnings.catch_warnings(record=True) as said:  # the program has no activate() line to name

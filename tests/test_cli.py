@@ -212,6 +212,15 @@ def test_run_keeps_python_options(gateway, tmp_path, options):
     assert run[0].stdout.startswith("FLAGS 1 ") and "ASSERTS ON" not in run[0].stdout
 
 
+def test_run_server_reaches_the_programs_child_processes(gateway, tmp_path):
+    """A process the program starts runs plain PyTorch; its own ``activate()`` finds ``--server``'s gateway."""
+    child = "import remotecuda, torch; remotecuda.activate(); print(torch.ones(2, device='cuda').sum().item())"
+    (tmp_path / "parent.py").write_text(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {child!r}])\n")
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address, "python",
+              str(tmp_path / "parent.py")], env={"REMOTECUDA_FALLBACK": "error"})
+    assert (r.returncode, r.stdout) == (0, "2.0\n"), r.stderr[-3000:]
+
+
 def test_run_refuses_python_options_it_cannot_keep(gateway):
     r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address, "python", "-S", "x.py"])
     assert r.returncode == 2 and "usage: remotecuda run" in r.stderr
