@@ -223,11 +223,12 @@ def _run(a: argparse.Namespace) -> int:
         print(w.message, file=sys.stderr, flush=True)
     if a.trace:
         remotecuda.trace.start()
+    code = 0
     try:
         try:
             _execute(rest)
-        except SystemExit as e:
-            return _exit_code(e.code)
+        except SystemExit as e:  # `sys.exit(main())`: its work too is waited for below
+            code = _exit_code(e.code)
         except BaseException as e:  # noqa: BLE001 - printed as Python prints an uncaught one
             sys.excepthook(type(e), e, hide_runtime_frames(e).__traceback__)
             if isinstance(e, KeyboardInterrupt):
@@ -237,8 +238,8 @@ def _run(a: argparse.Namespace) -> int:
             remotecuda.synchronize()
         except Exception as e:  # (the runtime's frames only: none shown)
             sys.excepthook(type(e), e.with_traceback(None), None)
-            return 1
-        return 0
+            return code or 1
+        return code
     finally:
         if a.trace:
             _save_trace(a.trace)

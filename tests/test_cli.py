@@ -226,6 +226,19 @@ def test_run_refuses_python_options_it_cannot_keep(gateway):
     assert r.returncode == 2 and "usage: remotecuda run" in r.stderr
 
 
+@pytest.mark.parametrize("ending, code", [("main()", 1), ("sys.exit(main())", 1), ("sys.exit(main() + 3)", 3)])
+def test_run_shows_a_pending_remote_error_however_the_program_ends(gateway, tmp_path, ending, code):
+    """An error of queued work is shown at the program's end, also after ``sys.exit(main())``
+    (it was lost there, with exit status 0)."""
+    (tmp_path / "pend.py").write_text(
+        "import sys, torch\n\n\ndef main():\n    x = torch.zeros(3, device='cuda')\n"
+        "    x[torch.tensor([7], device='cuda')]\n    print('QUEUED')\n    return 0\n\n\n" + ending + "\n")
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address, "python",
+              str(tmp_path / "pend.py")])
+    assert (r.returncode, r.stdout) == (code, "QUEUED\n")
+    assert "IndexError: index 7 is out of bounds for dimension 0 with size 3" in r.stderr
+
+
 ACTIVATE = r'''
 import warnings
 warnings.simplefilter("always")
