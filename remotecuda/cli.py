@@ -12,6 +12,7 @@ import runpy
 import signal
 import sys
 import types
+import warnings
 import zipfile
 
 from remotecuda_wire.limits import CACHE_BYTES, MAX_QUEUED
@@ -168,7 +169,28 @@ def _servers(a: argparse.Namespace) -> int:
 
 
 USAGE = ("usage: remotecuda run [--server HOST:PORT] [--trace FILE.json] "
-         "python (SCRIPT.py | -m MODULE | -c CODE) [ARGS...]")
+         "python [-u -O -W ARG -X OPT ...] (SCRIPT.py | -m MODULE | -c CODE) [ARGS...]")
+
+# interpreter options that keep `python OPTIONS -m remotecuda run ...` running the program as
+# `python OPTIONS ...` would (not -S: without site, neither torch nor remotecuda imports)
+_FLAGS, _WITH_ARG = set("bBdEIOPqsuv"), set("WX")
+
+
+def _split_options(rest: list[str]) -> tuple[list[str], list[str]] | None:
+    """``python``'s own options (``-u``, ``-O``, ``-W ARG``, ``-X OPT``, grouped as in ``-uO``) and the
+    program (``SCRIPT.py ...``, ``-m MODULE ...`` or ``-c CODE ...``); None for an option not kept."""
+    i = 0
+    while i < len(rest) and rest[i].startswith("-") and rest[i] not in ("-m", "-c", "-", "--"):
+        arg = rest[i][1:]
+        for k, ch in enumerate(arg):
+            if ch in _WITH_ARG:
+                if k + 1 == len(arg):  # its argument is the next one
+                    i += 1
+                break
+            if ch not in _FLAGS:
+                return None
+        i += 1
+    return rest[:i], rest[i:]
 
 
 def _run(a: argparse.Namespace) -> int:
@@ -180,22 +202,33 @@ def _run(a: argparse.Namespace) -> int:
         cmd = cmd[1:]
     is_python = cmd and (os.path.basename(cmd[0]).rstrip("0123456789.") in ("python", "python3")
                          or cmd[0] == sys.executable)
-    rest = cmd[1:]
-    if not is_python or not rest or rest[0] in ("-m", "-c") and len(rest) < 2 \
-            or rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+    split = _split_options(cmd[1:]) if is_python else None
+    options, rest = split or ([], [])
+    if not rest or rest[0] in ("-m", "-c") and len(rest) < 2 or rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
         print(USAGE, file=sys.stderr)
         return 2
+    if options:  # they act at the interpreter's start: start one with them, running this command
+        again = [f"--server={a.server}"] * (a.server is not None) + [f"--trace={a.trace}"] * (a.trace is not None)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *options, "-m", "remotecuda", "run", *again, "python", *rest])
     atexit.register(_exit_by_sigint)  # first registered, so it runs last, as Python's own does
+    if a.server is not None:  # the processes the program starts find the same gateways (activate() there)
+        os.environ["REMOTECUDA_SERVERS"] = a.server
     import remotecuda
     from remotecuda.errors import hide_runtime_frames
-    remotecuda.activate(a.server)
+    with warnings.catch_warnings(record=True) as said:  # the program has no activate() line to name
+        remotecuda.activate(a.server)
+    for w in said:
+        print(w.message, file=sys.stderr, flush=True)
     if a.trace:
         remotecuda.trace.start()
+    code = 0
     try:
         try:
             _execute(rest)
-        except SystemExit as e:
-            return _exit_code(e.code)
+        except SystemExit as e:  # `sys.exit(main())`: its work too is waited for below
+            code = _exit_code(e.code)
         except BaseException as e:  # noqa: BLE001 - printed as Python prints an uncaught one
             sys.excepthook(type(e), e, hide_runtime_frames(e).__traceback__)
             if isinstance(e, KeyboardInterrupt):
@@ -205,8 +238,8 @@ def _run(a: argparse.Namespace) -> int:
             remotecuda.synchronize()
         except Exception as e:  # (the runtime's frames only: none shown)
             sys.excepthook(type(e), e.with_traceback(None), None)
-            return 1
-        return 0
+            return code or 1
+        return code
     finally:
         if a.trace:
             _save_trace(a.trace)
@@ -238,21 +271,24 @@ def _execute(rest: list[str]) -> None:
     interpreter sets it up (pickling what the program defines finds it there)."""
     if rest[0] == "-m":
         sys.argv = ["-m", *rest[2:]]  # runpy replaces "-m" by the module's path
-        sys.path[0] = os.getcwd()
+        _path0(os.getcwd())
         _main_module()
         runpy._run_module_as_main(rest[1], alter_argv=True)  # what `python -m` itself runs
     elif rest[0] == "-c":
         sys.argv = ["-c", *rest[2:]]
-        sys.path[0] = ""
+        _path0("")
         exec(compile(rest[1], "<string>", "exec", dont_inherit=True), _main_module().__dict__)
     else:
         sys.argv = list(rest)
-        sys.path[0] = os.path.dirname(os.path.realpath(rest[0]))
         if os.path.isdir(rest[0]) or zipfile.is_zipfile(rest[0]):  # runs its __main__.py
-            sys.path[0] = rest[0]
+            if sys.flags.safe_path:  # there too, as Python does
+                sys.path.insert(0, rest[0])
+            else:
+                sys.path[0] = rest[0]
             _main_module()
             runpy._run_module_as_main("__main__", alter_argv=False)
             return
+        _path0(os.path.dirname(os.path.realpath(rest[0])))
         path = os.path.join(os.getcwd(), rest[0])  # absolute, not normalised: Python's __file__
         try:
             with io.open_code(path) as f:
@@ -268,6 +304,13 @@ def _execute(rest: list[str]) -> None:
         module = _main_module(__file__=path, __cached__=None,
                               __loader__=importlib.machinery.SourceFileLoader("__main__", path))
         exec(code, module.__dict__)
+
+
+def _path0(entry: str) -> None:
+    """Put the program's directory first on sys.path, as ``python`` does; under ``-P``/``-I`` Python
+    puts none there (and sys.path[0] is then a real entry, kept)."""
+    if not sys.flags.safe_path:
+        sys.path[0] = entry
 
 
 def _main_module(**attrs: object) -> types.ModuleType:

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -72,6 +73,16 @@ STATUS_TIMEOUT = 1.0
 FRESH_MAX = 16
 
 log = logging.getLogger("remotecuda")
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that names the first caller outside remotecuda (the program's
+    ``activate()`` line), for a warning issued by the function calling this one."""
+    inside, level = os.path.dirname(os.path.abspath(__file__)) + os.sep, 1
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass
@@ -172,7 +183,7 @@ class Pool:
                     "no RemoteCUDA gateway is reachable (" + "; ".join(unreachable) + "); "
                     "REMOTECUDA_FALLBACK=error forbids running on the local CPU")
             warnings.warn("remotecuda: no gateway is reachable (" + "; ".join(unreachable) + "); "
-                          "running 'cuda' work on the local CPU instead", RuntimeWarning, stacklevel=3)
+                          "running 'cuda' work on the local CPU instead", RuntimeWarning, stacklevel=_caller_level())
             self._start_local_gateway(pins)
         #: the devices CUDA_VISIBLE_DEVICES hid, and its value, for messages (visible_devices.py)
         self.hidden = (0, os.environ.get(visible_devices.VAR))

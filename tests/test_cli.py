@@ -185,6 +185,60 @@ def test_run_ends_as_python_does(gateway, tmp_path, ending):
                                                                  run[0].stderr)
 
 
+FLAGS = r'''
+import sys
+print("FLAGS", sys.flags.optimize, sys.flags.dont_write_bytecode, sys.flags.dev_mode, sys.flags.safe_path,
+      sys.warnoptions, sys._xoptions, sys.argv[1:], sys.stdout.write_through)
+try:
+    assert False
+except AssertionError:
+    print("ASSERTS ON")
+print("PATH0", sys.path[0])
+'''
+
+
+@pytest.mark.parametrize("options", [["-u", "-O", "-W", "ignore::DeprecationWarning", "-X", "dev", "-B"],
+                                     ["-uOWerror::FutureWarning", "-P"]], ids=["separate", "grouped"])
+def test_run_keeps_python_options(gateway, tmp_path, options):
+    """``remotecuda run python -u -O ... train.py`` (job scripts' ``python -u``) acts as ``python -u -O ...``."""
+    (tmp_path / "flags.py").write_text(FLAGS)
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error", PYTHONPATH=ROOT)
+    env.pop("PYTHONUNBUFFERED", None)
+    run = [subprocess.run(cmd + [*options, "flags.py", "a", "-u"], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=tmp_path)
+           for cmd in ([sys.executable], [sys.executable, "-m", "remotecuda", "run", "python"])]
+    assert (run[1].returncode, run[1].stdout, run[1].stderr) == (run[0].returncode, run[0].stdout,
+                                                                 run[0].stderr)
+    assert run[0].stdout.startswith("FLAGS 1 ") and "ASSERTS ON" not in run[0].stdout
+
+
+def test_run_server_reaches_the_programs_child_processes(gateway, tmp_path):
+    """A process the program starts runs plain PyTorch; its own ``activate()`` finds ``--server``'s gateway."""
+    child = "import remotecuda, torch; remotecuda.activate(); print(torch.ones(2, device='cuda').sum().item())"
+    (tmp_path / "parent.py").write_text(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {child!r}])\n")
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address, "python",
+              str(tmp_path / "parent.py")], env={"REMOTECUDA_FALLBACK": "error"})
+    assert (r.returncode, r.stdout) == (0, "2.0\n"), r.stderr[-3000:]
+
+
+def test_run_refuses_python_options_it_cannot_keep(gateway):
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address, "python", "-S", "x.py"])
+    assert r.returncode == 2 and "usage: remotecuda run" in r.stderr
+
+
+@pytest.mark.parametrize("ending, code", [("main()", 1), ("sys.exit(main())", 1), ("sys.exit(main() + 3)", 3)])
+def test_run_shows_a_pending_remote_error_however_the_program_ends(gateway, tmp_path, ending, code):
+    """An error of queued work is shown at the program's end, also after ``sys.exit(main())``
+    (it was lost there, with exit status 0)."""
+    (tmp_path / "pend.py").write_text(
+        "import sys, torch\n\n\ndef main():\n    x = torch.zeros(3, device='cuda')\n"
+        "    x[torch.tensor([7], device='cuda')]\n    print('QUEUED')\n    return 0\n\n\n" + ending + "\n")
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address, "python",
+              str(tmp_path / "pend.py")])
+    assert (r.returncode, r.stdout) == (code, "QUEUED\n")
+    assert "IndexError: index 7 is out of bounds for dimension 0 with size 3" in r.stderr
+
+
 ACTIVATE = r'''
 import warnings
 warnings.simplefilter("always")
@@ -203,6 +257,7 @@ relevant = [w for w in caught if issubclass(w.category, RuntimeWarning)]
 print("RUNTIME_WARNINGS", len(relevant))
 for w in relevant:
     print("WARNING", str(w.message).replace("\n", " "))
+    print("WHERE", w.filename, w.lineno)
 '''
 _EXPECTED_RESULT = float(((torch.arange(12.0).reshape(3, 4) @ torch.arange(12.0).reshape(3, 4).T).relu() * 0.5).sum())
 
@@ -228,6 +283,23 @@ def test_cpu_fallback_when_no_gateway_answers():
     assert f["RUNTIME_WARNINGS"] == "1", r.stdout
     msg = f["WARNING"]
     assert "no gateway is reachable" in msg and f"127.0.0.1:{port}" in msg and "local CPU" in msg
+    assert f["WHERE"] == "<string> 7", "the warning names the program's activate() line"
+
+
+def test_run_falls_back_with_one_clear_line(tmp_path):
+    """``remotecuda run`` with no gateway: the program runs (on the local CPU) as with ``python``, and
+    stderr says why in one line, without a source line of RemoteCUDA's."""
+    port = _free_port()
+    (tmp_path / "t.py").write_text("import torch\nx = torch.arange(6.0, device='cuda').reshape(2, 3)\n"
+                                   "print('RESULT', (x @ x.T).tolist(), x.device)\n")
+    env = dict(os.environ, REMOTECUDA_SERVERS=f"127.0.0.1:{port}", PYTHONPATH=ROOT)
+    env.pop("REMOTECUDA_FALLBACK", None)
+    r = subprocess.run([sys.executable, "-m", "remotecuda", "run", "python", "t.py"], capture_output=True,
+                       text=True, timeout=180, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == "RESULT [[5.0, 14.0], [14.0, 50.0]] cuda:0\n"
+    assert r.stderr.startswith("remotecuda: no gateway is reachable (") and r.stderr.count("\n") == 1
+    assert f"127.0.0.1:{port}" in r.stderr and r.stderr.endswith("running 'cuda' work on the local CPU instead\n")
 
 
 def test_fallback_error_raises_gateway_unavailable():
