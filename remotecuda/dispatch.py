@@ -37,7 +37,7 @@ from .device_type import DEVICE
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import GatewayLostError, RemoteCUDAError
 from .generator import wire_ref
-from .tensor import RemoteTensor, is_pinned, layout, make, refresh_key, wrap
+from .tensor import RemoteTensor, extent, is_pinned, layout, make, refresh_key, wrap
 
 aten = torch.ops.aten
 _Tag = torch.Tag
@@ -663,9 +663,7 @@ def _check_fits(entry: Entry, s: Any) -> None:
     else:
         return
     for (dtype, shape, stride, offset), _ in layouts_:
-        if 0 in shape:
-            continue
-        nbytes = (offset + 1 + sum((n - 1) * st for n, st in zip(shape, stride))) * dtype.itemsize
+        nbytes = (offset + extent(shape, stride)) * dtype.itemsize if 0 not in shape else 0
         if nbytes < CHECKED_BYTES:
             continue
         from .runtime import active

@@ -29,7 +29,7 @@ import torch
 
 from . import downloads, runtime
 from .device_type import DEVICE
-from .tensor import RemoteTensor
+from .tensor import RemoteTensor, extent
 
 #: during torch.load: ``current``, its _Load
 _loading = threading.local()
@@ -233,11 +233,6 @@ def remote_tensors(obj: Any) -> list[RemoteTensor]:
     return finder.found
 
 
-def _extent(t: torch.Tensor) -> int:
-    """How many elements of its storage ``t`` spans from its offset on."""
-    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-
-
 def _own(cpu: torch.Tensor) -> torch.UntypedStorage:
     """A fetched flat tensor's bytes as a storage of their own."""
     if cpu.storage_offset() or cpu.untyped_storage().nbytes() != cpu.numel() * cpu.element_size():
@@ -254,7 +249,7 @@ def _saved_storages(tensors: list[RemoteTensor]) -> Iterator[None]:
         if t.numel():
             key = (id(t._s), t._sid, t.dtype)
             lo = int(t.storage_offset())
-            hi = lo + _extent(t)
+            hi = lo + extent(t.shape, t.stride())
             if key in spans:
                 first, a, b = spans[key]
                 lo, hi, t = min(a, lo), max(b, hi), first

@@ -299,6 +299,11 @@ def layout(shape: Any, stride: Any, offset: int, dtype: torch.dtype) -> tuple:
     return (dtype, shape, stride, offset), offset == 0 and stride == contiguous_strides(shape)
 
 
+def extent(shape: Any, stride: Any) -> int:
+    """How many elements of its storage a tensor of this shape and stride spans from its offset on."""
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if 0 not in shape else 0
+
+
 def _address(dev: int, sid: int) -> int:
     """The fake address of storage ``sid`` on virtual device ``dev`` (see ``RemoteTensor.data_ptr``)."""
     return ((dev + 1) << 48) | (sid << 16)
