@@ -42,6 +42,7 @@ from . import (
     accelerator_api,
     autocast,
     compiled,
+    control_flow,
     cuda_api,
     cuda_graphs,
     data_parallel,
@@ -619,8 +620,12 @@ class RemoteDispatchMode(TorchDispatchMode):
             if d.type == "meta" and not local.user_meta:
                 target = local.target
                 return self.dispatcher.factory(func, args, kwargs, target if target is not None else local.vdev)
-        if isinstance(func, HigherOrderOperator):
-            _refuse_remote_higher_order(func, args, kwargs)
+        if isinstance(func, HigherOrderOperator) and \
+                any(isinstance(x, RemoteTensor) for x in pytree.tree_leaves((args, kwargs))):
+            out = self.again(lambda: control_flow.dense(func, args, kwargs))
+            if out is NotImplemented:
+                _refuse_remote_higher_order(func)
+            return out
         return func(*args, **kwargs)
 
     def again(self, fn: Callable[[], Any]) -> Any:
@@ -632,14 +637,13 @@ class RemoteDispatchMode(TorchDispatchMode):
             return fn()
 
 
-def _refuse_remote_higher_order(op: HigherOrderOperator, args: tuple, kwargs: dict) -> None:
-    """A higher-order op runs here with our mode off, which is right for CPU tensors; on remote
-    ones torch would say only that it has no rule for RemoteTensor."""
-    if any(isinstance(x, RemoteTensor) for x in pytree.tree_leaves((args, kwargs))):
-        raise NotImplementedError(
-            f"remotecuda: torch's higher-order op {op.name()} is not supported on 'cuda' tensors yet "
-            "(flex_attention is; torch.cond and the like are not): run it on CPU tensors, or write it "
-            "with plain tensor ops")
+def _refuse_remote_higher_order(op: HigherOrderOperator) -> None:
+    """A higher-order op other than control_flow's on remote tensors: torch would say only that
+    it has no rule for RemoteTensor."""
+    raise NotImplementedError(
+        f"remotecuda: torch's higher-order op {op.name()} is not supported on 'cuda' tensors yet "
+        "(flex_attention, torch.cond, while_loop and map are): run it on CPU tensors, or write it "
+        "with plain tensor ops")
 
 
 class _Installed:
@@ -907,6 +911,7 @@ def install(rt: Runtime) -> Interception:
     downloads.install(p)
     decode.install(p)
     flex_attention.install(p)
+    control_flow.install(p)
     downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
     device_type.install(p)
     hub_kernels.install(p)
