@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from remotecuda_wire.protocol import Handle
 
 from . import flex_attention
-from .dispatch import DeviceMismatch
+from .dispatch import DeviceMismatch, library_kernels
 from .tensor import RemoteTensor, layout, wrap
 
 #: traces kept per compiled object, as Dynamo's ``cache_size_limit``; past it, new signatures run eagerly
@@ -283,6 +283,7 @@ class _Trace:
             # (a plain module works as well as the GraphModule the signature names: it is traced)
             self.compiled = aot_module_simplified(cast(Any, Flat()), fakes, fw_compiler=cast(Any, fw_compiler),
                                                   bw_compiler=cast(Any, fw_compiler), partition_fn=partition,
+                                                  decompositions=library_kernels(),
                                                   keep_inference_input_mutations=True)
         if self.out is None:
             raise Unsupported("the trace saw no call")
