@@ -22,6 +22,7 @@ needs; the ``Interception`` it returns belongs to the runtime, whose ``close`` c
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import threading
 import types
@@ -217,6 +218,31 @@ def _export(func: Callable, args: tuple, kwargs: dict) -> Any:
             f"remotecuda: {func.__module__}.{func.__name__} of a model or inputs on 'cuda' is not supported: "
             "export it on the CPU (model.cpu(), CPU example inputs)")
     return func(*args, **kwargs)
+
+
+def _opcheck(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``torch.library.opcheck`` on 'cuda' inputs: its AOTAutograd checks make fake tensors of
+    them, and a fake 'cuda' tensor with autograd ends this process (as ``_export`` says). Those
+    checks run on CPU copies of the inputs instead, which test the same registrations (the fake
+    kernel, the autograd formula) through the op's CPU kernel; the others on 'cuda'."""
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    utils = bound.arguments["test_utils"]
+    utils = (utils,) if isinstance(utils, str) else tuple(utils)
+    inputs = (bound.arguments["args"], bound.arguments["kwargs"])
+    aot = tuple(u for u in utils if u.startswith("test_aot_dispatch"))
+    if not aot or not any(isinstance(t, RemoteTensor) for t in pytree.tree_leaves(inputs)):
+        return func(*args, **kwargs)
+
+    def cpu(t: Any) -> Any:
+        return t.detach().cpu().requires_grad_(t.requires_grad) if isinstance(t, RemoteTensor) else t
+    results: dict[str, Any] = {}
+    for chosen, (op_args, op_kwargs) in ((tuple(u for u in utils if u not in aot), inputs),
+                                         (aot, pytree.tree_map(cpu, inputs))):
+        if chosen:
+            got = func(**{**bound.arguments, "args": op_args, "kwargs": op_kwargs, "test_utils": chosen})
+            results.update(got or {})
+    return {u: results[u] for u in utils if u in results}
 
 
 def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -444,6 +470,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "get_default_device", _get_default_device),
     (torch.export, "export", _export),
     (torch.export, "draft_export", _export),
+    (torch.library, "opcheck", _opcheck),
 ]
 
 

@@ -5,11 +5,14 @@ kernel for CUDA is refused at the call, as on a GPU. (The plain eager case with 
 autograd formula: test_hf_more.py.)"""
 from __future__ import annotations
 
+import textwrap
 import warnings
 
 import pytest
 import torch
 from torch import Tensor, nn
+
+from conftest import run_python
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -76,3 +79,32 @@ def test_a_library_ops_cuda_kernel_runs_and_an_op_without_one_is_refused():
                                                   "from the 'CUDA' backend"):
         torch.ops.rc_test_custom_ops.cpu_only(x.cuda())
     torch.testing.assert_close(torch.ops.rc_test_custom_ops.cpu_only(x), x + 1)
+
+
+def test_opcheck_of_an_op_on_cuda_inputs_checks_it_and_does_not_end_the_process(gateway):
+    """opcheck's AOTAutograd checks fake its inputs: a fake 'cuda' tensor with autograd aborts a
+    CPU-only torch (a fresh interpreter, so that a regression cannot end the test run)."""
+    code = textwrap.dedent(f"""
+        import torch, remotecuda
+        remotecuda.activate({gateway.address!r}, fallback="error")
+
+        @torch.library.custom_op("rc_opcheck::sin2", mutates_args=())
+        def sin2(x: torch.Tensor) -> torch.Tensor:
+            return x.sin() * 2
+
+        @sin2.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+        sin2.register_autograd(lambda ctx, g: g * 2 * ctx.saved_tensors[0].cos(),
+                               setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+        x = torch.randn(3).cuda().requires_grad_()
+        print(sorted(torch.library.opcheck(sin2, (x,)).items()))
+        print(torch.library.opcheck(sin2, (x,), test_utils="test_aot_dispatch_static"))
+    """)
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == str(sorted((u, "SUCCESS") for u in ("test_schema", "test_autograd_registration",
+                                                            "test_faketensor", "test_aot_dispatch_dynamic")))
+    assert lines[1] == "{'test_aot_dispatch_static': 'SUCCESS'}"
