@@ -22,6 +22,7 @@ import contextlib
 import functools
 import itertools
 import operator
+import traceback
 import types
 import warnings
 from collections.abc import Callable
@@ -201,6 +202,10 @@ def _reason(e: Exception) -> str:
         # (the trace's stand-ins met a remote tensor: one held elsewhere, e.g. in a static KV cache)
         return ("it uses a 'cuda' tensor that is neither its argument nor a parameter or buffer of a module "
                 "it names (compile the module, or pass the tensor)")
+    if any(f.filename.endswith(("_higher_order_ops/cond.py", "_higher_order_ops/while_loop.py",
+                                "_higher_order_ops/map.py")) for f in traceback.extract_tb(e.__traceback__)):
+        # (eagerly, control_flow.py runs them)
+        return "it calls torch.cond, while_loop or map on a tensor (the graph cannot hold their functions)"
     return f"its trace failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
 
 

@@ -71,9 +71,12 @@ def test_cond_op_itself_and_cond_inside_torch_compile():
 
     def f(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.cond(x.mean() > 0, lambda x: m(x), lambda x: m(-x), (x,)).relu().sum()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (it may run eagerly: the graph cannot hold the branches)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         out = torch.compile(lambda x: f(lin, x))(x.view(1, 4).cuda())
+    assert [str(w.message).split(": ", 1)[1] for w in caught] == [
+        "torch.compile runs test_cond_op_itself_and_cond_inside_torch_compile.<locals>.<lambda> eagerly: it calls "
+        "torch.cond, while_loop or map on a tensor (the graph cannot hold their functions)"]
     out.backward()
     expected = f(ref, x.view(1, 4))
     expected.backward()
