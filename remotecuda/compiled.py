@@ -22,6 +22,7 @@ import contextlib
 import functools
 import itertools
 import operator
+import traceback
 import types
 import warnings
 from collections.abc import Callable
@@ -33,7 +34,7 @@ import torch.utils._pytree as pytree
 from remotecuda_wire.protocol import Handle
 
 from . import flex_attention
-from .dispatch import DeviceMismatch
+from .dispatch import DeviceMismatch, library_kernels
 from .tensor import RemoteTensor, layout, wrap
 
 #: traces kept per compiled object, as Dynamo's ``cache_size_limit``; past it, new signatures run eagerly
@@ -201,6 +202,10 @@ def _reason(e: Exception) -> str:
         # (the trace's stand-ins met a remote tensor: one held elsewhere, e.g. in a static KV cache)
         return ("it uses a 'cuda' tensor that is neither its argument nor a parameter or buffer of a module "
                 "it names (compile the module, or pass the tensor)")
+    if any(f.filename.endswith(("_higher_order_ops/cond.py", "_higher_order_ops/while_loop.py",
+                                "_higher_order_ops/map.py")) for f in traceback.extract_tb(e.__traceback__)):
+        # (eagerly, control_flow.py runs them)
+        return "it calls torch.cond, while_loop or map on a tensor (the graph cannot hold their functions)"
     return f"its trace failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
 
 
@@ -283,6 +288,7 @@ class _Trace:
             # (a plain module works as well as the GraphModule the signature names: it is traced)
             self.compiled = aot_module_simplified(cast(Any, Flat()), fakes, fw_compiler=cast(Any, fw_compiler),
                                                   bw_compiler=cast(Any, fw_compiler), partition_fn=partition,
+                                                  decompositions=library_kernels(),
                                                   keep_inference_input_mutations=True)
         if self.out is None:
             raise Unsupported("the trace saw no call")

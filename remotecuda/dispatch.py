@@ -19,6 +19,7 @@ while it is installed.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -317,7 +318,9 @@ class Dispatcher:
         if m is None:
             m = self.ops[id(func)] = _op_meta(func)
             m.special = _SPECIAL.get(func) or (_prim if hasattr(func, "impl_aten")
-                                               else _library_op if _runs_here(func) else None)
+                                               else _library_op if _runs_here(func)
+                                               else _no_cuda_kernel if func.namespace not in OP_NAMESPACES
+                                               else None)
         return m
 
     def factory(self, func: Any, args: tuple, kwargs: dict, vdev: int | None) -> Any:
@@ -859,6 +862,31 @@ def _library_op(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
 
 
 _CUDA_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+
+
+def _no_cuda_kernel(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """A library's op with no kernel for 'cuda' (one registered for the CPU only): refused at the
+    call, as a GPU's dispatcher refuses it, rather than by the gateway at a later sync."""
+    raise NotImplementedError(
+        f"Could not run '{m.func.name()}' with arguments from the 'CUDA' backend: the op has no kernel "
+        f"for CUDA (remotecuda: a library's op runs the kernel it registers for 'cuda' or a composite one; "
+        f"gateways run aten ops only)")
+
+
+def library_kernels() -> dict[Any, Callable[..., Any]]:
+    """The ops defined from Python (``torch.library.custom_op``, ``Library.define``) that have a
+    kernel for 'cuda' the client runs, each mapped to that kernel: for ``torch.compile``'s trace
+    (compiled.py), whose graph then holds the kernel's aten ops, as a GPU's compiled graph calls
+    the same kernel (the gateway knows no library's ops)."""
+    table: dict[Any, Callable[..., Any]] = {}
+    for qualname in sorted(torch.library._defs):
+        ns, name = qualname.split("::", 1)
+        packet = getattr(getattr(torch.ops, ns), name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            op = getattr(packet, overload)
+            if _runs_here(op):
+                table[op] = functools.partial(op.redispatch, _CUDA_KERNEL)
+    return table
 
 
 def _not_left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:

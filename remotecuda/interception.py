@@ -22,6 +22,7 @@ needs; the ``Interception`` it returns belongs to the runtime, whose ``close`` c
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import threading
 import types
@@ -42,6 +43,7 @@ from . import (
     accelerator_api,
     autocast,
     compiled,
+    control_flow,
     cuda_api,
     cuda_graphs,
     data_parallel,
@@ -216,6 +218,31 @@ def _export(func: Callable, args: tuple, kwargs: dict) -> Any:
             f"remotecuda: {func.__module__}.{func.__name__} of a model or inputs on 'cuda' is not supported: "
             "export it on the CPU (model.cpu(), CPU example inputs)")
     return func(*args, **kwargs)
+
+
+def _opcheck(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``torch.library.opcheck`` on 'cuda' inputs: its AOTAutograd checks make fake tensors of
+    them, and a fake 'cuda' tensor with autograd ends this process (as ``_export`` says). Those
+    checks run on CPU copies of the inputs instead, which test the same registrations (the fake
+    kernel, the autograd formula) through the op's CPU kernel; the others on 'cuda'."""
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    utils = bound.arguments["test_utils"]
+    utils = (utils,) if isinstance(utils, str) else tuple(utils)
+    inputs = (bound.arguments["args"], bound.arguments["kwargs"])
+    aot = tuple(u for u in utils if u.startswith("test_aot_dispatch"))
+    if not aot or not any(isinstance(t, RemoteTensor) for t in pytree.tree_leaves(inputs)):
+        return func(*args, **kwargs)
+
+    def cpu(t: Any) -> Any:
+        return t.detach().cpu().requires_grad_(t.requires_grad) if isinstance(t, RemoteTensor) else t
+    results: dict[str, Any] = {}
+    for chosen, (op_args, op_kwargs) in ((tuple(u for u in utils if u not in aot), inputs),
+                                         (aot, pytree.tree_map(cpu, inputs))):
+        if chosen:
+            got = func(**{**bound.arguments, "args": op_args, "kwargs": op_kwargs, "test_utils": chosen})
+            results.update(got or {})
+    return {u: results[u] for u in utils if u in results}
 
 
 def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -443,6 +470,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "get_default_device", _get_default_device),
     (torch.export, "export", _export),
     (torch.export, "draft_export", _export),
+    (torch.library, "opcheck", _opcheck),
 ]
 
 
@@ -619,8 +647,12 @@ class RemoteDispatchMode(TorchDispatchMode):
             if d.type == "meta" and not local.user_meta:
                 target = local.target
                 return self.dispatcher.factory(func, args, kwargs, target if target is not None else local.vdev)
-        if isinstance(func, HigherOrderOperator):
-            _refuse_remote_higher_order(func, args, kwargs)
+        if isinstance(func, HigherOrderOperator) and \
+                any(isinstance(x, RemoteTensor) for x in pytree.tree_leaves((args, kwargs))):
+            out = self.again(lambda: control_flow.dense(func, args, kwargs))
+            if out is NotImplemented:
+                _refuse_remote_higher_order(func)
+            return out
         return func(*args, **kwargs)
 
     def again(self, fn: Callable[[], Any]) -> Any:
@@ -632,14 +664,13 @@ class RemoteDispatchMode(TorchDispatchMode):
             return fn()
 
 
-def _refuse_remote_higher_order(op: HigherOrderOperator, args: tuple, kwargs: dict) -> None:
-    """A higher-order op runs here with our mode off, which is right for CPU tensors; on remote
-    ones torch would say only that it has no rule for RemoteTensor."""
-    if any(isinstance(x, RemoteTensor) for x in pytree.tree_leaves((args, kwargs))):
-        raise NotImplementedError(
-            f"remotecuda: torch's higher-order op {op.name()} is not supported on 'cuda' tensors yet "
-            "(flex_attention is; torch.cond and the like are not): run it on CPU tensors, or write it "
-            "with plain tensor ops")
+def _refuse_remote_higher_order(op: HigherOrderOperator) -> None:
+    """A higher-order op other than control_flow's on remote tensors: torch would say only that
+    it has no rule for RemoteTensor."""
+    raise NotImplementedError(
+        f"remotecuda: torch's higher-order op {op.name()} is not supported on 'cuda' tensors yet "
+        "(flex_attention, torch.cond, while_loop and map are): run it on CPU tensors, or write it "
+        "with plain tensor ops")
 
 
 class _Installed:
@@ -907,6 +938,7 @@ def install(rt: Runtime) -> Interception:
     downloads.install(p)
     decode.install(p)
     flex_attention.install(p)
+    control_flow.install(p)
     downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
     device_type.install(p)
     hub_kernels.install(p)

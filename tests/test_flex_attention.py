@@ -95,6 +95,7 @@ def test_higher_order_ops_run_on_cpu_tensors_while_active_and_say_so_on_cuda_one
     assert flex_attention(q, q, q).shape == q.shape  # (torch's own op: the dispatch mode lets it by)
     torch.testing.assert_close(torch.cond(q.sum() > 0, lambda x: x + 1, lambda x: x - 1, (q,)),
                                q + 1 if q.sum() > 0 else q - 1)
+    from torch._higher_order_ops.scan import scan
     x = q.cuda()
-    with pytest.raises(NotImplementedError, match="remotecuda: torch's higher-order op cond is not supported"):
-        torch.cond(x.sum() > 0, lambda x: x + 1, lambda x: x - 1, (x,))
+    with pytest.raises(NotImplementedError, match="remotecuda: torch's higher-order op scan is not supported"):
+        scan(lambda c, x: (c + x, c * 2), x[0], x)
