@@ -55,6 +55,11 @@ class RemoteSparse(torch.Tensor):
     def get_device(self) -> int:
         return self._i.get_device()
 
+    def __reduce_ex__(self, proto: Any) -> Any:
+        """Pickled as torch pickles a sparse tensor (its indices and values, 'cuda' tensors), so a
+        checkpoint holding one loads where torch's would, with ``weights_only`` too."""
+        return torch._utils._rebuild_sparse_tensor, (torch.sparse_coo, (self._i, self._v, self.shape, self._c))
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # (torch's stub)
         cpu = self.cpu()
         return repr(cpu)[:-1] + f", device='{self.device}')"
@@ -127,8 +132,8 @@ def build(indices: Any, values: Any, size: Any = None, *, dtype: Any = None, dev
 def _refused(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"remotecuda: {what} are not supported on a remote 'cuda' device (a sparse COO tensor there "
-        "takes .cuda()/.cpu(), coalesce(), indices()/values(), to_dense(), t(), sum(), scaling by a "
-        "number and products with dense tensors: torch.sparse.mm, torch.spmm, @); use t.to_dense(), "
+        "takes .cuda()/.cpu(), coalesce(), indices()/values(), to_dense(), t(), sum(), sums, scaling "
+        "by a number and products with dense tensors: torch.sparse.mm, torch.spmm, @); use t.to_dense(), "
         "or keep it on the CPU")
 
 
@@ -242,6 +247,47 @@ def _sparse_mask(x: Any, mask: RemoteSparse) -> RemoteSparse:
     return make(mask._i, aten.index.Tensor(_dense(x, "sparse_mask"), list(mask._i)), mask.shape, True)
 
 
+def _sparse_sum(s: RemoteSparse, dim: Any = None, dtype: Any = None) -> torch.Tensor:
+    """``torch.sparse.sum(s, dim)`` (a GCN's degrees): sparse while sparse dimensions remain, as torch's."""
+    k = s._i.shape[0]
+    dims = sorted({d % s.dim() for d in ([dim] if isinstance(dim, int) else dim)})
+    values = s._v if dtype is None else s._v.to(dtype)
+    dense = [d - k + 1 for d in dims if d >= k]
+    if dense:
+        values = values.sum(dense)
+    keep = [d for d in range(k) if d not in dims]
+    if not keep:
+        return values.sum(0)
+    shape = [n for d, n in enumerate(s.shape) if d not in dims]
+    return _coalesce(make(torch.stack([s._i[d] for d in keep]), values, shape, False))
+
+
+def _add(a: Any, b: Any, *, alpha: Any = 1) -> torch.Tensor:
+    """``a + alpha * b``: of two sparse tensors, their entries together, coalesced (as the CPU's
+    sum of coalesced ones); of a dense and a sparse one, dense."""
+    if isinstance(a, RemoteSparse) and isinstance(b, RemoteSparse):
+        if a.shape != b.shape:
+            raise RuntimeError(f"add: expected 'self' and 'other' to have same size, but self has size "
+                               f"{list(a.shape)} while other has size {list(b.shape)}")
+        values = torch.cat([a._v, b._v if alpha == 1 else b._v * alpha])
+        return _coalesce(make(torch.cat([a._i, b._i], 1), values, a.shape, False))
+    if isinstance(b, RemoteSparse) and isinstance(a, RemoteTensor):
+        b = b if alpha == 1 else _mul(b, alpha)
+        return _dense(a, "add").clone().index_put_(tuple(b._i), b._v.to(a.dtype), accumulate=True)
+    raise _refused("sums of a sparse tensor and a dense one into a sparse result (sparse + dense)")
+
+
+def _values_only(fn: Any, linear: bool = True) -> Any:
+    """An op that maps zero to zero, applied to the values (``-adj``, ``adj / 2``, ``adj ** 2``);
+    one that is not linear to those of the coalesced tensor, whose repeated entries are summed."""
+    def op(s: Any, *args: Any, **kwargs: Any) -> RemoteSparse:
+        if not isinstance(s, RemoteSparse) or any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
+            raise _refused(f"{fn.__name__} of a sparse tensor and a tensor")
+        s = s if linear else _coalesce(s)
+        return make(s._i, fn(s._v, *args, **kwargs), s.shape, s._c)
+    return op
+
+
 def _indices(s: RemoteSparse) -> torch.Tensor:
     if not s._c:
         raise RuntimeError("Cannot get indices on an uncoalesced tensor, please call .coalesce() first")
@@ -290,6 +336,13 @@ _OPS: dict[Any, Any] = {
     aten.clone.default: lambda s, memory_format=None: make(s._i.clone(), s._v.clone(), s.shape, s._c),
     aten.is_pinned.default: lambda s, device=None: False,
     aten.sum.default: lambda s, dtype=None: s._v.sum(dtype=dtype),
+    aten._sparse_sum.dim: _sparse_sum,
+    aten._sparse_sum.dim_dtype: _sparse_sum,
+    aten.add.Tensor: _add,
+    aten.neg.default: _values_only(torch.neg),
+    aten.div.Scalar: _values_only(torch.div),
+    aten.div.Tensor: _values_only(torch.div),
+    aten.pow.Tensor_Scalar: _values_only(torch.pow, linear=False),
     aten.mul.Scalar: _mul,
     aten.mul.Tensor: _mul,
 }

@@ -4,6 +4,7 @@ the sparse API such a tensor meets answers as torch's; other ops say plainly the
 supported."""
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
@@ -92,7 +93,12 @@ def _api(dev: str) -> list:
             s.transpose(0, 1).coalesce().indices(), (s * 2).to_dense(), (0.5 * s).to_dense(), s.sum(),
             s.sparse_dim(), s.dense_dim(), s.cpu().to_dense(), c.cpu().indices(), s.cpu().is_coalesced(),
             s.to_dense().to_sparse().indices(), s.double().to_dense(), s.detach().to_dense(),
-            s.clone()._nnz(), hs._nnz(), hs.indices(), hs.values(), hs.cpu().to_dense()]
+            s.clone()._nnz(), hs._nnz(), hs.indices(), hs.values(), hs.cpu().to_dense(),
+            # a GCN's degrees and self loops, and the ops that keep zeros
+            torch.sparse.sum(s, dim=1).to_dense(), torch.sparse.sum(c, 0).indices(), torch.sparse.sum(hs, (0, 2)),
+            torch.sparse.sum(s), (c + c).is_coalesced(), (c + torch.eye(3).to_sparse().to(dev)).to_dense(),
+            (s + s).to_dense(), torch.ones(3, 3, device=dev) + s, (-s).to_dense(), (s / 2).to_dense(),
+            (s ** 2).to_dense()]
 
 
 def test_the_sparse_api_of_a_coo_tensor_on_cuda_answers_as_on_the_cpu():
@@ -130,9 +136,20 @@ def test_a_sparse_buffer_moves_with_its_module_and_loads_from_a_state_dict():
     assert m.adj.device.type == "cpu" and m.adj.layout == torch.sparse_coo
 
 
+def test_a_sparse_cuda_tensor_saved_loads_as_one_with_weights_only():
+    s = torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([1.0, 2.0]), (3, 3)).cuda()
+    buffer = io.BytesIO()
+    torch.save({"adj": s}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["adj"]
+    assert loaded.is_cuda and loaded.is_sparse
+    assert torch.equal(loaded.to_dense().cpu(), s.cpu().to_dense())
+
+
 def test_other_ops_on_a_sparse_cuda_tensor_say_plainly_they_are_not_supported():
     s = torch.eye(3).to_sparse().cuda()
-    for op in [lambda: s + s, lambda: torch.ones(3, 3, device="cuda") @ s, lambda: torch.sparse.softmax(s, 1)]:
+    for op in [lambda: s * s, lambda: s.index_select(0, torch.tensor([0], device="cuda")),
+               lambda: torch.ones(3, 3, device="cuda") @ s, lambda: torch.sparse.softmax(s, 1)]:
         with pytest.raises(NotImplementedError, match="remotecuda: .* not supported on a remote 'cuda' device"):
             op()
     v = torch.ones(3, device="cuda", requires_grad=True)
