@@ -164,6 +164,13 @@ def _mm(s: Any, x: Any) -> torch.Tensor:
     return _product(s, x, "mm")
 
 
+def _mv(s: Any, v: Any) -> torch.Tensor:
+    """``s @ v`` of a vector (PageRank's power iteration)."""
+    if not isinstance(s, RemoteSparse) or _dense(v, "mv").dim() != 1:
+        raise _refused("products of a dense tensor with a sparse one (dense @ sparse)")
+    return _product(s, v.unsqueeze(1), "mv").squeeze(1)
+
+
 def _addmm(self: Any, s: Any, x: Any, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
     """``beta * self + alpha * (s @ x)`` (``torch.sparse.mm`` sends ``beta=0`` and a placeholder ``self``)."""
     if not isinstance(s, RemoteSparse):
@@ -312,6 +319,7 @@ def _mul(s: Any, other: Any) -> RemoteSparse:
 _OPS: dict[Any, Any] = {
     aten.mm.default: _mm,
     aten._sparse_mm.default: _mm,
+    aten.mv.default: _mv,
     aten._sparse_addmm.default: _addmm,
     aten.addmm.default: _addmm,
     aten.t.default: _t,

@@ -71,7 +71,11 @@ def _pygcn(dev: str) -> list:
     h = _data(12, 4, seed=1).to(dev)
     more = [torch.sparse.mm(adj, h), adj @ h, torch.mm(adj, h),
             torch.sparse.addmm(torch.ones(12, 4, device=dev), adj, h, beta=0.5, alpha=2.0)]
-    return [torch.tensor(losses), out, g1.weight.grad, g2.bias, *more, adj.is_sparse, adj._nnz()]
+    # PageRank's power iteration: the product with a vector
+    r = torch.full((12,), 1 / 12, device=dev, requires_grad=True)
+    ranked = 0.85 * (adj @ r) + 0.15 / 12
+    ranked.pow(2).sum().backward()
+    return [torch.tensor(losses), out, g1.weight.grad, g2.bias, *more, adj.is_sparse, adj._nnz(), ranked, r.grad]
 
 
 def test_pygcn_with_a_sparse_adjacency_on_cuda_trains_as_on_the_cpu():
