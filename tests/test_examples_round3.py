@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune as prune
 from torch import nn
+from torch.func import functional_call
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence, pad_sequence
 
 pytestmark = pytest.mark.usefixtures("remote")
@@ -1034,6 +1036,319 @@ def sobol_bayesopt(dev):
     special = [torch.special.erf(z), torch.special.ndtr(z), torch.special.log_ndtr(z), torch.special.gammaln(sd + 1),
                torch.special.i0(z)]
     return mu, sd, ei, nxt, special
+
+
+@case
+def beam_search(dev):
+    torch.manual_seed(0)
+    V, B, K, H = 10, 2, 3, 8
+    emb = nn.Embedding(V, H).to(dev)
+    cell = nn.GRUCell(H, H).to(dev)
+    out = nn.Linear(H, V).to(dev)
+    h = D(B, H).to(dev).repeat_interleave(K, 0)
+    tokens = torch.zeros(B * K, 1, dtype=torch.long, device=dev)
+    scores = torch.zeros(B, K, device=dev)
+    scores[:, 1:] = float("-inf")
+    finished = torch.zeros(B * K, dtype=torch.bool, device=dev)
+    with torch.no_grad():
+        for _step in range(5):
+            h = cell(emb(tokens[:, -1]), h)
+            lp = F.log_softmax(out(h), -1)
+            lp = lp.masked_fill(finished.unsqueeze(1), float("-inf"))
+            cand = (scores.view(-1, 1) + lp).view(B, K * V)
+            top, idx = cand.topk(K, dim=1)
+            beam = torch.div(idx, V, rounding_mode="floor")
+            tok = idx % V
+            base = (torch.arange(B, device=dev) * K).unsqueeze(1)
+            sel = (base + beam).view(-1)
+            tokens = torch.cat([tokens.index_select(0, sel), tok.view(-1, 1)], 1)
+            h = h[sel]
+            scores = top
+            finished = finished[sel] | (tok.view(-1) == 2)
+            if finished.all():
+                break
+    best = scores.argmax(1)
+    return tokens, scores, best, tokens.view(B, K, -1)[torch.arange(B, device=dev), best]
+
+
+@case
+def quantum_sim(dev):
+    X = torch.tensor([[0, 1], [1, 0]], dtype=torch.complex64, device=dev)
+    Z = torch.tensor([[1, 0], [0, -1]], dtype=torch.complex64, device=dev)
+    Id = torch.eye(2, dtype=torch.complex64, device=dev)
+    Hm = torch.kron(Z, Z) + 0.5 * (torch.kron(X, Id) + torch.kron(Id, X))
+    ev, evec = torch.linalg.eigh(Hm)
+    psi0 = torch.zeros(4, dtype=torch.complex64, device=dev)
+    psi0[0] = 1
+    U = torch.linalg.matrix_exp(-1j * Hm * 0.3)
+    psi = U @ psi0
+    expZ = (psi.conj() @ torch.kron(Z, Id) @ psi).real
+    probs = psi.abs() ** 2
+    rho = torch.outer(psi, psi.conj())
+    purity = torch.trace(rho @ rho).real
+    theta = torch.tensor(0.4, device=dev, requires_grad=True)
+    c, sn = torch.cos(theta / 2), torch.sin(theta / 2)
+    Ry = torch.stack([torch.stack([c, -sn]), torch.stack([sn, c])]).to(torch.complex64)
+    st = Ry @ torch.tensor([1, 0], dtype=torch.complex64, device=dev)
+    e = (st.conj() @ Z @ st).real
+    e.backward()
+    return ev, U, psi, expZ, probs, purity, theta.grad, torch.view_as_real(st), torch.angle(psi)
+
+
+@case
+def hmc(dev):
+    torch.manual_seed(0)
+    mu = torch.tensor([1.0, -1.0], device=dev)
+    cov = torch.tensor([[1.0, 0.8], [0.8, 1.0]], device=dev)
+    prec = torch.linalg.inv(cov)
+    def U(q):
+        d = q - mu
+        return 0.5 * d @ prec @ d
+    def gradU(q):
+        q = q.detach().requires_grad_(True)
+        return torch.autograd.grad(U(q), q)[0]
+    q = torch.zeros(2, device=dev)
+    samples = []
+    acc = 0
+    for it in range(10):
+        torch.manual_seed(100 + it)
+        p = torch.randn(2, device=dev)
+        q0, p0 = q.clone(), p.clone()
+        p = p - 0.1 * gradU(q) / 2
+        for _ in range(5):
+            q = q + 0.1 * p
+            p = p - 0.1 * gradU(q)
+        p = p + 0.1 * gradU(q) / 2
+        H0 = U(q0) + 0.5 * p0 @ p0
+        H1 = U(q) + 0.5 * p @ p
+        if torch.rand(1, device=dev).item() < torch.exp(H0 - H1).item():
+            acc += 1
+        else:
+            q = q0
+        samples.append(q)
+    return torch.stack(samples), torch.tensor(acc)
+
+
+@case
+def grad_reversal_and_custom_fn(dev):
+    torch.manual_seed(0)
+    class GradReverse(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, alpha):
+            ctx.alpha = alpha
+            return x.view_as(x)
+        @staticmethod
+        def backward(ctx, g):
+            return g.neg() * ctx.alpha, None
+    class MyReLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.clamp(min=0)
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):
+            x, = ctx.saved_tensors
+            gi = g.clone()
+            gi[x < 0] = 0
+            return gi
+    class Swish(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            r = x * torch.sigmoid(x)
+            ctx.save_for_backward(x)
+            return r
+        @staticmethod
+        def backward(ctx, g):
+            x, = ctx.saved_tensors
+            s = torch.sigmoid(x)
+            return g * (s * (1 + x * (1 - s)))
+    feat = nn.Linear(4, 8).to(dev)
+    dom = nn.Linear(8, 2).to(dev)
+    cls = nn.Linear(8, 3).to(dev)
+    x = D(6, 4).to(dev)
+    f = MyReLU.apply(feat(x))
+    loss = F.cross_entropy(cls(Swish.apply(f)), torch.tensor([0, 1, 2, 0, 1, 2], device=dev)) + \
+        F.cross_entropy(dom(GradReverse.apply(f, 0.5)), torch.tensor([0, 1] * 3, device=dev))
+    loss.backward()
+    xg = D(3, 4, seed=2).double().to(dev).requires_grad_(True)
+    ok = torch.autograd.gradcheck(Swish.apply, (xg,), eps=1e-6, atol=1e-4)
+    return feat.weight.grad, dom.weight.grad, cls.weight.grad, torch.tensor(ok)
+
+
+@case
+def vit_patches_unfold(dev):
+    torch.manual_seed(0)
+    img = D(2, 3, 8, 8).to(dev)
+    p = F.unfold(img, kernel_size=4, stride=4)
+    patches = p.transpose(1, 2)
+    proj = nn.Linear(48, 16).to(dev)
+    cls_tok = nn.Parameter(torch.zeros(1, 1, 16, device=dev))
+    pos = nn.Parameter(D(1, 5, 16, seed=1).to(dev))
+    tok = torch.cat([cls_tok.expand(2, -1, -1), proj(patches)], 1) + pos
+    enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True).to(dev)
+    out = enc(tok)
+    rec = F.fold(p, output_size=(8, 8), kernel_size=4, stride=4)
+    p2 = img.unfold(2, 4, 4).unfold(3, 4, 4).contiguous().view(2, 3, -1, 16)
+    def overlap_add(t):
+        return F.fold(F.unfold(t, 3, padding=1), (8, 8), 3, padding=1)
+    ov = overlap_add(img) / overlap_add(torch.ones_like(img))
+    out[:, 0].sum().backward()
+    return out, rec, p2, ov, proj.weight.grad, pos.grad
+
+
+@case
+def robust_stats(dev):
+    x = D(7, 9).to(dev)
+    r = [torch.median(x), x.median(dim=1), x.nanmedian(0),
+         torch.quantile(x, torch.tensor([0.1, 0.5, 0.9], device=dev), dim=1), x.kthvalue(3, dim=1),
+         torch.sort(x.round(), dim=1, stable=True), x.argsort(dim=0, descending=True), torch.cummax(x, 1),
+         torch.cummin(x, 0), torch.logcumsumexp(x, 1), x.mode(1), torch.histc(x, bins=5, min=-2, max=2),
+         torch.bucketize(x, torch.tensor([-1.0, 0, 1], device=dev)), x.std(1, unbiased=False),
+         torch.var_mean(x, 0, correction=0), torch.aminmax(x), x.msort(), torch.cov(x), torch.corrcoef(x),
+         x.renorm(2, 0, 1.0), torch.unique(x.round(), sorted=True, return_counts=True),
+         torch.unique_consecutive(x.round().flatten(), return_counts=True), torch.nanquantile(x, 0.3)]
+    out = []
+    for v in r:
+        out += list(v) if isinstance(v, tuple) else [v]
+    return out
+
+
+@case
+def gpu_augment(dev):
+    torch.manual_seed(0)
+    x = D(4, 3, 10, 10).to(dev)
+    torch.manual_seed(7)
+    flip = torch.rand(4, device=dev) < 0.5
+    x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+    i, j = torch.randint(0, 3, (2,), device=dev).tolist()
+    crop = x[:, :, i:i + 8, j:j + 8]
+    rot = torch.rot90(crop, 1, (2, 3))
+    mean = torch.tensor([0.485, 0.456, 0.406], device=dev).view(1, 3, 1, 1)
+    norm = (rot - mean) / torch.tensor([0.229, 0.224, 0.225], device=dev).view(1, 3, 1, 1)
+    lam = torch.distributions.Beta(torch.tensor(0.4, device=dev), torch.tensor(0.4, device=dev)).sample()
+    perm = torch.randperm(4, device=dev)
+    mixed = lam * norm + (1 - lam) * norm[perm]
+    jitter = norm * (1 + 0.2 * (torch.rand(4, 1, 1, 1, device=dev) - 0.5))
+    gray = (norm * torch.tensor([0.299, 0.587, 0.114], device=dev).view(1, 3, 1, 1)).sum(1, keepdim=True)
+    noise = norm + 0.1 * torch.randn_like(norm)
+    erase = norm.clone()
+    erase[:, :, 2:4, 2:4] = 0
+    return flip, crop, rot, norm, lam, perm, mixed, jitter, gray, noise, erase, torch.tensor([i, j])
+
+
+@case
+def set_transformer_masks(dev):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True, dropout=0.0).to(dev)
+    x = D(3, 5, 8).to(dev)
+    lengths = torch.tensor([5, 3, 2], device=dev)
+    kpm = torch.arange(5, device=dev)[None, :] >= lengths[:, None]
+    o, w = mha(x, x, x, key_padding_mask=kpm)
+    o2, w2 = mha(x, x, x, key_padding_mask=kpm, average_attn_weights=False)
+    causal = nn.Transformer.generate_square_subsequent_mask(5, device=dev)
+    o3, _ = mha(x, x, x, attn_mask=causal, need_weights=False)
+    pooled = (o * (~kpm).unsqueeze(-1)).sum(1) / lengths.unsqueeze(-1)
+    seeds = nn.Parameter(D(1, 2, 8, seed=2).to(dev))
+    pma, _ = mha(seeds.expand(3, -1, -1), x, x, key_padding_mask=kpm)
+    mha.eval()
+    with torch.inference_mode():
+        o4, _ = mha(x, x, x, key_padding_mask=kpm)
+        inf = o4.is_inference()
+    (pooled.sum() + pma.sum()).backward()
+    return o, w, o2, w2, o3, pooled, pma, o4, torch.tensor(inf), mha.in_proj_weight.grad
+
+
+@case
+def capsule_routing(dev):
+    torch.manual_seed(0)
+    def squash(s, dim=-1):
+        n2 = (s ** 2).sum(dim, keepdim=True)
+        return n2 / (1 + n2) * s / torch.sqrt(n2 + 1e-8)
+    u = D(2, 6, 4).to(dev)
+    W = nn.Parameter(D(1, 6, 3, 5, 4, seed=1).to(dev) * 0.1)
+    u_hat = (W @ u[:, :, None, :, None]).squeeze(-1)
+    b = torch.zeros(2, 6, 3, device=dev)
+    for r in range(3):
+        c = F.softmax(b, dim=2)
+        v = squash((c.unsqueeze(-1) * u_hat).sum(1))
+        if r < 2:
+            b = b + (u_hat * v.unsqueeze(1)).sum(-1)
+    lengths = v.norm(dim=-1)
+    tgt = F.one_hot(torch.tensor([0, 2], device=dev), 3).float()
+    margin = (tgt * F.relu(0.9 - lengths) ** 2 + 0.5 * (1 - tgt) * F.relu(lengths - 0.1) ** 2).sum(1).mean()
+    margin.backward()
+    return v, lengths, margin, W.grad
+
+
+@case
+def maml(dev):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 1)).to(dev)
+    meta = torch.optim.Adam(net.parameters(), lr=1e-3)
+    out = []
+    for it in range(2):
+        meta.zero_grad()
+        tot = 0
+        for t in range(2):
+            xs, ys = D(5, 1, seed=it * 10 + t).to(dev), D(5, 1, seed=it * 10 + t + 5).to(dev)
+            params = dict(net.named_parameters())
+            for _ in range(2):
+                inner = F.mse_loss(functional_call(net, params, (xs,)), ys)
+                grads = torch.autograd.grad(inner, params.values(), create_graph=True)
+                params = {n: p - 0.01 * g for (n, p), g in zip(params.items(), grads)}
+            ql = F.mse_loss(functional_call(net, params, (xs * 2,)), ys)
+            tot = tot + ql
+        tot.backward()
+        meta.step()
+        out.append(tot.detach())
+    return out, net[0].weight
+
+
+@case
+def trpo_cg(dev):
+    torch.manual_seed(0)
+    pol = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(dev)
+    obs = D(10, 4).to(dev)
+    acts = torch.tensor([0, 1] * 5, device=dev)
+    adv = D(10, seed=1).to(dev)
+    with torch.no_grad():
+        old = F.log_softmax(pol(obs), -1)
+    def surr():
+        lp = F.log_softmax(pol(obs), -1)
+        ratio = torch.exp(lp.gather(1, acts[:, None]).squeeze(1) - old.gather(1, acts[:, None]).squeeze(1))
+        return (ratio * adv).mean()
+    def kl():
+        lp = F.log_softmax(pol(obs), -1)
+        return (old.exp() * (old - lp)).sum(-1).mean()
+    params = list(pol.parameters())
+    g = parameters_to_vector(torch.autograd.grad(surr(), params))
+    def Fvp(v):
+        k = kl()
+        gk = parameters_to_vector(torch.autograd.grad(k, params, create_graph=True))
+        return parameters_to_vector(torch.autograd.grad((gk * v).sum(), params)) + 0.1 * v
+    x = torch.zeros_like(g)
+    r = g.clone()
+    p = g.clone()
+    rr = r @ r
+    for _i in range(5):
+        Ap = Fvp(p)
+        alpha = rr / (p @ Ap)
+        x += alpha * p
+        r -= alpha * Ap
+        nrr = r @ r
+        if nrr < 1e-10:
+            break
+        p = r + nrr / rr * p
+        rr = nrr
+    step = torch.sqrt(2 * 0.01 / (x @ Fvp(x))) * x
+    oldp = parameters_to_vector(params)
+    for frac in [1.0, 0.5, 0.25]:
+        vector_to_parameters(oldp + frac * step, params)
+        if kl().item() <= 0.01 and surr().item() > 0:
+            break
+    return g, x, step, parameters_to_vector(pol.parameters()), torch.tensor(frac)
+
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_program_matches_local(name):
