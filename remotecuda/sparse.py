@@ -153,9 +153,15 @@ def _product(s: RemoteSparse, x: Any, op: str) -> torch.Tensor:
     if x.dim() != 2 or x.shape[0] != s.shape[1]:
         raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({s.shape[0]}x{s.shape[1]} and "
                            f"{'x'.join(map(str, x.shape))})")
+    if s.dtype != x.dtype:  # (torch's words, naming the types as C++ does)
+        raise RuntimeError(f"expected scalar type {_scalar_name(s.dtype)} but found {_scalar_name(x.dtype)}")
     rows, cols = s._i[0], s._i[1]
-    picked = x.index_select(0, cols) * s._v.to(x.dtype).unsqueeze(1)
+    picked = x.index_select(0, cols) * s._v.unsqueeze(1)
     return x.new_zeros((s.shape[0], x.shape[1])).index_add_(0, rows, picked)
+
+
+def _scalar_name(dtype: torch.dtype) -> str:
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
 
 
 def _mm(s: Any, x: Any) -> torch.Tensor:

@@ -116,7 +116,9 @@ def test_gradients_flow_through_to_sparse_and_the_product():
         y = _data(5, 3, seed=2).to(dev).requires_grad_(True)
         out = torch.sparse.mm(x.to_sparse(), y)
         (out ** 2).sum().backward()
-        return [out, x.grad, y.grad]
+        leaf = _adjacency(5).to_sparse().to(dev).requires_grad_(True)  # a sparse leaf's own gradient
+        (torch.sparse.mm(leaf, y.detach()) ** 2).sum().backward()
+        return [out, x.grad, y.grad, leaf.grad.to_dense(), leaf.grad.is_coalesced()]
     torch.testing.assert_close(_cpu(run("cuda")), _cpu(run("cpu")), rtol=1e-5, atol=1e-6)
 
 
@@ -159,4 +161,6 @@ def test_other_ops_on_a_sparse_cuda_tensor_say_plainly_they_are_not_supported():
     v = torch.ones(3, device="cuda", requires_grad=True)
     with pytest.raises(NotImplementedError, match="values that require grad"):
         torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [0, 1, 2]], device="cuda"), v, (3, 3))
+    with pytest.raises(RuntimeError, match="expected scalar type Double but found Float"):
+        torch.sparse.mm(s.double(), torch.ones(3, 2, device="cuda"))
     assert torch.equal(s.to_dense().cpu(), torch.eye(3))  # the session goes on
