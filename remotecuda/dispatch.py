@@ -880,6 +880,19 @@ def _to_sparse(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     return sparse.from_dense(*args, **kwargs)
 
 
+def _sparse_from_parts(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """A sparse COO tensor that C++ builds from 'cuda' indices and values (nn.Embedding(sparse=True)'s
+    gradient): a RemoteSparse of them (sparse.py)."""
+    size, indices, values = args[2:5]
+    remote = next((a for a in (indices, values) if isinstance(a, RemoteTensor)), None)
+    s = remote._s if remote is not None else d.session_of(d.target_vdev(kwargs.get("device")))
+    indices, values = (a if isinstance(a, RemoteTensor) else d.upload(a, s) for a in (indices, values))
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != values.dtype:
+        values = values.to(dtype)
+    return sparse.make(indices, values, size, bool(kwargs.get("is_coalesced")))
+
+
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten.to.dtype_layout: _to,
@@ -895,5 +908,6 @@ _SPECIAL = {
     aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
     aten._to_sparse.default: _to_sparse,
     aten._to_sparse.sparse_dim: _to_sparse,
+    aten._sparse_coo_tensor_with_dims_and_tensors.default: _sparse_from_parts,
 }
 

@@ -87,9 +87,21 @@ def upload(cpu: torch.Tensor, to_remote: Any, dtype: torch.dtype | None) -> Remo
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """An aten op with a RemoteSparse among its arguments."""
     handler = _OPS.get(func)
-    if handler is None:
-        raise _refused(f"op {func.name()} on sparse tensors")
-    return handler(*args, **kwargs)
+    if handler is not None:
+        return handler(*args, **kwargs)
+    if func._opname.startswith("_foreach_"):
+        return _foreach(func, args, kwargs)
+    raise _refused(f"op {func.name()} on sparse tensors")
+
+
+def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A ``_foreach_`` op over lists holding sparse tensors (an optimizer's step over sparse
+    gradients) runs tensor by tensor, as torch's own fallback runs one."""
+    name = func._opname.removeprefix("_foreach_")
+    each = getattr(torch.Tensor, name)
+    n = len(args[0])
+    results = [each(*(a[k] if type(a) in (list, tuple) else a for a in args), **kwargs) for k in range(n)]
+    return None if name.endswith("_") else results
 
 
 def involved(args: Any) -> bool:
@@ -290,6 +302,28 @@ def _add(a: Any, b: Any, *, alpha: Any = 1) -> torch.Tensor:
     raise _refused("sums of a sparse tensor and a dense one into a sparse result (sparse + dense)")
 
 
+def _add_(a: Any, b: Any, *, alpha: Any = 1) -> Any:
+    """``a += alpha * b`` (an optimizer's step with a sparse gradient, a gradient accumulated)."""
+    if isinstance(a, RemoteSparse):
+        total = _add(a, b, alpha=alpha)
+        if not isinstance(total, RemoteSparse):
+            raise _refused("sums of a sparse tensor and a dense one into a sparse result (sparse + dense)")
+        a._i, a._v, a._c = total._i, total._v, total._c
+        return a
+    if not isinstance(b, RemoteSparse) or a.shape != b.shape:
+        raise _refused("in-place sums of these tensors")
+    values = b._v if alpha == 1 else b._v * alpha
+    return _dense(a, "add_").index_put_(tuple(b._i), values.to(a.dtype), accumulate=True)
+
+
+def _mul_(s: Any, other: Any) -> RemoteSparse:
+    """``s *= number`` (SGD's momentum buffer of a sparse gradient)."""
+    if not isinstance(s, RemoteSparse):
+        raise _refused("in-place products of a dense tensor with a sparse one")
+    s._v = _mul(s, other)._v
+    return s
+
+
 def _values_only(fn: Any, linear: bool = True) -> Any:
     """An op that maps zero to zero, applied to the values (``-adj``, ``adj / 2``, ``adj ** 2``);
     one that is not linear to those of the coalesced tensor, whose repeated entries are summed."""
@@ -353,10 +387,13 @@ _OPS: dict[Any, Any] = {
     aten._sparse_sum.dim: _sparse_sum,
     aten._sparse_sum.dim_dtype: _sparse_sum,
     aten.add.Tensor: _add,
+    aten.add_.Tensor: _add_,
     aten.neg.default: _values_only(torch.neg),
     aten.div.Scalar: _values_only(torch.div),
     aten.div.Tensor: _values_only(torch.div),
     aten.pow.Tensor_Scalar: _values_only(torch.pow, linear=False),
     aten.mul.Scalar: _mul,
+    aten.mul_.Scalar: _mul_,
+    aten.mul_.Tensor: _mul_,
     aten.mul.Tensor: _mul,
 }

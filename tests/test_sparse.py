@@ -122,6 +122,35 @@ def test_gradients_flow_through_to_sparse_and_the_product():
     torch.testing.assert_close(_cpu(run("cuda")), _cpu(run("cpu")), rtol=1e-5, atol=1e-6)
 
 
+def _skipgram(dev: str) -> list:
+    """word2vec's skip-gram with negative sampling: nn.Embedding(sparse=True) trained by SparseAdam,
+    and by SGD with momentum (each step a sparse gradient, built by C++ from 'cuda' parts)."""
+    torch.manual_seed(0)
+    u_emb, v_emb = nn.Embedding(20, 8, sparse=True).to(dev), nn.Embedding(20, 8, sparse=True).to(dev)
+    opt = torch.optim.SparseAdam([*u_emb.parameters(), *v_emb.parameters()], lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        center, context, negative = (torch.randint(0, 20, shape, generator=g).to(dev) for shape in [(6,), (6,), (6, 3)])
+        u = u_emb(center)
+        positive = F.logsigmoid((u * v_emb(context)).sum(1))
+        loss = -(positive + F.logsigmoid(-(v_emb(negative) @ u.unsqueeze(2)).squeeze(2)).sum(1)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    sgd_emb = nn.Embedding(20, 8, sparse=True).to(dev)
+    sgd = torch.optim.SGD(sgd_emb.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        sgd_emb(torch.tensor([1, 2, 2], device=dev)).sum().backward()
+        sgd.step()
+    return [torch.stack(losses), u_emb.weight, v_emb.weight, sgd_emb.weight.grad.to_dense(), sgd_emb.weight]
+
+
+def test_embeddings_with_sparse_gradients_train_as_on_the_cpu():
+    torch.testing.assert_close(_cpu(_skipgram("cuda")), _cpu(_skipgram("cpu")), rtol=1e-5, atol=1e-6)
+
+
 def test_a_sparse_buffer_moves_with_its_module_and_loads_from_a_state_dict():
     class Propagate(nn.Module):
         def __init__(self) -> None:
