@@ -268,8 +268,8 @@ def _sparse_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError("remotecuda: sparse 'cuda' tensors that require grad are not supported; "
                                   "make a dense one (t.to_dense()) or keep it on the CPU")
     if d is not None and not remote:
-        kw = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
-        return to_cuda(func(*args, **kw), _cuda_index(d))
+        kw = {k: v for k, v in kwargs.items() if k != "pin_memory"}
+        return to_cuda(func(*args, **dict(kw, device="cpu")), _cuda_index(d))  # (cpu: past a device context)
     return sparse.build(*args, **kwargs)
 
 

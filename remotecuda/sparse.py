@@ -55,6 +55,14 @@ class RemoteSparse(torch.Tensor):
     def get_device(self) -> int:
         return self._i.get_device()
 
+    def type(self, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:  # type: ignore[override]
+        """The legacy type name, as a GPU's ('torch.cuda.sparse.FloatTensor'); given a dtype, ``to``."""
+        if dtype is None:
+            return "torch.cuda.sparse." + torch.empty(0, dtype=self.dtype).type().removeprefix("torch.")
+        if isinstance(dtype, torch.dtype):
+            return self.to(dtype, non_blocking=non_blocking)
+        raise _refused("legacy type conversions of sparse tensors")
+
     def __reduce_ex__(self, proto: Any) -> Any:
         """Pickled as torch pickles a sparse tensor (its indices and values, 'cuda' tensors), so a
         checkpoint holding one loads where torch's would, with ``weights_only`` too."""

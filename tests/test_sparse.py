@@ -171,6 +171,13 @@ def test_a_sparse_buffer_moves_with_its_module_and_loads_from_a_state_dict():
     assert m.adj.device.type == "cpu" and m.adj.layout == torch.sparse_coo
 
 
+def test_a_coo_tensor_made_in_a_cuda_device_context_is_there_and_names_a_cuda_type():
+    with torch.device("cuda"):
+        s = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2))
+    assert s.is_cuda and s.is_sparse and s.type() == "torch.cuda.sparse.FloatTensor"
+    assert torch.equal(s.to_dense().cpu(), torch.tensor([[0.0, 1.0], [2.0, 0.0]]))
+
+
 def test_a_sparse_cuda_tensor_saved_loads_as_one_with_weights_only():
     s = torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([1.0, 2.0]), (3, 3)).cuda()
     buffer = io.BytesIO()
