@@ -1,7 +1,7 @@
 """Sparse COO tensors on 'cuda', for what graph networks do with one: an adjacency moved to the
 GPU (``adj.cuda()``, ``torch.sparse_coo_tensor(..., device='cuda')``, ``x.to_sparse()``) and
 multiplied with dense features (pygcn's ``torch.spmm(adj, h)``, ``torch.sparse.mm``, ``adj @ h``),
-with gradients for the dense side.
+with gradients; and ``nn.Embedding(sparse=True)``'s gradients, through the optimizers' steps.
 
 A remote tensor is dense and strided (its wrapper carries shape and strides, and so does the
 wire), so a sparse one is a wrapper of its own: its C++ layout is ``sparse_coo`` (``is_sparse``,
@@ -84,7 +84,7 @@ def upload(cpu: torch.Tensor, to_remote: Any, dtype: torch.dtype | None) -> Remo
     """A CPU sparse COO tensor (or a remote one) put on a device by ``to_remote`` (a dense CPU or
     remote tensor → a RemoteTensor there), ``dtype`` its values' new dtype (None: kept)."""
     if cpu.requires_grad:
-        raise _refused("sparse tensors that require grad")
+        raise _refused("moves of sparse tensors that require grad (a sparse leaf made on 'cuda' may)")
     i, v, c = (cpu._i, cpu._v, cpu._c) if isinstance(cpu, RemoteSparse) else \
         (cpu._indices(), cpu._values(), cpu.is_coalesced())
     if dtype is not None and dtype != v.dtype:
