@@ -33,7 +33,7 @@ from remotecuda_wire import layouts
 from remotecuda_wire.protocol import DTYPE_EXT, OP_NAMESPACES
 
 from . import dispatch_cache as dc
-from . import downloads, known, transfer
+from . import downloads, known, sparse, transfer
 from .device_type import DEVICE
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import GatewayLostError, RemoteCUDAError
@@ -353,6 +353,8 @@ class Dispatcher:
                 wkw = dict(zip(kwargs, values))
                 parts.append(tuple(kwargs))
         except _NeedUpload:
+            if sparse.involved(args) or (kwargs and sparse.involved(kwargs)):
+                return sparse.dispatch(m.func, args, kwargs)
             if m.func in _INDEXING and session is None and not isinstance(args[0], RemoteTensor):
                 return _index_cpu_tensor(m, args, kwargs)
             args, kwargs = self._upload_cpu_args(m, args, kwargs, session)
@@ -537,9 +539,12 @@ class Dispatcher:
             raise NotImplementedError("remotecuda: nested tensors cannot be moved to a remote 'cuda' device (only "
                                       "dense, strided tensors cross the wire); move "
                                       "torch.nested.to_padded_tensor(t, 0.0) instead")
+        kwargs = kwargs or {}
+        if cpu.layout is torch.sparse_coo:
+            return sparse.upload(cpu, lambda t: self.upload(t, s) if not isinstance(t, RemoteTensor) else
+                                 t if t._s is s else self.between(t, s.vdev, {}), kwargs.get("dtype"))
         if cpu.layout is not torch.strided:
             raise not_dense(cpu.layout, "moved to")
-        kwargs = kwargs or {}
         dtype = kwargs.get("dtype")
         if dtype is not None and dtype != cpu.dtype:
             cpu = cpu.to(dtype)
@@ -898,6 +903,24 @@ def _not_left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bo
     return False
 
 
+def _to_sparse(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``x.to_sparse()`` of a remote tensor: a sparse COO one on its device (sparse.py)."""
+    return sparse.from_dense(*args, **kwargs)
+
+
+def _sparse_from_parts(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """A sparse COO tensor that C++ builds from 'cuda' indices and values (nn.Embedding(sparse=True)'s
+    gradient): a RemoteSparse of them (sparse.py)."""
+    size, indices, values = args[2:5]
+    remote = next((a for a in (indices, values) if isinstance(a, RemoteTensor)), None)
+    s = remote._s if remote is not None else d.session_of(d.target_vdev(kwargs.get("device")))
+    indices, values = (a if isinstance(a, RemoteTensor) else d.upload(a, s) for a in (indices, values))
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != values.dtype:
+        values = values.to(dtype)
+    return sparse.make(indices, values, size, bool(kwargs.get("is_coalesced")))
+
+
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten.to.dtype_layout: _to,
@@ -911,5 +934,8 @@ _SPECIAL = {
     aten._conj.default: _materialized,
     aten._neg_view.default: _materialized,
     aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
+    aten._to_sparse.default: _to_sparse,
+    aten._to_sparse.sparse_dim: _to_sparse,
+    aten._sparse_coo_tensor_with_dims_and_tensors.default: _sparse_from_parts,
 }
 

@@ -58,6 +58,7 @@ from . import (
     rnn,
     runtime,
     serialization,
+    sparse,
     transfer,
 )
 from .device_type import DEVICE
@@ -281,11 +282,22 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def _sparse_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """torch.sparse_*_tensor on 'cuda': C++ says the device is absent; say why instead."""
+    """torch.sparse_*_tensor on 'cuda', or of 'cuda' indices and values: a COO one is a
+    RemoteSparse (sparse.py); C++ would say of the others that the device is absent: say why."""
     d = _device(kwargs.get("device")) or _context_device()
-    if d is not None and d.type == "cuda":
-        raise not_dense(kwargs.get("layout") or _SPARSE_LAYOUTS[func.__name__], "made on")
-    return func(*args, **kwargs)
+    remote = any(isinstance(a, RemoteTensor) for a in itertools.chain(args, kwargs.values()))
+    if (d is None or d.type != "cuda") and not remote:
+        return func(*args, **kwargs)
+    lay = kwargs.get("layout") or _SPARSE_LAYOUTS[func.__name__]
+    if lay is not torch.sparse_coo:
+        raise not_dense(lay, "made on")
+    if kwargs.get("requires_grad"):
+        raise NotImplementedError("remotecuda: sparse 'cuda' tensors that require grad are not supported; "
+                                  "make a dense one (t.to_dense()) or keep it on the CPU")
+    if d is not None and not remote:
+        kw = {k: v for k, v in kwargs.items() if k != "pin_memory"}
+        return to_cuda(func(*args, **dict(kw, device="cpu")), _cuda_index(d))  # (cpu: past a device context)
+    return sparse.build(*args, **kwargs)
 
 
 _SPARSE_LAYOUTS = {"sparse_coo_tensor": torch.sparse_coo, "sparse_csr_tensor": torch.sparse_csr,

@@ -100,6 +100,9 @@ def tensor_new(func: Callable, args: tuple, kwargs: dict) -> Any:
     as the C++ constructor makes it; for a wrapper C++ would make it on 'meta' (the data lost).
     Sizes (``x.new(2, 3)``, a ``torch.Size``) and the other forms are C++'s own."""
     self = args[0]
+    if self.is_sparse and self.is_cuda and len(args) in (3, 4) and isinstance(args[1], torch.Tensor):
+        # grad.new(indices, values, size): SparseAdam's (and SGD's) update of a sparse gradient
+        return torch.sparse_coo_tensor(*args[1:], dtype=self.dtype, **kwargs)
     d = kwargs.get("device")
     d = torch.device("cuda", d) if isinstance(d, int) else None if d is None else torch.device(d)
     if not isinstance(self, RemoteTensor) or d is not None and d.type != "cuda":

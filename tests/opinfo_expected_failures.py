@@ -8,7 +8,6 @@ does, which differs from the CPU reference).
 from __future__ import annotations
 
 _SPARSE_CSR = "unsupported: sparse CSR tensors (only dense tensors cross the wire: NotImplementedError)"
-_SPARSE_COO = "unsupported: sparse COO tensors (made on 'cuda': NotImplementedError)"
 _HALF_STATS = ("cuda semantics: CUDA's float32 mean/rstd for a half-precision input (the meta kernel's, "
                "so the wrapper's); the CPU gateway computes them in the input dtype")
 _GETITEM = ("client bug: Tensor.__getitem__ captured before activate() (OpInfo holds it) bypasses the "
@@ -17,7 +16,6 @@ _GETITEM = ("client bug: Tensor.__getitem__ captured before activate() (OpInfo h
 FORWARD: dict[tuple[str, str], str] = {
     ("sparse.sampled_addmm", "float32"): _SPARSE_CSR,
     **{("sparse.mm.reduce", dt): _SPARSE_CSR for dt in ("float32", "bfloat16", "float16")},
-    **{("to_sparse", dt): _SPARSE_COO for dt in ("float32", "bfloat16", "float16", "int64")},
     **{(op, dt): _HALF_STATS for op in ("native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
                                         "_batch_norm_with_update") for dt in ("bfloat16", "float16")},
     ("native_batch_norm", "float32"): ("cuda semantics: in eval mode CUDA (and the meta kernel) returns the "
@@ -30,7 +28,6 @@ FORWARD: dict[tuple[str, str], str] = {
 }
 
 NONCONTIGUOUS: dict[tuple[str, str], str] = {
-    ("to_sparse", "float32"): _SPARSE_COO,
     ("__getitem__", "float32"): _GETITEM,
 }
 
@@ -39,7 +36,6 @@ EMPTY: dict[tuple[str, str], str] = {
 }
 
 BACKWARD: dict[tuple[str, str], str] = {
-    ("to_sparse", "float32"): _SPARSE_COO,
     ("sparse.sampled_addmm", "float32"): _SPARSE_CSR,
     ("sparse.mm.reduce", "float32"): _SPARSE_CSR,
     ("__getitem__", "float32"): _GETITEM,

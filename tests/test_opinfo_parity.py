@@ -25,12 +25,12 @@ Known failures are listed, each with its reason, in ``opinfo_expected_failures.p
 The counts by test and xfail reason category are printed at the end of the run. At the last
 update (torch 2.13, CPU gateway; 4137 tests in ~75 s on 2 busy cores):
 
-- test_op (677 ops in float32, 551 bfloat16, 546 float16, 468 int64): 2197 passed, 22 xfailed,
+- test_op (677 ops in float32, 551 bfloat16, 546 float16, 468 int64): 2200 passed, 19 xfailed,
   23 skipped (CUDA-only jiterator ops; unfold: only empty samples);
-- test_op_noncontiguous (677): 665 passed, 2 xfailed, 10 skipped;
+- test_op_noncontiguous (677): 666 passed, 1 xfailed, 10 skipped;
 - test_op_empty (677): 250 passed, 1 xfailed, 426 skipped (no zero-size sample);
-- test_grad (540): 535 passed, 4 xfailed, 1 skipped;
-- xfailed by reason: unsupported (sparse layouts) 13, cuda semantics 10, client bug 6.
+- test_grad (540): 536 passed, 3 xfailed, 1 skipped;
+- xfailed by reason: unsupported (sparse CSR) 7, cuda semantics 11, client bug 6.
 """
 from __future__ import annotations
 
