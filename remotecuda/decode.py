@@ -9,7 +9,8 @@ While remotecuda is active, ``GenerationMixin.generate`` of a decoder-only model
 greedily or by sampling (one beam, no assistant, no streamer) runs in ``decoding``, where:
 
 * the reads on its inputs are answered by the client (known.py: the ids and the mask it
-  uploaded, and what follows from them);
+  uploaded, and what follows from them; integer inputs made on the device are read once, together,
+  at the start);
 * attention is one ``rc::sdpa`` op, the gateway's own backend choice, with nothing asked;
 * the stop check is ``transformers``' own deferral hook (``DeferredStopCheck``, which it uses
   on MPS): the loop waits for nothing (``Progress``), and the steps taken after the one where
@@ -31,7 +32,8 @@ from typing import Any
 
 import torch
 
-from . import downloads, runtime
+from . import downloads, known, runtime
+from .tensor import RemoteTensor
 
 #: the module whose ``GenerationMixin`` and stop checks are patched
 GENERATION = "transformers.generation.utils"
@@ -70,6 +72,7 @@ def _generate(original: Any) -> Any:
         rt = runtime.active()
         if rt is None or rt.decoding or not _supported(self, kwargs):
             return original(self, *args, **kwargs)
+        _learn_inputs([*args, *kwargs.values()])
         with decoding(rt):
             return original(self, *args, **kwargs)
     return generate
@@ -92,6 +95,16 @@ def _supported(model: Any, kwargs: dict) -> bool:
     configs = [c for c in (kwargs.get("generation_config"), getattr(model, "generation_config", None)) if c]
     beams = kwargs.get("num_beams", getattr(configs[0], "num_beams", 1) if configs else 1)
     return beams in (None, 1) and not kwargs.get("return_dict_in_generate")
+
+
+def _learn_inputs(values: list) -> None:
+    """Make the call's integer tensors known (known.py), all read in one round trip: ids or a
+    mask computed on the device (``(ids != pad).long()``, ``torch.ones_like(ids)``, the ids a
+    previous ``generate()`` returned) would otherwise cost a value read at every step."""
+    unknown = [v for v in values if isinstance(v, RemoteTensor) and not v.dtype.is_floating_point
+               and not v.dtype.is_complex and v.numel() <= known.LIMIT and known.value(v) is None]
+    for t, cpu in zip(unknown, downloads.fetch(unknown)):
+        known.remember(t, cpu)
 
 
 def _stop_check(base: type, deferred: type) -> type:

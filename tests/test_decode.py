@@ -80,6 +80,20 @@ def test_eos_stops_as_eager(remote):
     assert trips <= 1
 
 
+def test_inputs_made_on_the_device_are_read_once(remote):
+    """A mask computed on 'cuda' (``(ids != pad).long()``) and ids a previous ``generate()``
+    returned are not values the client uploaded: they are read once, together, at the start,
+    not at every step (the padded mask was read per token)."""
+    def call(m: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x * mask  # (the first row left-padded with 0)
+        first = m.generate(x, attention_mask=(x != 0).long(), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        return m.generate(first, attention_mask=(first != 0).long(), max_new_tokens=16, do_sample=False,
+                          pad_token_id=0)
+    local, out, trips = _both(_llama(), call)
+    assert torch.equal(out, local)
+    assert trips <= 4  # (two calls, each: its inputs, then the stop count)
+
+
 class _Bigram(torch.nn.Module):
     """A model with no Hugging Face in it: logits from the last ids."""
 
