@@ -14,13 +14,15 @@ greedily or by sampling (one beam, no assistant, no streamer) runs in ``decoding
 * attention is one ``rc::sdpa`` op, the gateway's own backend choice, with nothing asked;
 * the stop check is ``transformers``' own deferral hook (``DeferredStopCheck``, which it uses
   on MPS): the loop waits for nothing (``Progress``), and the steps taken after the one where
-  eager decoding stopped are undone (the tokens trimmed) as transformers does.
+  eager decoding stopped are undone (the tokens trimmed) as transformers does. A call that
+  returns its cache (``return_dict_in_generate``) keeps transformers' check, one read a step:
+  no step may be undone in a cache the caller gets.
 
 So the tokens are eager's, and one call costs at most one blocking round trip. When every row
 has met EOS early, the client learns it a few steps late, without waiting (``Progress``): the
 gateway decodes those steps, which are undone, its generator included.
-Anything else (beam search, an assistant, a streamer, a returned or user-given cache,
-encoder-decoders) takes the plain path, as before.
+Anything else (beam search, an assistant, a streamer, a user-given cache, encoder-decoders)
+takes the plain path, as before.
 """
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ def _supported(model: Any, kwargs: dict) -> bool:
         return False
     configs = [c for c in (kwargs.get("generation_config"), getattr(model, "generation_config", None)) if c]
     beams = kwargs.get("num_beams", getattr(configs[0], "num_beams", 1) if configs else 1)
-    return beams in (None, 1) and not kwargs.get("return_dict_in_generate")
+    return beams in (None, 1)
 
 
 def _learn_inputs(values: list) -> None:

@@ -94,6 +94,21 @@ def test_inputs_made_on_the_device_are_read_once(remote):
     assert trips <= 4  # (two calls, each: its inputs, then the stop count)
 
 
+def test_returned_dict_reads_only_the_stop_check(remote):
+    """``return_dict_in_generate`` with scores and logits returns the cache, so the stop is checked
+    every step (no step may be undone in it), but the mask and attention reads are answered as in
+    any decode: one read per token, not three."""
+    def call(m: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = m.generate(x, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_scores=True, output_logits=True)
+        assert out.past_key_values is not None
+        return torch.cat([out.sequences.float(), torch.stack(out.scores, 1).flatten(1),
+                          torch.stack(out.logits, 1).flatten(1)], 1)
+    local, out, trips = _both(_llama(), call)
+    torch.testing.assert_close(out, local, rtol=1e-4, atol=1e-5)
+    assert trips <= 16 + 2
+
+
 class _Bigram(torch.nn.Module):
     """A model with no Hugging Face in it: logits from the last ids."""
 
