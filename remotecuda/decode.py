@@ -6,7 +6,7 @@ token an EOS token, is the mask all ones, is there right padding), one per token
 attention mask (``fast_all(padding_mask)``), one per token for the SDPA backend of each new key
 length, and one per token to decide whether to stop (``unfinished_sequences.max() == 0``).
 While remotecuda is active, ``GenerationMixin.generate`` of a decoder-only model decoding
-greedily or by sampling (one beam, no assistant, no streamer) runs in ``decoding``, where:
+greedily, by sampling or by beam search (no assistant, no streamer) runs in ``decoding``, where:
 
 * the reads on its inputs are answered by the client (known.py: the ids and the mask it
   uploaded, and what follows from them; integer inputs made on the device are read once, together,
@@ -16,13 +16,13 @@ greedily or by sampling (one beam, no assistant, no streamer) runs in ``decoding
   on MPS): the loop waits for nothing (``Progress``), and the steps taken after the one where
   eager decoding stopped are undone (the tokens trimmed) as transformers does. A call that
   returns its cache (``return_dict_in_generate``) keeps transformers' check, one read a step:
-  no step may be undone in a cache the caller gets.
+  no step may be undone in a cache the caller gets; beam search keeps its own, also one a step.
 
-So the tokens are eager's, and one call costs at most one blocking round trip. When every row
+So the tokens are eager's, and a greedy or sampled call costs at most one blocking round trip. When every row
 has met EOS early, the client learns it a few steps late, without waiting (``Progress``): the
 gateway decodes those steps, which are undone, its generator included.
-Anything else (beam search, an assistant, a streamer, a user-given cache, encoder-decoders)
-takes the plain path, as before.
+Anything else (an assistant, a streamer, a user-given cache, encoder-decoders) takes the plain
+path, as before.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _generate(original: Any) -> Any:
 
 def _supported(model: Any, kwargs: dict) -> bool:
     """Whether a ``generate`` call is one decoded here: a decoder-only model on a remote device,
-    greedy or sampling (one beam, no assistant), nothing that needs every token on the client."""
+    no assistant, nothing that needs every token on the client."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
@@ -91,12 +91,8 @@ def _supported(model: Any, kwargs: dict) -> bool:
             return False
     except (AttributeError, StopIteration):
         return False
-    if any(kwargs.get(k) is not None for k in ("streamer", "assistant_model", "prompt_lookup_num_tokens",
-                                                "past_key_values", "logits_processor", "stopping_criteria")):
-        return False
-    configs = [c for c in (kwargs.get("generation_config"), getattr(model, "generation_config", None)) if c]
-    beams = kwargs.get("num_beams", getattr(configs[0], "num_beams", 1) if configs else 1)
-    return beams in (None, 1)
+    return all(kwargs.get(k) is None for k in ("streamer", "assistant_model", "prompt_lookup_num_tokens",
+                                               "past_key_values", "logits_processor", "stopping_criteria"))
 
 
 def _learn_inputs(values: list) -> None:
