@@ -5,8 +5,9 @@ values it reads. Hugging Face's ``generate()`` reads several before the first to
 token an EOS token, is the mask all ones, is there right padding), one per token to build the
 attention mask (``fast_all(padding_mask)``), one per token for the SDPA backend of each new key
 length, and one per token to decide whether to stop (``unfinished_sequences.max() == 0``).
-While remotecuda is active, ``GenerationMixin.generate`` of a decoder-only model decoding
-greedily, by sampling or by beam search (no assistant, no streamer) runs in ``decoding``, where:
+While remotecuda is active, ``GenerationMixin.generate`` of a model (a decoder-only or an
+encoder-decoder one: its decoder's loop) decoding greedily, by sampling or by beam search (no
+assistant, no streamer) runs in ``decoding``, where:
 
 * the reads on its inputs are answered by the client (known.py: the ids and the mask it
   uploaded, and what follows from them; integer inputs made on the device are read once, together,
@@ -21,8 +22,7 @@ greedily, by sampling or by beam search (no assistant, no streamer) runs in ``de
 So the tokens are eager's, and a greedy or sampled call costs at most one blocking round trip. When every row
 has met EOS early, the client learns it a few steps late, without waiting (``Progress``): the
 gateway decodes those steps, which are undone, its generator included.
-Anything else (an assistant, a streamer, a user-given cache, encoder-decoders) takes the plain
-path, as before.
+Anything else (an assistant, a streamer, a user-given cache) takes the plain path, as before.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def decoding(rt: Any) -> Iterator[None]:
 
 
 def install(patches: Any) -> None:
-    """Route ``generate()`` of Hugging Face causal LMs here while active (when transformers is
+    """Route ``generate()`` of Hugging Face models here while active (when transformers is
     imported, now or later)."""
     downloads.on_import(patches, GENERATION, _patch)
 
@@ -81,10 +81,10 @@ def _generate(original: Any) -> Any:
 
 
 def _supported(model: Any, kwargs: dict) -> bool:
-    """Whether a ``generate`` call is one decoded here: a decoder-only model on a remote device,
+    """Whether a ``generate`` call is one decoded here: a model on a remote device,
     no assistant, nothing that needs every token on the client."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False):
+    if config is None:
         return False
     try:
         if model.device.type != "cuda":

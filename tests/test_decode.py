@@ -1,4 +1,4 @@
-"""Decoding at gateway speed (remotecuda/decode.py): ``generate()`` of Hugging Face causal LMs
+"""Decoding at gateway speed (remotecuda/decode.py): ``generate()`` of Hugging Face models
 and ``remotecuda.server_decode`` give the local CPU's tokens with one blocking round trip per
 call — greedy and sampled, a left-padded batch, EOS stopping early — and one read per token
 where a stop is checked every step (beam search, a returned cache), inputs made on the device
@@ -108,6 +108,24 @@ def test_returned_dict_reads_only_the_stop_check(remote):
     local, out, trips = _both(_llama(), call)
     torch.testing.assert_close(out, local, rtol=1e-4, atol=1e-5)
     assert trips <= 16 + 2
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_encoder_decoder_generates_as_eager(remote, sample):
+    """T5's decoder loop is decoded too: EOS met early by both rows (steps undone, the generator
+    rewound), eager's tokens, no read per token (it read three a token)."""
+    torch.manual_seed(0)
+    model = T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1, dropout_rate=0.0)).eval()
+    greedy = model.generate(IDS, attention_mask=MASK, max_new_tokens=16, do_sample=False)
+    eos = [int(greedy[0, 3]), int(greedy[1, 5])]
+    kw = dict(do_sample=True, top_k=5) if sample else dict(do_sample=False)
+    local, out, trips = _both(model, lambda m, x, a: torch.cat([m.generate(
+        x, attention_mask=a, max_new_tokens=16, eos_token_id=eos, **kw), torch.rand(2, 1, device=x.device)], 1))
+    assert sample or local.shape[1] < 1 + 16 + 1  # (greedy: the rows stopped early)
+    assert torch.equal(out, local)
+    assert trips <= 2
 
 
 class _Bigram(torch.nn.Module):
