@@ -5,21 +5,24 @@ values it reads. Hugging Face's ``generate()`` reads several before the first to
 token an EOS token, is the mask all ones, is there right padding), one per token to build the
 attention mask (``fast_all(padding_mask)``), one per token for the SDPA backend of each new key
 length, and one per token to decide whether to stop (``unfinished_sequences.max() == 0``).
-While remotecuda is active, ``GenerationMixin.generate`` of a decoder-only model decoding
-greedily or by sampling (one beam, no assistant, no streamer) runs in ``decoding``, where:
+While remotecuda is active, ``GenerationMixin.generate`` of a model (a decoder-only or an
+encoder-decoder one: its decoder's loop) decoding greedily, by sampling or by beam search (no
+assistant, no streamer) runs in ``decoding``, where:
 
 * the reads on its inputs are answered by the client (known.py: the ids and the mask it
-  uploaded, and what follows from them);
+  uploaded, and what follows from them; integer inputs made on the device are read once, together,
+  at the start);
 * attention is one ``rc::sdpa`` op, the gateway's own backend choice, with nothing asked;
 * the stop check is ``transformers``' own deferral hook (``DeferredStopCheck``, which it uses
   on MPS): the loop waits for nothing (``Progress``), and the steps taken after the one where
-  eager decoding stopped are undone (the tokens trimmed) as transformers does.
+  eager decoding stopped are undone (the tokens trimmed) as transformers does. A call that
+  returns its cache (``return_dict_in_generate``) keeps transformers' check, one read a step:
+  no step may be undone in a cache the caller gets; beam search keeps its own, also one a step.
 
-So the tokens are eager's, and one call costs at most one blocking round trip. When every row
+So the tokens are eager's, and a greedy or sampled call costs at most one blocking round trip. When every row
 has met EOS early, the client learns it a few steps late, without waiting (``Progress``): the
 gateway decodes those steps, which are undone, its generator included.
-Anything else (beam search, an assistant, a streamer, a returned or user-given cache,
-encoder-decoders) takes the plain path, as before.
+Anything else (an assistant, a streamer, a user-given cache) takes the plain path, as before.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from typing import Any
 
 import torch
 
-from . import downloads, runtime
+from . import downloads, known, runtime
+from .tensor import RemoteTensor
 
 #: the module whose ``GenerationMixin`` and stop checks are patched
 GENERATION = "transformers.generation.utils"
@@ -50,7 +54,7 @@ def decoding(rt: Any) -> Iterator[None]:
 
 
 def install(patches: Any) -> None:
-    """Route ``generate()`` of Hugging Face causal LMs here while active (when transformers is
+    """Route ``generate()`` of Hugging Face models here while active (when transformers is
     imported, now or later)."""
     downloads.on_import(patches, GENERATION, _patch)
 
@@ -70,28 +74,35 @@ def _generate(original: Any) -> Any:
         rt = runtime.active()
         if rt is None or rt.decoding or not _supported(self, kwargs):
             return original(self, *args, **kwargs)
+        _learn_inputs([*args, *kwargs.values()])
         with decoding(rt):
             return original(self, *args, **kwargs)
     return generate
 
 
 def _supported(model: Any, kwargs: dict) -> bool:
-    """Whether a ``generate`` call is one decoded here: a decoder-only model on a remote device,
-    greedy or sampling (one beam, no assistant), nothing that needs every token on the client."""
+    """Whether a ``generate`` call is one decoded here: a model on a remote device,
+    no assistant, nothing that needs every token on the client."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "is_encoder_decoder", False):
+    if config is None:
         return False
     try:
         if model.device.type != "cuda":
             return False
     except (AttributeError, StopIteration):
         return False
-    if any(kwargs.get(k) is not None for k in ("streamer", "assistant_model", "prompt_lookup_num_tokens",
-                                                "past_key_values", "logits_processor", "stopping_criteria")):
-        return False
-    configs = [c for c in (kwargs.get("generation_config"), getattr(model, "generation_config", None)) if c]
-    beams = kwargs.get("num_beams", getattr(configs[0], "num_beams", 1) if configs else 1)
-    return beams in (None, 1) and not kwargs.get("return_dict_in_generate")
+    return all(kwargs.get(k) is None for k in ("streamer", "assistant_model", "prompt_lookup_num_tokens",
+                                               "past_key_values", "logits_processor", "stopping_criteria"))
+
+
+def _learn_inputs(values: list) -> None:
+    """Make the call's integer tensors known (known.py), all read in one round trip: ids or a
+    mask computed on the device (``(ids != pad).long()``, ``torch.ones_like(ids)``, the ids a
+    previous ``generate()`` returned) would otherwise cost a value read at every step."""
+    unknown = [v for v in values if isinstance(v, RemoteTensor) and not v.dtype.is_floating_point
+               and not v.dtype.is_complex and v.numel() <= known.LIMIT and known.value(v) is None]
+    for t, cpu in zip(unknown, downloads.fetch(unknown)):
+        known.remember(t, cpu)
 
 
 def _stop_check(base: type, deferred: type) -> type:

@@ -1,7 +1,8 @@
-"""Decoding at gateway speed (remotecuda/decode.py): ``generate()`` of Hugging Face causal LMs
+"""Decoding at gateway speed (remotecuda/decode.py): ``generate()`` of Hugging Face models
 and ``remotecuda.server_decode`` give the local CPU's tokens with one blocking round trip per
-call — greedy and sampled, a left-padded batch, EOS stopping early — and what decode.py does not
-take (beam search) still works as before."""
+call — greedy and sampled, a left-padded batch, EOS stopping early — and one read per token
+where a stop is checked every step (beam search, a returned cache), inputs made on the device
+read once."""
 from __future__ import annotations
 
 import copy
@@ -80,6 +81,53 @@ def test_eos_stops_as_eager(remote):
     assert trips <= 1
 
 
+def test_inputs_made_on_the_device_are_read_once(remote):
+    """A mask computed on 'cuda' (``(ids != pad).long()``) and ids a previous ``generate()``
+    returned are not values the client uploaded: they are read once, together, at the start,
+    not at every step (the padded mask was read per token)."""
+    def call(m: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x * mask  # (the first row left-padded with 0)
+        first = m.generate(x, attention_mask=(x != 0).long(), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        return m.generate(first, attention_mask=(first != 0).long(), max_new_tokens=16, do_sample=False,
+                          pad_token_id=0)
+    local, out, trips = _both(_llama(), call)
+    assert torch.equal(out, local)
+    assert trips <= 4  # (two calls, each: its inputs, then the stop count)
+
+
+def test_returned_dict_reads_only_the_stop_check(remote):
+    """``return_dict_in_generate`` with scores and logits returns the cache, so the stop is checked
+    every step (no step may be undone in it), but the mask and attention reads are answered as in
+    any decode: one read per token, not three."""
+    def call(m: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = m.generate(x, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_scores=True, output_logits=True)
+        assert out.past_key_values is not None
+        return torch.cat([out.sequences.float(), torch.stack(out.scores, 1).flatten(1),
+                          torch.stack(out.logits, 1).flatten(1)], 1)
+    local, out, trips = _both(_llama(), call)
+    torch.testing.assert_close(out, local, rtol=1e-4, atol=1e-5)
+    assert trips <= 16 + 2
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_encoder_decoder_generates_as_eager(remote, sample):
+    """T5's decoder loop is decoded too: EOS met early by both rows (steps undone, the generator
+    rewound), eager's tokens, no read per token (it read three a token)."""
+    torch.manual_seed(0)
+    model = T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1, dropout_rate=0.0)).eval()
+    greedy = model.generate(IDS, attention_mask=MASK, max_new_tokens=16, do_sample=False)
+    eos = [int(greedy[0, 3]), int(greedy[1, 5])]
+    kw = dict(do_sample=True, top_k=5) if sample else dict(do_sample=False)
+    local, out, trips = _both(model, lambda m, x, a: torch.cat([m.generate(
+        x, attention_mask=a, max_new_tokens=16, eos_token_id=eos, **kw), torch.rand(2, 1, device=x.device)], 1))
+    assert sample or local.shape[1] < 1 + 16 + 1  # (greedy: the rows stopped early)
+    assert torch.equal(out, local)
+    assert trips <= 2
+
+
 class _Bigram(torch.nn.Module):
     """A model with no Hugging Face in it: logits from the last ids."""
 
@@ -117,12 +165,13 @@ def test_server_decode_hf_model_goes_to_generate(remote):
     assert trips == 1
 
 
-def test_beam_search_takes_the_plain_path(remote):
-    """Beam search is not decoded here: it reads values as before, and gives eager's tokens."""
+def test_beam_search_reads_only_its_stop_check(remote):
+    """Beam search decides to stop at every step (one read a step, its own check), but its mask
+    and attention reads are answered as in any decode; its tokens are eager's."""
     local, out, trips = _both(_gpt2(), lambda m, x, a: m.generate(
-        x, attention_mask=a, max_new_tokens=6, num_beams=2, do_sample=False, pad_token_id=0))
+        x, attention_mask=a, max_new_tokens=12, num_beams=2, do_sample=False, pad_token_id=0))
     assert torch.equal(out, local)
-    assert trips > 1
+    assert 1 < trips <= 12 + 2
 
 
 def test_known_values_follow_writes(remote):

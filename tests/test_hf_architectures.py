@@ -3,7 +3,10 @@ forward with a loss, backward, and ``generate()`` (greedy, beam search for BART,
 on 'cuda' give the local CPU's logits, gradients and tokens. tests/corpus runs GPT-2, Llama,
 BERT, T5 and the Trainer as whole programs; this covers the variety: vision (ViT, CLIP), audio
 (Whisper), grouped-query and sliding-window attention (Qwen2, Mistral, Gemma), partial rotary
-(Phi), encoder-decoders (BART), and tied MLM heads (RoBERTa)."""
+(Phi), encoder-decoders (BART), and tied MLM heads (RoBERTa); rotary scalings (YaRN, Llama 3),
+QK-norm (Qwen3), data-dependent expert routing (OLMoE, DeepSeek-V3's grouped top-k and latent
+attention), hybrid sliding/full layers (Gemma 3), ALiBi (BLOOM), Mamba-2's chunked scan, ModernBERT's
+local attention and token labels, and UMT5's per-layer relative buckets with beam search."""
 from __future__ import annotations
 
 import os
@@ -64,6 +67,37 @@ MODELS: dict[str, tuple[Callable, Callable]] = {
         vision_config=dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
                            num_hidden_layers=1, num_attention_heads=4), projection_dim=16)),
         lambda m, dev: (m(input_ids=IDS.to(dev), pixel_values=PIXELS.to(dev), return_loss=True), None)),
+    "llama_yarn": (lambda: T.LlamaForCausalLM(T.LlamaConfig(**DECODER, num_key_value_heads=2, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=16))), _causal),
+    "llama3_rope": (lambda: T.LlamaForCausalLM(T.LlamaConfig(**DECODER, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))), _causal),
+    "qwen3": (lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**DECODER, num_key_value_heads=2, head_dim=8)), _causal),
+    "olmoe": (lambda: T.OlmoeForCausalLM(T.OlmoeConfig(**DECODER, num_key_value_heads=2, num_experts=4,
+                                                      num_experts_per_tok=2)), _causal),
+    "deepseek_v3": (lambda: T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+        **DECODER, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        v_head_dim=8, qk_nope_head_dim=8)), _causal),
+    "gemma3_hybrid": (lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        **DECODER, num_key_value_heads=2, head_dim=8, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])), _causal),
+    "bloom_alibi": (lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)),
+                    _causal),
+    "gpt_neox": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**DECODER)), _causal),
+    "mamba2": (lambda: T.Mamba2ForCausalLM(T.Mamba2Config(
+        vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, n_groups=1,
+        num_heads=8, head_dim=8, chunk_size=4)), _causal),
+    "modernbert_tokens": (lambda: T.ModernBertForTokenClassification(T.ModernBertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, num_labels=3, local_attention=4, global_attn_every_n_layers=2, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2, cls_token_id=2, sep_token_id=1)),
+        lambda m, dev: (m(input_ids=IDS.to(dev), labels=(IDS % 3).to(dev)), None)),
+    "umt5": (lambda: T.UMT5ForConditionalGeneration(T.UMT5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1, feed_forward_proj="gated-gelu", dropout_rate=0.0)),
+        lambda m, dev: (m(input_ids=IDS.to(dev), labels=IDS[:, :6].contiguous().to(dev)),
+                        lambda: m.generate(IDS.to(dev), max_new_tokens=5, num_beams=2, do_sample=False))),
 }
 
 
