@@ -24,6 +24,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from remotecuda_wire import auth, cache, curve, protocol
+from remotecuda_wire import frames as wire
 from remotecuda_wire.admin import read_admin_token
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import ProtocolError
@@ -523,7 +524,7 @@ class Session:
         if self.lost is not None:  # nothing more goes to a gateway found down
             raise GatewayDownError(self.lost)
         try:  # (callers hold interrupts: half a message must never stay queued)
-            return sock.send_multipart(frames, copy=False, track=track)
+            return wire.send(sock, frames, copy=False, track=track)
         except zmq.Again:
             self.closed = True
             raise GatewayLostError(f"gateway {self.endpoint} is not connected "
@@ -696,7 +697,7 @@ class Session:
         try:
             while True:
                 for sock in dict(self._poller.poll(100)):
-                    frames = sock.recv_multipart(copy=False)
+                    frames = wire.recv(sock)
                     last_heard = time.monotonic()
                     msg = self._decoded(frames, sock)
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
