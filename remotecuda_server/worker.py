@@ -230,7 +230,7 @@ class Worker:
                 if sock in events:
                     self._on_peer(endpoint, sock)
             if self.data in events:
-                if self.conns is not None:
+                if self.conns is not None and self.conns.monitor in events:
                     self.conns.events()  # (news of a connection before its messages)
                 _take(self.data, self._on_direct)
             if self.sock in events:
