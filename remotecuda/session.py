@@ -24,6 +24,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from remotecuda_wire import auth, cache, curve, protocol
+from remotecuda_wire import frames as wire
 from remotecuda_wire.admin import read_admin_token
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import ProtocolError
@@ -494,19 +495,20 @@ class Session:
             try:
                 with HeldInterrupts():  # the queue is cleared and sent as one step
                     self._seq += 1
-                    frames = protocol.encode(protocol.OPS, body, self._payloads, self._seq)
-                    if self.log is not None and not self.unlogged:
-                        self.log.record(frames[1], self._ops, req is not None)
-                    frames = self._seal(frames, self.sock)
-                    self._op_index += len(self._ops)
-                    self._stats["ops"] += len(self._ops)
-                    self._stats["messages"] += 1
-                    self._stats["bytes_up"] += sum(_size(f) for f in frames)
-                    self._ops, self._payloads, self._pending_bytes = [], [], 0
-                    self._last_send = time.monotonic()
-                    if self._inflight:
-                        self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
-                    self._send_frames(self.sock, frames)
+                    frames = self._seal(protocol.encode(protocol.OPS, body, self._payloads, self._seq), self.sock)
+                    try:  # sent first, the books after: a value read waits for no bookkeeping
+                        self._send_frames(self.sock, frames)
+                    finally:  # (sent or not: a lost gateway's replay sends it from the log)
+                        if self.log is not None and not self.unlogged:
+                            self.log.record(frames[1], self._ops, req is not None)
+                        self._op_index += len(self._ops)
+                        self._stats["ops"] += len(self._ops)
+                        self._stats["messages"] += 1
+                        self._stats["bytes_up"] += sum(_size(f) for f in frames)
+                        self._ops, self._payloads, self._pending_bytes = [], [], 0
+                        self._last_send = time.monotonic()
+                        if self._inflight:
+                            self._inflight = [(tr, t) for tr, t in self._inflight if not tr.done]
             except GatewayLostError as e:
                 if not self._may_recover():
                     raise
@@ -523,7 +525,7 @@ class Session:
         if self.lost is not None:  # nothing more goes to a gateway found down
             raise GatewayDownError(self.lost)
         try:  # (callers hold interrupts: half a message must never stay queued)
-            return sock.send_multipart(frames, copy=False, track=track)
+            return wire.send(sock, frames, copy=False, track=track)
         except zmq.Again:
             self.closed = True
             raise GatewayLostError(f"gateway {self.endpoint} is not connected "
@@ -696,7 +698,7 @@ class Session:
         try:
             while True:
                 for sock in dict(self._poller.poll(100)):
-                    frames = sock.recv_multipart(copy=False)
+                    frames = wire.recv(sock)
                     last_heard = time.monotonic()
                     msg = self._decoded(frames, sock)
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:

@@ -33,6 +33,7 @@ import torch
 import zmq
 
 from remotecuda_wire import auth, curve, protocol
+from remotecuda_wire import frames as wire
 from remotecuda_wire.cache import ContentCache
 from remotecuda_wire.lifetime import die_with_parent
 from remotecuda_wire.protocol import ProtocolError
@@ -73,11 +74,17 @@ def _readable(sock: zmq.Socket) -> bool:
 
 
 def _take(sock: zmq.Socket, handle: Any, most: int = 64) -> None:
-    """Hand ``handle`` the messages waiting on ``sock``, up to ``most`` (the rest after the next poll)."""
+    """Hand ``handle`` the messages waiting on ``sock``, which the poll found readable, up to
+    ``most`` (the rest after the next poll). The first is read without asking: a value read is
+    one message, and each question costs a call into ZeroMQ on its round trip."""
     for _ in range(most):
+        try:
+            frames = wire.recv(sock, zmq.NOBLOCK)
+        except zmq.Again:  # (none after all: only a read tells for sure)
+            return
+        handle(frames)
         if not _readable(sock):
             return
-        handle(sock.recv_multipart(zmq.NOBLOCK, copy=False))
 
 
 def _no_wake() -> None:
@@ -223,7 +230,7 @@ class Worker:
                 if sock in events:
                     self._on_peer(endpoint, sock)
             if self.data in events:
-                if self.conns is not None:
+                if self.conns is not None and self.conns.monitor in events:
                     self.conns.events()  # (news of a connection before its messages)
                 _take(self.data, self._on_direct)
             if self.sock in events:
@@ -267,7 +274,7 @@ class Worker:
     def _forward_outbox(self) -> None:
         """Send the executor's messages on to the client, noting when its thread has ended."""
         while not self.executor_ended and _readable(self.outbox):
-            frames = self.outbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = wire.recv(self.outbox, zmq.NOBLOCK)
             kind = frames[0].bytes
             if kind == internal.DONE:
                 self.executor_ended = True
@@ -291,12 +298,12 @@ class Worker:
     def _to_client(self, frames: list) -> None:
         """A message of the executor's for the client, sealed here, in the order it is sent."""
         if self.direct_client is None:
-            self.sock.send_multipart([internal.OUT, self.client, *self._seal(frames, auth.FRONT)], copy=False)
+            wire.send(self.sock, [internal.OUT, self.client, *self._seal(frames, auth.FRONT)], copy=False)
             return
         frames = self._seal(frames, auth.DIRECT)
         self.direct_counts["direct_bytes_out"] += sum(len(f) for f in frames)
         try:
-            self.data.send_multipart([self.direct_client, *frames], copy=False)
+            wire.send(self.data, [self.direct_client, *frames], copy=False)
         except zmq.ZMQError:  # the client's connection is gone; the session times out
             pass
 

@@ -19,6 +19,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from remotecuda_wire import frames as wire
 from remotecuda_wire import protocol
 from remotecuda_wire.protocol import Handle, ProtocolError
 
@@ -214,6 +215,32 @@ def test_damaged_compressed_frames_only_raise_protocol_error(codec, raw_n, frame
             protocol.decode_payload([n, codec, protocol.payload_digest(data * 8)], f)
         except ProtocolError:
             pass
+
+
+def test_frames_send_and_recv_keep_a_message_whole():
+    """remotecuda_wire/frames.py, the value read's send and receive: every frame in order, one
+    message at a time (a frame's ``more`` flag, not RCVMORE), tracked sends, NOBLOCK's Again."""
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://test-frames")
+        b.connect("inproc://test-frames")
+        msg = protocol.encode(protocol.OPS, {"ops": [], "n0": 0}, [protocol.encode_payload(memoryview(b"x" * 70000))])
+        wire.send(a, msg, copy=False)
+        wire.send(a, [b"one"])
+        tracker = wire.send(a, [b"h", bytes(100_000)], copy=False, track=True)
+        got = wire.recv(b)
+        assert [bytes(f) for f in got] == [bytes(f) for f in msg]
+        assert protocol.decode(got).payloads[0][1].bytes == b"x" * 70000
+        assert [f.bytes for f in wire.recv(b, zmq.NOBLOCK)] == [b"one"]
+        assert [len(f.bytes) for f in wire.recv(b)] == [1, 100_000]
+        tracker.wait(5)
+        with pytest.raises(zmq.Again):
+            wire.recv(b, zmq.NOBLOCK)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
 
 
 # ============================================================================ against a real gateway

@@ -1,0 +1,34 @@
+"""A message's frames sent and received with fewer steps through pyzmq's Python layer.
+
+pyzmq's ``send_multipart`` makes an enum member for every frame but the last
+(``zmq.SNDMORE | flags``), and ``recv_multipart`` asks the socket option RCVMORE after every
+frame, each ask looking the option up in an enum: a microsecond or two apiece, several on each
+side of every round trip (a value read, benchmarks/bench_sync.py). These do the same with plain
+ints, and with the received frame's own ``more`` flag.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def send(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0, copy: bool = True, track: bool = False) -> Any:
+    """``sock.send_multipart(frames, flags, copy, track)``; ``frames`` are bytes, buffers or zmq.Frames."""
+    last = len(frames) - 1
+    for i in range(last):
+        sock.send(frames[i], flags | _SNDMORE, copy=copy, track=track)
+    return sock.send(frames[last], flags, copy=copy, track=track)
+
+
+def recv(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """``sock.recv_multipart(flags, copy=False)``: the message's frames, not copied."""
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(flags, copy=False)
+        frames.append(frame)
+    return frames
