@@ -6,7 +6,9 @@ for every cell:
 * an end-of-cell synchronize: the cell's remote work is flushed and waited for before
   the cell ends, so an asynchronous remote error is raised *in the cell that caused it*
   (the cell ends with status ``error``) and the next cell starts clean. A cell that was
-  interrupted cancels its queued remote work instead of waiting for it;
+  interrupted waits for the work it queued before the interrupt, as a GPU runs it (an
+  in-place op dropped would leave its tensor silently stale); interrupted again while it
+  waits, it drops the rest;
 * per-cell accounting (ops, messages, bytes up/down, blocking round trips, time spent
   waiting for the gateway, the GPUs used), the difference of ``remotecuda.stats()``
   around the cell, shown by ``%remotecuda last`` and published on the Jupyter comm
@@ -338,15 +340,18 @@ class Extension:
             return True
         return _per_session_ops(rt) != before[2] or any(s.queued for s in list(rt.pool.sessions.values()))
 
-    def _end_of_cell(self, interrupted: bool) -> BaseException | None:
+    def _end_of_cell(self) -> BaseException | None:
         """Flush and wait for the cell's remote work; the remote error, if any."""
         rt = _rt()
         if rt is None or not self._needs_sync():
             return None
         try:
-            if interrupted:  # the user wants control back, not the rest of the queued work
+            try:
+                rt.synchronize()  # (interrupted too: as on a GPU, the work queued before it runs)
+            except KeyboardInterrupt:  # interrupted while waiting: the rest of the queue is dropped
                 rt.pool.cancel()
-            rt.synchronize()
+                rt.synchronize()
+                raise
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt belongs to the cell too
             return e
         return None
@@ -354,7 +359,7 @@ class Extension:
     def post_execute(self) -> None:
         if self._in_cell:
             return  # post_run_cell follows, with the result to mark
-        err = self._end_of_cell(False)  # a silent execution (e.g. from a widget or panel)
+        err = self._end_of_cell()  # a silent execution (e.g. from a widget or panel)
         if err is not None:
             print(f"remotecuda: remote error in a silent execution: {type(err).__name__}: {err}",
                   file=sys.stderr)
@@ -363,8 +368,7 @@ class Extension:
         self._in_cell = False
         self._cell_started = None
         failed = result is not None and not result.success
-        interrupted = failed and isinstance(result.error_in_exec, KeyboardInterrupt)
-        err = self._end_of_cell(interrupted)
+        err = self._end_of_cell()
         if err is not None:
             if not failed:
                 # show it as this cell's error, and make the cell end with status "error"
@@ -376,6 +380,10 @@ class Extension:
                 self.ip.showtraceback(exc_tuple=(type(err), err, None))
                 result.error_in_exec = err
                 self.ip.last_execution_succeeded = False
+            elif isinstance(err, KeyboardInterrupt):
+                print("remotecuda: interrupted again while the remote work queued before the interrupt "
+                      "ran: the rest of it was dropped (what it was to compute is marked never computed; "
+                      "tensors it was to change in place keep their earlier values)", file=sys.stderr)
             else:
                 print(f"remotecuda: also pending from this cell: {type(err).__name__}: "
                       f"{str(err).splitlines()[0] if str(err) else ''}", file=sys.stderr)

@@ -118,6 +118,9 @@ class Session:
         self._rid = 0
         #: request id → its reply's body, once come (None until then): the ``request_later`` ones
         self._later: dict[int, dict | None] = {}
+        #: requests an interrupt stopped waiting for (their replies kept in ``_later``): the error
+        #: a reply carries is reported once, so it is raised at the next wait, not dropped
+        self._abandoned: set[int] = set()
         self._op_index = 0
         self._last_send = time.monotonic()
         self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # counts, and wait_seconds (counters())
@@ -702,6 +705,8 @@ class Session:
                     last_heard = time.monotonic()
                     msg = self._decoded(frames, sock)
                     if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
+                        if self._abandoned:
+                            self._abandoned_errors()
                         return msg, downloads
                     if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
                         self._later[msg.body["rid"]] = msg.body
@@ -712,7 +717,9 @@ class Session:
                         progress.update(download.last, sum(d.total for d in downloads.values()))
                     if msg.type == protocol.ERROR:
                         self._raise_error(msg.body)
-                    # else PONG, or the reply to a request abandoned by an interrupt
+                    # else PONG
+                if self._abandoned:
+                    self._abandoned_errors(waiting=rid)
                 if self.lost is not None:  # liveness.py found the gateway down, or restarted
                     raise GatewayDownError(self.lost)
                 now = time.monotonic()
@@ -724,16 +731,36 @@ class Session:
                     self._send(protocol.PING, {"t": now})
                     last_ping = now
         except KeyboardInterrupt:
-            self._send(protocol.CANCEL, {"rid": rid, "upto": self._seq})
+            # as on a GPU, the work queued before the interrupt still runs (an in-place op
+            # dropped would leave its tensor silently stale); ``cancel`` is what drops it
+            self._later[rid] = None
+            self._abandoned.add(rid)
             raise
         finally:
             if progress is not None:
                 progress.close()
 
+    def _abandoned_errors(self, waiting: int | None = None) -> None:
+        """Raise the error the reply of a request abandoned by an interrupt carried (an earlier
+        op's, or its own): the gateway reports a failure once, in its next reply. Raised while
+        request ``waiting`` waits, that request is abandoned in its turn."""
+        for rid in [r for r in self._abandoned if self._later.get(r) is not None]:
+            self._abandoned.discard(rid)
+            body = self._later.pop(rid)
+            if body is not None and body.get("err"):
+                if waiting is not None:
+                    self._later[waiting] = None
+                    self._abandoned.add(waiting)
+                raise remote_exception(body["err"])
+
     def cancel(self) -> None:
-        """Drop this session's queued work, as an interrupt inside ``request`` does: ops the
-        gateway has not run yet are skipped (their outputs marked never computed)."""
+        """Drop this session's queued work (a second interrupt's answer, ipython.py): ops the
+        gateway has not run yet are skipped (their outputs marked never computed); requests
+        abandoned before get no reply then."""
         with self.lock:
+            for rid in self._abandoned:
+                self._later.pop(rid, None)
+            self._abandoned.clear()
             if self.closed or not self.connected:  # (not placed: nothing of it runs yet)
                 return
             try:

@@ -164,6 +164,13 @@ class RemoteTensor(torch.Tensor):
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         raise dlpack_error(self)
 
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """Refused as DLPack is (torch's would hand out the placeholder data pointer, which
+        CuPy or Numba would read as device memory); an AttributeError, so that a library that
+        asks ``hasattr`` first takes its CPU path, as it does for a tensor without one."""
+        raise AttributeError(str(dlpack_error(self)).replace("DLPack", "__cuda_array_interface__"))
+
     def record_stream(self, stream: Any) -> None:
         """A caching-allocator hint: a session's streams run serially on the gateway, so no use of
         this memory can still be pending on another stream when it is freed."""

@@ -156,6 +156,10 @@ def test_share_memory_is_a_no_op_and_dlpack_says_why_not(sim):
             to(x)
     cpu = torch.arange(3.0)
     assert torch.equal(torch.from_dlpack(torch.utils.dlpack.to_dlpack(cpu)), cpu)  # CPU tensors as before
+    # nor the CUDA array interface (it handed out the placeholder pointer): hasattr is False
+    assert not hasattr(x, "__cuda_array_interface__")
+    with pytest.raises(AttributeError, match="memory is on its gateway.*__cuda_array_interface__"):
+        x.__cuda_array_interface__  # noqa: B018
 
 
 # ---------------------------------------------------------------------- CUDA_VISIBLE_DEVICES

@@ -332,12 +332,14 @@ def _drain(k: Kernel) -> bool:
 
 
 def test_interrupt_long_remote_loop(rc):
-    rc.ok("keep = torch.arange(5., device='cuda')\nm = torch.randn(256, 256, device='cuda') / 16")
+    rc.ok("keep = torch.arange(5., device='cuda')\nm = torch.randn(256, 256, device='cuda') / 16\n"
+          "count = torch.zeros((), device='cuda')")
     msg_id = rc.send("""
 print('started', flush=True)
 h = m
 for i in range(1_000_000):
     h = torch.tanh(h @ m)
+    count += 1
     if i % 20 == 0:
         h.sum().item()
 """)
@@ -358,6 +360,19 @@ for i in range(1_000_000):
     assert elapsed < 5.0, f"control came back {elapsed:.1f} s after the interrupt"
     r = rc.ok("print(keep.sum().item(), (m @ m).shape)")
     assert r["stdout"].strip() == "10.0 torch.Size([256, 256])", r
+    # the work queued before the interrupt ran, as on a GPU: the in-place count is not left behind
+    # the loop (its queued increments were dropped, leaving it silently stale)
+    r = rc.ok("print(int(count.item()) - i)")
+    assert r["stdout"].strip() in ("0", "1"), r
+    # so too in a loop that never waits, the client far ahead of the gateway when interrupted
+    msg_id = rc.send("n = 0\nprint('started', flush=True)\nwhile True:\n    count += 1\n    n += 1\n"
+                     "    count.mul_(1.0)\n")
+    rc.wait_stream(msg_id, "started", 60)
+    time.sleep(1.0)
+    rc.km.interrupt_kernel()
+    assert rc.collect(msg_id, timeout=60)["reply"]["ename"] == "KeyboardInterrupt"
+    r = rc.ok("print(int(count.item()) - i - n)")
+    assert r["stdout"].strip() in ("0", "1"), r
 
 
 def test_errors_point_at_the_users_line_and_timeit_waits_for_the_work(rc):
