@@ -153,7 +153,8 @@ def _refused(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"remotecuda: {what} are not supported on a remote 'cuda' device (a sparse COO tensor there "
         "takes .cuda()/.cpu(), coalesce(), indices()/values(), to_dense(), t(), sum(), sums, scaling "
-        "by a number and products with dense tensors: torch.sparse.mm, torch.spmm, @); use t.to_dense(), "
+        "by a number or a dense mask, zeros_like and products with dense tensors: torch.sparse.mm, torch.spmm, "
+        "sparse @ dense); use t.to_dense(), "
         "or keep it on the CPU")
 
 
@@ -356,12 +357,30 @@ def _values(s: RemoteSparse) -> torch.Tensor:
 
 
 def _mul(s: Any, other: Any) -> RemoteSparse:
-    """A sparse tensor scaled by a number or a 0-d tensor (``adj * 0.5``)."""
+    """A sparse tensor scaled by a number or a 0-d tensor (``adj * 0.5``), or multiplied by a
+    dense tensor that broadcasts to its shape (a mask): each entry by the dense value at its
+    index, as the CPU's product (which keeps the entries, and whether they are coalesced)."""
     if not isinstance(s, RemoteSparse):
         s, other = other, s
-    if isinstance(other, RemoteSparse) or (isinstance(other, torch.Tensor) and other.dim() > 0):
-        raise _refused("products of a sparse tensor with a tensor (mul)")
+    if isinstance(other, RemoteSparse):
+        raise _refused("products of two sparse tensors (mul)")
+    if isinstance(other, torch.Tensor) and other.dim() > 0:
+        if other.requires_grad or s._v.requires_grad:
+            raise _refused("products of a sparse tensor with a dense one that requires grad (mul)")
+        if torch.broadcast_shapes(other.shape, s.shape) != s.shape:
+            raise _refused("products of a sparse tensor with a dense one of a larger shape (mul)")
+        other = aten.index.Tensor(_dense(other, "mul").expand(s.shape), list(s._i))
     return make(s._i, s._v * other, s.shape, s._c)
+
+
+def _zeros_like(s: RemoteSparse, *, dtype: Any = None, layout: Any = None, device: Any = None,
+                pin_memory: Any = None, memory_format: Any = None) -> Any:
+    """``torch.zeros_like`` of a sparse tensor: one with no entries (coalesced), as the CPU's."""
+    if layout not in (None, torch.sparse_coo) or (device is not None and device.type == "cpu"):
+        raise _refused(f"zeros_like of a sparse tensor to {layout or device}")
+    k = s._i.shape[0]
+    values = s._v.new_zeros((0, *s._v.shape[1:]), dtype=dtype or s.dtype)
+    return make(s._i.new_zeros((k, 0)), values, s.shape, True)
 
 
 _OPS: dict[Any, Any] = {
@@ -404,4 +423,5 @@ _OPS: dict[Any, Any] = {
     aten.mul_.Scalar: _mul_,
     aten.mul_.Tensor: _mul_,
     aten.mul.Tensor: _mul,
+    aten.zeros_like.default: _zeros_like,
 }

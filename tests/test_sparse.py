@@ -102,7 +102,11 @@ def _api(dev: str) -> list:
             torch.sparse.sum(s, dim=1).to_dense(), torch.sparse.sum(c, 0).indices(), torch.sparse.sum(hs, (0, 2)),
             torch.sparse.sum(s), (c + c).is_coalesced(), (c + torch.eye(3).to_sparse().to(dev)).to_dense(),
             (s + s).to_dense(), torch.ones(3, 3, device=dev) + s, (-s).to_dense(), (s / 2).to_dense(),
-            (s ** 2).to_dense()]
+            (s ** 2).to_dense(),
+            # a dense mask, broadcast or not, a 0-d tensor's scale, and zeros_like
+            (s * torch.arange(9.0).view(3, 3).to(dev)).to_dense(), (s * _data(3, 1).to(dev)).to_dense(),
+            (s * torch.tensor(2.0, device=dev)).to_dense(), (hs * _data(4, 1, 2, seed=4).to(dev)).to_dense(),
+            torch.zeros_like(s)._nnz(), torch.zeros_like(s).is_coalesced(), torch.zeros_like(hs).to_dense()]
 
 
 def test_the_sparse_api_of_a_coo_tensor_on_cuda_answers_as_on_the_cpu():
@@ -197,6 +201,8 @@ def test_other_ops_on_a_sparse_cuda_tensor_say_plainly_they_are_not_supported():
     v = torch.ones(3, device="cuda", requires_grad=True)
     with pytest.raises(NotImplementedError, match="values that require grad"):
         torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [0, 1, 2]], device="cuda"), v, (3, 3))
+    with pytest.raises(NotImplementedError, match="dense one that requires grad"):
+        s * v
     with pytest.raises(RuntimeError, match="expected scalar type Double but found Float"):
         torch.sparse.mm(s.double(), torch.ones(3, 2, device="cuda"))
     assert torch.equal(s.to_dense().cpu(), torch.eye(3))  # the session goes on
