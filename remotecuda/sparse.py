@@ -153,8 +153,8 @@ def _refused(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"remotecuda: {what} are not supported on a remote 'cuda' device (a sparse COO tensor there "
         "takes .cuda()/.cpu(), coalesce(), indices()/values(), to_dense(), t(), sum(), sums, scaling "
-        "by a number or a dense mask, zeros_like and products with dense tensors: torch.sparse.mm, torch.spmm, "
-        "sparse @ dense); use t.to_dense(), "
+        "by a number or a dense mask, zeros_like, index_select and products with dense tensors: torch.sparse.mm, "
+        "torch.spmm, @); use t.to_dense(), "
         "or keep it on the CPU")
 
 
@@ -186,9 +186,30 @@ def _scalar_name(dtype: torch.dtype) -> str:
 
 
 def _mm(s: Any, x: Any) -> torch.Tensor:
-    if not isinstance(s, RemoteSparse):
-        raise _refused("products of a dense tensor with a sparse one (dense @ sparse)")
+    """``s @ x``, or ``x @ s`` of a dense ``x`` and a sparse ``s`` as ``(s.t() @ x.t()).t()``."""
+    if isinstance(x, RemoteSparse):
+        if isinstance(s, RemoteSparse):
+            raise _refused("products of two sparse tensors (sparse @ sparse)")
+        if s.dim() != 2 or s.shape[1] != x.shape[0]:
+            raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({'x'.join(map(str, s.shape))} and "
+                               f"{x.shape[0]}x{x.shape[1]})")
+        return _product(_t(x), _dense(s, "mm").t(), "mm").t()
     return _product(s, x, "mm")
+
+
+def _index_select(s: RemoteSparse, dim: int, index: Any) -> RemoteSparse:
+    """``s.index_select(dim, index)`` over a sparse dimension: each entry once for each place its
+    index there holds in ``index`` (repeats too), renumbered to that place."""
+    dim %= s.dim()
+    if not isinstance(s, RemoteSparse) or dim >= s._i.shape[0]:
+        raise _refused("index_select of a sparse tensor over a dense dimension, or into one")
+    index = _dense(index, "index_select")
+    entry, place = (s._i[dim].unsqueeze(1) == index.unsqueeze(0)).nonzero().unbind(1)
+    indices = s._i.index_select(1, entry)
+    indices[dim] = place
+    shape = list(s.shape)
+    shape[dim] = index.shape[0]
+    return make(indices, s._v.index_select(0, entry), shape, False)
 
 
 def _mv(s: Any, v: Any) -> torch.Tensor:
@@ -424,4 +445,5 @@ _OPS: dict[Any, Any] = {
     aten.mul_.Tensor: _mul_,
     aten.mul.Tensor: _mul,
     aten.zeros_like.default: _zeros_like,
+    aten.index_select.default: _index_select,
 }

@@ -106,7 +106,12 @@ def _api(dev: str) -> list:
             # a dense mask, broadcast or not, a 0-d tensor's scale, and zeros_like
             (s * torch.arange(9.0).view(3, 3).to(dev)).to_dense(), (s * _data(3, 1).to(dev)).to_dense(),
             (s * torch.tensor(2.0, device=dev)).to_dense(), (hs * _data(4, 1, 2, seed=4).to(dev)).to_dense(),
-            torch.zeros_like(s)._nnz(), torch.zeros_like(s).is_coalesced(), torch.zeros_like(hs).to_dense()]
+            torch.zeros_like(s)._nnz(), torch.zeros_like(s).is_coalesced(), torch.zeros_like(hs).to_dense(),
+            # rows picked (repeated too), and dense @ sparse
+            s.index_select(0, torch.tensor([2, 0, 2], device=dev)).to_dense(),
+            s.index_select(1, torch.tensor([1], device=dev)).coalesce().indices(),
+            hs.index_select(0, torch.tensor([3, 1], device=dev)).to_dense(),
+            torch.arange(6.0).view(2, 3).to(dev) @ s]
 
 
 def test_the_sparse_api_of_a_coo_tensor_on_cuda_answers_as_on_the_cpu():
@@ -122,7 +127,10 @@ def test_gradients_flow_through_to_sparse_and_the_product():
         (out ** 2).sum().backward()
         leaf = _adjacency(5).to_sparse().to(dev).requires_grad_(True)  # a sparse leaf's own gradient
         (torch.sparse.mm(leaf, y.detach()) ** 2).sum().backward()
-        return [out, x.grad, y.grad, leaf.grad.to_dense(), leaf.grad.is_coalesced()]
+        w = _data(2, 5, seed=4).to(dev).requires_grad_(True)  # dense @ sparse, and its gradient
+        left = w @ leaf.detach()
+        (left ** 2).sum().backward()
+        return [out, x.grad, y.grad, leaf.grad.to_dense(), leaf.grad.is_coalesced(), left, w.grad]
     torch.testing.assert_close(_cpu(run("cuda")), _cpu(run("cpu")), rtol=1e-5, atol=1e-6)
 
 
@@ -194,8 +202,7 @@ def test_a_sparse_cuda_tensor_saved_loads_as_one_with_weights_only():
 
 def test_other_ops_on_a_sparse_cuda_tensor_say_plainly_they_are_not_supported():
     s = torch.eye(3).to_sparse().cuda()
-    for op in [lambda: s * s, lambda: s.index_select(0, torch.tensor([0], device="cuda")),
-               lambda: torch.ones(3, 3, device="cuda") @ s, lambda: torch.sparse.softmax(s, 1)]:
+    for op in [lambda: s * s, lambda: s @ s, lambda: torch.sparse.softmax(s, 1)]:
         with pytest.raises(NotImplementedError, match="remotecuda: .* not supported on a remote 'cuda' device"):
             op()
     v = torch.ones(3, device="cuda", requires_grad=True)
