@@ -111,7 +111,11 @@ def _api(dev: str) -> list:
             s.index_select(0, torch.tensor([2, 0, 2], device=dev)).to_dense(),
             s.index_select(1, torch.tensor([1], device=dev)).coalesce().indices(),
             hs.index_select(0, torch.tensor([3, 1], device=dev)).to_dense(),
-            torch.arange(6.0).view(2, 3).to(dev) @ s]
+            torch.arange(6.0).view(2, 3).to(dev) @ s,
+            # the legacy constructor, as older GNN code builds its adjacency
+            (torch.cuda.sparse.FloatTensor(i, v.double(), torch.Size([3, 3])) if dev == "cuda"
+             else torch.sparse.FloatTensor(i, v.double(), torch.Size([3, 3]))).to_dense(),
+            (torch.cuda.sparse.DoubleTensor(2, 3) if dev == "cuda" else torch.sparse.DoubleTensor(2, 3)).to_dense()]
 
 
 def test_the_sparse_api_of_a_coo_tensor_on_cuda_answers_as_on_the_cpu():
@@ -161,6 +165,13 @@ def _skipgram(dev: str) -> list:
 
 def test_embeddings_with_sparse_gradients_train_as_on_the_cpu():
     torch.testing.assert_close(_cpu(_skipgram("cuda")), _cpu(_skipgram("cpu")), rtol=1e-5, atol=1e-6)
+
+
+def test_the_legacy_sparse_types_build_on_cuda_and_match_its_tensors():
+    s = torch.cuda.sparse.FloatTensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]))
+    assert s.is_cuda and s.is_sparse and s.shape == (2, 2) and s.type() == "torch.cuda.sparse.FloatTensor"
+    assert isinstance(s, torch.cuda.sparse.FloatTensor) and not isinstance(s, torch.cuda.sparse.DoubleTensor)
+    assert not isinstance(s.to_dense(), torch.cuda.sparse.FloatTensor)
 
 
 def test_a_sparse_buffer_moves_with_its_module_and_loads_from_a_state_dict():
