@@ -153,9 +153,8 @@ def _refused(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"remotecuda: {what} are not supported on a remote 'cuda' device (a sparse COO tensor there "
         "takes .cuda()/.cpu(), coalesce(), indices()/values(), to_dense(), t(), sum(), sums, scaling "
-        "by a number or a dense mask, zeros_like, index_select and products with dense tensors: torch.sparse.mm, "
-        "torch.spmm, @); use t.to_dense(), "
-        "or keep it on the CPU")
+        "by a number or a dense mask, zeros_like, index_select, torch.sparse.softmax and products with "
+        "dense tensors: torch.sparse.mm, torch.spmm, @); use t.to_dense(), or keep it on the CPU")
 
 
 def _dense(x: Any, op: str) -> torch.Tensor:
@@ -365,6 +364,25 @@ def _values_only(fn: Any, linear: bool = True) -> Any:
     return op
 
 
+def _softmax(s: RemoteSparse, dim: int, half_to_float: bool = False) -> RemoteSparse:
+    """``torch.sparse.softmax(s, dim)``: over the entries that share their other indices (missing
+    ones count as -inf), on the coalesced tensor, as torch's; without gradients."""
+    k = s._i.shape[0]
+    dim %= s.dim()
+    if s._v.dim() != 1 or half_to_float or s._v.requires_grad:
+        raise _refused("softmax of sparse tensors with dense dimensions or values that require grad")
+    c = _coalesce(s)
+    flat = torch.zeros_like(c._i[0])
+    for d in range(k):
+        if d != dim:
+            flat = flat * s.shape[d] + c._i[d]
+    groups = torch.unique(flat, return_inverse=True)[1]
+    n = c._v.shape[0]
+    top = c._v.new_full((n,), float("-inf")).scatter_reduce(0, groups, c._v, "amax")
+    e = (c._v - top[groups]).exp()
+    return make(c._i, e / c._v.new_zeros(n).index_add(0, groups, e)[groups], s.shape, True)
+
+
 def _indices(s: RemoteSparse) -> torch.Tensor:
     if not s._c:
         raise RuntimeError("Cannot get indices on an uncoalesced tensor, please call .coalesce() first")
@@ -446,4 +464,5 @@ _OPS: dict[Any, Any] = {
     aten.mul.Tensor: _mul,
     aten.zeros_like.default: _zeros_like,
     aten.index_select.default: _index_select,
+    aten._sparse_softmax.default: _softmax,
 }

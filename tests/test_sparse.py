@@ -167,6 +167,15 @@ def test_embeddings_with_sparse_gradients_train_as_on_the_cpu():
     torch.testing.assert_close(_cpu(_skipgram("cuda")), _cpu(_skipgram("cpu")), rtol=1e-5, atol=1e-6)
 
 
+def test_sparse_softmax_is_the_cpus():
+    def run(dev: str) -> list:
+        i = torch.tensor([[0, 1, 1, 2, 0, 2], [2, 0, 2, 1, 2, 2], [0, 1, 0, 1, 1, 1]])
+        s = torch.sparse_coo_tensor(i, _data(6), (3, 3, 2), device=dev)
+        return [torch.sparse.softmax(s, d).to_dense() for d in (0, 1, 2, -1)] + \
+            [torch.sparse.softmax(s, 1).coalesce().indices()]
+    torch.testing.assert_close(_cpu(run("cuda")), _cpu(run("cpu")), rtol=1e-6, atol=1e-7)
+
+
 def test_the_legacy_sparse_types_build_on_cuda_and_match_its_tensors():
     s = torch.cuda.sparse.FloatTensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]))
     assert s.is_cuda and s.is_sparse and s.shape == (2, 2) and s.type() == "torch.cuda.sparse.FloatTensor"
@@ -213,7 +222,7 @@ def test_a_sparse_cuda_tensor_saved_loads_as_one_with_weights_only():
 
 def test_other_ops_on_a_sparse_cuda_tensor_say_plainly_they_are_not_supported():
     s = torch.eye(3).to_sparse().cuda()
-    for op in [lambda: s * s, lambda: s @ s, lambda: torch.sparse.softmax(s, 1)]:
+    for op in [lambda: s * s, lambda: s @ s, lambda: torch.sparse.log_softmax(s, 1)]:
         with pytest.raises(NotImplementedError, match="remotecuda: .* not supported on a remote 'cuda' device"):
             op()
     v = torch.ones(3, device="cuda", requires_grad=True)
