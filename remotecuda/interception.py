@@ -912,6 +912,8 @@ def install(rt: Runtime) -> Interception:
                 p.set(module, name, obj)
     for name, obj in legacy_types.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
+    for name, obj in legacy_types.SPARSE_REPLACEMENTS.items():
+        p.set(torch.cuda.sparse, name, obj)
     for name, obj in cuda_graphs.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
         p.set(torch.cuda.graphs, name, obj)

@@ -10,13 +10,21 @@ all known runs on those copies too (it is still sent to the gateway as usual): i
 boolean results become known, and a value read of a known tensor is answered here, with no
 round trip.
 
-Only integer and boolean values are kept, so a copy is exact: the gateway computes the same
-bits. Random ops, ops that write their arguments, uninitialized memory (``empty``) and the
-indices of ties (``sort``, ``topk``) are never known. A read answered here is no sync point:
-an asynchronous error comes at the next read that goes to the gateway. A copy is valid while
-the tensor's version counter (torch's, shared by all views of one storage and bumped by every
-in-place write through any of them) is the one it was taken at; any write makes it unknown
-(but one through ``.data``, which PyTorch keeps from the counter too).
+A copy must be exact: the gateway computes the same bits. So an upload is kept only when it holds
+integers or booleans, and inside a decode an op's results are kept when they are integers or
+booleans computed from integers or booleans, or when the op is one that rounds nothing
+(``_EXACT``: a float tensor made by ``ones``/``zeros``/``full``, cast, moved, selected or
+compared, as BART's decoder makes its mask with ``torch.ones(..., device=...)`` and asks
+``mask.bool()`` whether it is all ones): IEEE arithmetic, reductions and transcendental functions
+of floats may round differently on a GPU, but a value that is only copied, converted with
+round-to-nearest or compared is the same bits everywhere. A float cast to an integer type is kept
+only when it is in range (out of range, CPU and CUDA differ). Random ops, ops that write their
+arguments, uninitialized memory (``empty``) and the indices of ties (``sort``, ``topk``) are
+never known. A read answered here is no sync point: an asynchronous error comes at the next read
+that goes to the gateway. A copy is valid while the tensor's version counter (torch's, shared by
+all views of one storage and bumped by every in-place write through any of them) is the one it
+was taken at; any write makes it unknown (but one through ``.data``, which PyTorch keeps from the
+counter too).
 """
 from __future__ import annotations
 
@@ -37,14 +45,25 @@ _UNKNOWABLE = frozenset(("empty", "empty_like", "empty_strided", "new_empty", "n
                          "empty_permuted", "sort", "argsort", "topk", "kthvalue", "mode", "median",
                          "nanmedian", "cummax", "cummin"))
 _WITH_INDICES = frozenset(("max", "min"))
+#: ops that round nothing: made from a scalar, copied, cast (round-to-nearest on every device),
+#: moved, selected, compared or read; the only ops whose results are kept when a float is involved
+_EXACT = frozenset((
+    "ones", "zeros", "full", "ones_like", "zeros_like", "full_like", "new_ones", "new_zeros", "new_full",
+    "scalar_tensor", "fill", "_to_copy", "clone", "lift_fresh", "lift_fresh_copy", "detach", "alias", "view",
+    "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze", "permute", "transpose", "t",
+    "narrow", "split", "split_with_sizes", "unbind", "cat", "stack", "constant_pad_nd", "repeat", "flip",
+    "index_select", "index", "gather", "where", "masked_fill", "tril", "triu", "diagonal", "eq", "ne", "lt",
+    "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "logical_xor", "isnan", "isinf", "isfinite",
+    "isposinf", "isneginf", "all", "any", "nonzero", "_local_scalar_dense", "is_nonzero", "equal"))
 #: value reads answered from a known tensor
 _READS = frozenset((torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
                     torch.ops.aten.equal.default))
 
 
-def remember(t: Any, cpu: torch.Tensor) -> None:
-    """Keep ``cpu``'s values as remote tensor ``t``'s, if they are few integers or booleans."""
-    if cpu.dtype in _FLOATS or cpu.numel() > LIMIT or not isinstance(t, RemoteTensor):
+def remember(t: Any, cpu: torch.Tensor, floats: bool = False) -> None:
+    """Keep ``cpu``'s values as remote tensor ``t``'s, if they are few integers or booleans (or
+    floats, where ``floats`` says they are exact)."""
+    if (cpu.dtype in _FLOATS and not floats) or cpu.numel() > LIMIT or not isinstance(t, RemoteTensor):
         return
     try:
         version = t._version
@@ -86,7 +105,8 @@ def _remote(args: tuple, kwargs: dict) -> list | None:
 
 
 def _knowable(func: Any) -> bool:
-    """Whether the op's results follow from its arguments' values, the same on any device."""
+    """Whether the op's results follow from its arguments' values, the same on any device (when
+    no float is involved: ``_EXACT``)."""
     schema = func._schema
     name = schema.name.partition("::")[2]
     return not (schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags or name in _UNKNOWABLE
@@ -100,7 +120,13 @@ def run(func: Any, args: tuple, kwargs: dict, inner: Any) -> Any:
     if remote is None or not _knowable(func):
         return inner(func, args, kwargs)
     local_args, local_kwargs = tree_map(_local, (args, kwargs))
-    if any(value(a) is None for a in remote):
+    values = [value(a) for a in remote]
+    if any(v is None for v in values):
+        return inner(func, args, kwargs)
+    name = func._schema.name.partition("::")[2]
+    exact = name in _EXACT
+    floats = [v for v in values if v.dtype in _FLOATS]  # type: ignore[union-attr]
+    if floats and not exact:
         return inner(func, args, kwargs)
     if func in _READS:
         return func(*local_args, **local_kwargs)
@@ -114,6 +140,14 @@ def run(func: Any, args: tuple, kwargs: dict, inner: Any) -> Any:
     if len(outs) == len(local_outs):
         for o, lo in zip(outs, local_outs):
             if isinstance(o, RemoteTensor) and isinstance(lo, torch.Tensor) and lo.shape == o.shape \
-                    and lo.dtype == o.dtype:
-                remember(o, lo)
+                    and lo.dtype == o.dtype and (name != "_to_copy" or _in_range(floats, lo)):
+                remember(o, lo, floats=exact)
     return out
+
+
+def _in_range(floats: list[torch.Tensor], out: torch.Tensor) -> bool:
+    """Whether ``out``, a cast of ``floats`` (none, or the one), is exact on every device: a float
+    cast to an integer type is truncated alike in range; out of range, or NaN, each device has its own."""
+    if not floats or out.dtype in _FLOATS or out.dtype == torch.bool:
+        return True
+    return torch.equal(out.to(floats[0].dtype), floats[0].trunc())

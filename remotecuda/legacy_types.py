@@ -5,7 +5,8 @@ else torch.FloatTensor``, then builds with it (``Tensor(n, 1).fill_(1.0)``), con
 (``imgs.type(Tensor)``) and tests with it (``isinstance(x, torch.cuda.FloatTensor)``). A CPU-only
 torch's types refuse to build ("Torch not compiled with CUDA enabled") and know no remote tensor,
 so each is replaced by a class that builds on the current 'cuda' device and recognises remote
-tensors of its dtype; ``Tensor.type`` given one (or its name) moves a CPU tensor there.
+tensors of its dtype; ``Tensor.type`` given one (or its name) moves a CPU tensor there. The
+sparse ones (``torch.cuda.sparse.FloatTensor(indices, values, size)``) build sparse COO tensors.
 """
 from __future__ import annotations
 
@@ -47,6 +48,37 @@ class _CudaTensorType(type):
 REPLACEMENTS = {name: _CudaTensorType(name, (), {"__module__": "torch.cuda", "dtype": dtype, "is_cuda": True,
                                                  "is_sparse": False, "layout": torch.strided})
                 for name, dtype in LEGACY_TYPES.items()}
+
+
+class _CudaSparseType(type):
+    """``torch.cuda.sparse.FloatTensor`` and its kin while active (older GNN code builds its
+    adjacency with ``torch.cuda.sparse.FloatTensor(indices, values, size)``): a sparse COO tensor
+    on the current 'cuda' device; sizes alone give one with no entries."""
+
+    dtype: torch.dtype
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return obj.is_sparse and obj.is_cuda and obj.dtype == cls.dtype if isinstance(obj, torch.Tensor) else False
+
+    def __call__(cls, *args: Any, device: Any = None) -> torch.Tensor:
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        target = torch.device("cuda", torch.cuda.current_device() if d.index is None else d.index)
+        if len(args) in (2, 3) and all(isinstance(a, torch.Tensor) for a in args[:2]):
+            indices, values = (a.to(target) for a in args[:2])
+            return torch.sparse_coo_tensor(indices, values, *args[2:], device=target)  # (values' dtype, as torch's)
+        if all(isinstance(a, int) for a in args) or (len(args) == 1 and isinstance(args[0], torch.Size)):
+            shape = list(args[0] if args and isinstance(args[0], torch.Size) else args) or [0]
+            return torch.sparse_coo_tensor(torch.zeros(len(shape), 0, dtype=torch.long, device=target),
+                                           torch.zeros(0, dtype=cls.dtype, device=target), shape)
+        raise NotImplementedError(f"remotecuda: torch.cuda.sparse.{cls.__name__} takes (indices, values[, size]) or "
+                                  "sizes on a remote 'cuda' device; use torch.sparse_coo_tensor(..., device='cuda')")
+
+
+#: torch.cuda.sparse.<name> while active
+SPARSE_REPLACEMENTS = {name: _CudaSparseType(name, (), {"__module__": "torch.cuda.sparse", "dtype": dtype,
+                                                        "is_cuda": True, "is_sparse": True,
+                                                        "layout": torch.sparse_coo})
+                       for name, dtype in LEGACY_TYPES.items() if hasattr(torch.cuda.sparse, name)}
 
 
 def tensor_type(func: Callable, args: tuple, kwargs: dict) -> Any:

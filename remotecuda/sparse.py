@@ -153,8 +153,8 @@ def _refused(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"remotecuda: {what} are not supported on a remote 'cuda' device (a sparse COO tensor there "
         "takes .cuda()/.cpu(), coalesce(), indices()/values(), to_dense(), t(), sum(), sums, scaling "
-        "by a number and products with dense tensors: torch.sparse.mm, torch.spmm, @); use t.to_dense(), "
-        "or keep it on the CPU")
+        "by a number or a dense mask, zeros_like, index_select, torch.sparse.softmax and products with "
+        "dense tensors: torch.sparse.mm, torch.spmm, @); use t.to_dense(), or keep it on the CPU")
 
 
 def _dense(x: Any, op: str) -> torch.Tensor:
@@ -185,9 +185,30 @@ def _scalar_name(dtype: torch.dtype) -> str:
 
 
 def _mm(s: Any, x: Any) -> torch.Tensor:
-    if not isinstance(s, RemoteSparse):
-        raise _refused("products of a dense tensor with a sparse one (dense @ sparse)")
+    """``s @ x``, or ``x @ s`` of a dense ``x`` and a sparse ``s`` as ``(s.t() @ x.t()).t()``."""
+    if isinstance(x, RemoteSparse):
+        if isinstance(s, RemoteSparse):
+            raise _refused("products of two sparse tensors (sparse @ sparse)")
+        if s.dim() != 2 or s.shape[1] != x.shape[0]:
+            raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({'x'.join(map(str, s.shape))} and "
+                               f"{x.shape[0]}x{x.shape[1]})")
+        return _product(_t(x), _dense(s, "mm").t(), "mm").t()
     return _product(s, x, "mm")
+
+
+def _index_select(s: RemoteSparse, dim: int, index: Any) -> RemoteSparse:
+    """``s.index_select(dim, index)`` over a sparse dimension: each entry once for each place its
+    index there holds in ``index`` (repeats too), renumbered to that place."""
+    dim %= s.dim()
+    if not isinstance(s, RemoteSparse) or dim >= s._i.shape[0]:
+        raise _refused("index_select of a sparse tensor over a dense dimension, or into one")
+    index = _dense(index, "index_select")
+    entry, place = (s._i[dim].unsqueeze(1) == index.unsqueeze(0)).nonzero().unbind(1)
+    indices = s._i.index_select(1, entry)
+    indices[dim] = place
+    shape = list(s.shape)
+    shape[dim] = index.shape[0]
+    return make(indices, s._v.index_select(0, entry), shape, False)
 
 
 def _mv(s: Any, v: Any) -> torch.Tensor:
@@ -343,6 +364,25 @@ def _values_only(fn: Any, linear: bool = True) -> Any:
     return op
 
 
+def _softmax(s: RemoteSparse, dim: int, half_to_float: bool = False) -> RemoteSparse:
+    """``torch.sparse.softmax(s, dim)``: over the entries that share their other indices (missing
+    ones count as -inf), on the coalesced tensor, as torch's; without gradients."""
+    k = s._i.shape[0]
+    dim %= s.dim()
+    if s._v.dim() != 1 or half_to_float or s._v.requires_grad:
+        raise _refused("softmax of sparse tensors with dense dimensions or values that require grad")
+    c = _coalesce(s)
+    flat = torch.zeros_like(c._i[0])
+    for d in range(k):
+        if d != dim:
+            flat = flat * s.shape[d] + c._i[d]
+    groups = torch.unique(flat, return_inverse=True)[1]
+    n = c._v.shape[0]
+    top = c._v.new_full((n,), float("-inf")).scatter_reduce(0, groups, c._v, "amax")
+    e = (c._v - top[groups]).exp()
+    return make(c._i, e / c._v.new_zeros(n).index_add(0, groups, e)[groups], s.shape, True)
+
+
 def _indices(s: RemoteSparse) -> torch.Tensor:
     if not s._c:
         raise RuntimeError("Cannot get indices on an uncoalesced tensor, please call .coalesce() first")
@@ -356,12 +396,30 @@ def _values(s: RemoteSparse) -> torch.Tensor:
 
 
 def _mul(s: Any, other: Any) -> RemoteSparse:
-    """A sparse tensor scaled by a number or a 0-d tensor (``adj * 0.5``)."""
+    """A sparse tensor scaled by a number or a 0-d tensor (``adj * 0.5``), or multiplied by a
+    dense tensor that broadcasts to its shape (a mask): each entry by the dense value at its
+    index, as the CPU's product (which keeps the entries, and whether they are coalesced)."""
     if not isinstance(s, RemoteSparse):
         s, other = other, s
-    if isinstance(other, RemoteSparse) or (isinstance(other, torch.Tensor) and other.dim() > 0):
-        raise _refused("products of a sparse tensor with a tensor (mul)")
+    if isinstance(other, RemoteSparse):
+        raise _refused("products of two sparse tensors (mul)")
+    if isinstance(other, torch.Tensor) and other.dim() > 0:
+        if other.requires_grad or s._v.requires_grad:
+            raise _refused("products of a sparse tensor with a dense one that requires grad (mul)")
+        if torch.broadcast_shapes(other.shape, s.shape) != s.shape:
+            raise _refused("products of a sparse tensor with a dense one of a larger shape (mul)")
+        other = aten.index.Tensor(_dense(other, "mul").expand(s.shape), list(s._i))
     return make(s._i, s._v * other, s.shape, s._c)
+
+
+def _zeros_like(s: RemoteSparse, *, dtype: Any = None, layout: Any = None, device: Any = None,
+                pin_memory: Any = None, memory_format: Any = None) -> Any:
+    """``torch.zeros_like`` of a sparse tensor: one with no entries (coalesced), as the CPU's."""
+    if layout not in (None, torch.sparse_coo) or (device is not None and device.type == "cpu"):
+        raise _refused(f"zeros_like of a sparse tensor to {layout or device}")
+    k = s._i.shape[0]
+    values = s._v.new_zeros((0, *s._v.shape[1:]), dtype=dtype or s.dtype)
+    return make(s._i.new_zeros((k, 0)), values, s.shape, True)
 
 
 _OPS: dict[Any, Any] = {
@@ -404,4 +462,7 @@ _OPS: dict[Any, Any] = {
     aten.mul_.Scalar: _mul_,
     aten.mul_.Tensor: _mul_,
     aten.mul.Tensor: _mul,
+    aten.zeros_like.default: _zeros_like,
+    aten.index_select.default: _index_select,
+    aten._sparse_softmax.default: _softmax,
 }

@@ -208,3 +208,52 @@ def test_sampling_after_an_early_stop_draws_as_eager(remote):
         return torch.cat([out.flatten(), after])
     local, out, _ = _both(model, call, seed=5)
     assert torch.equal(out, local)
+
+
+def _bart() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, bos_token_id=0)).eval()
+
+
+def _marian() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return T.MarianMTModel(T.MarianConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).eval()
+
+
+@pytest.mark.parametrize("arch", [_bart, _marian], ids=["bart", "marian"])
+def test_float_masks_made_on_the_device_are_known(remote, arch):
+    """BART's and Marian's decoders make their mask with ``torch.ones(..., device=...)``, a float
+    tensor, and ask at every step whether it is all ones: it is known (exact), so greedy decoding
+    waits once per call, not once per token (14 for 12 tokens)."""
+    local, out, trips = _both(arch(), lambda m, x, a: m.generate(x, attention_mask=a, max_new_tokens=12,
+                                                                 do_sample=False))
+    assert torch.equal(out, local)
+    assert trips <= 2
+
+
+def test_known_floats_are_only_exact_ones(remote):
+    """Floats made from a scalar, cast, moved and compared are known; arithmetic on them, and a
+    cast to an integer type out of range (each device has its own answer), is read from the gateway."""
+    rt = remotecuda.runtime.current()
+    rt.dispatcher.propagate = True
+    try:
+        before = _round_trips()
+        m = torch.ones(2, 3, device="cuda")
+        z = torch.zeros(2, 1, dtype=torch.bfloat16, device="cuda")
+        assert bool(m.bool().all()) and not bool(torch.cat([m, z.float()], 1).eq(1).all())
+        assert float(m[1, 2]) == 1.0 and int(m.long().sum()) == 6
+        assert _round_trips() == before
+        assert float((m * 0.1).sum()) == pytest.approx(0.6)  # (rounding: read from the gateway)
+        assert _round_trips() == before + 1
+        big = torch.full((2,), 1e30, device="cuda").long()
+        from remotecuda import known
+        assert known.value(big) is None and known.value(big.float()) is None
+        assert known.value(torch.full((2,), -2.5, device="cuda").int()) is not None
+    finally:
+        rt.dispatcher.propagate = False

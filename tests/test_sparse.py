@@ -102,7 +102,20 @@ def _api(dev: str) -> list:
             torch.sparse.sum(s, dim=1).to_dense(), torch.sparse.sum(c, 0).indices(), torch.sparse.sum(hs, (0, 2)),
             torch.sparse.sum(s), (c + c).is_coalesced(), (c + torch.eye(3).to_sparse().to(dev)).to_dense(),
             (s + s).to_dense(), torch.ones(3, 3, device=dev) + s, (-s).to_dense(), (s / 2).to_dense(),
-            (s ** 2).to_dense()]
+            (s ** 2).to_dense(),
+            # a dense mask, broadcast or not, a 0-d tensor's scale, and zeros_like
+            (s * torch.arange(9.0).view(3, 3).to(dev)).to_dense(), (s * _data(3, 1).to(dev)).to_dense(),
+            (s * torch.tensor(2.0, device=dev)).to_dense(), (hs * _data(4, 1, 2, seed=4).to(dev)).to_dense(),
+            torch.zeros_like(s)._nnz(), torch.zeros_like(s).is_coalesced(), torch.zeros_like(hs).to_dense(),
+            # rows picked (repeated too), and dense @ sparse
+            s.index_select(0, torch.tensor([2, 0, 2], device=dev)).to_dense(),
+            s.index_select(1, torch.tensor([1], device=dev)).coalesce().indices(),
+            hs.index_select(0, torch.tensor([3, 1], device=dev)).to_dense(),
+            torch.arange(6.0).view(2, 3).to(dev) @ s,
+            # the legacy constructor, as older GNN code builds its adjacency
+            (torch.cuda.sparse.FloatTensor(i, v.double(), torch.Size([3, 3])) if dev == "cuda"
+             else torch.sparse.FloatTensor(i, v.double(), torch.Size([3, 3]))).to_dense(),
+            (torch.cuda.sparse.DoubleTensor(2, 3) if dev == "cuda" else torch.sparse.DoubleTensor(2, 3)).to_dense()]
 
 
 def test_the_sparse_api_of_a_coo_tensor_on_cuda_answers_as_on_the_cpu():
@@ -118,7 +131,10 @@ def test_gradients_flow_through_to_sparse_and_the_product():
         (out ** 2).sum().backward()
         leaf = _adjacency(5).to_sparse().to(dev).requires_grad_(True)  # a sparse leaf's own gradient
         (torch.sparse.mm(leaf, y.detach()) ** 2).sum().backward()
-        return [out, x.grad, y.grad, leaf.grad.to_dense(), leaf.grad.is_coalesced()]
+        w = _data(2, 5, seed=4).to(dev).requires_grad_(True)  # dense @ sparse, and its gradient
+        left = w @ leaf.detach()
+        (left ** 2).sum().backward()
+        return [out, x.grad, y.grad, leaf.grad.to_dense(), leaf.grad.is_coalesced(), left, w.grad]
     torch.testing.assert_close(_cpu(run("cuda")), _cpu(run("cpu")), rtol=1e-5, atol=1e-6)
 
 
@@ -149,6 +165,22 @@ def _skipgram(dev: str) -> list:
 
 def test_embeddings_with_sparse_gradients_train_as_on_the_cpu():
     torch.testing.assert_close(_cpu(_skipgram("cuda")), _cpu(_skipgram("cpu")), rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_softmax_is_the_cpus():
+    def run(dev: str) -> list:
+        i = torch.tensor([[0, 1, 1, 2, 0, 2], [2, 0, 2, 1, 2, 2], [0, 1, 0, 1, 1, 1]])
+        s = torch.sparse_coo_tensor(i, _data(6), (3, 3, 2), device=dev)
+        return [torch.sparse.softmax(s, d).to_dense() for d in (0, 1, 2, -1)] + \
+            [torch.sparse.softmax(s, 1).coalesce().indices()]
+    torch.testing.assert_close(_cpu(run("cuda")), _cpu(run("cpu")), rtol=1e-6, atol=1e-7)
+
+
+def test_the_legacy_sparse_types_build_on_cuda_and_match_its_tensors():
+    s = torch.cuda.sparse.FloatTensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]))
+    assert s.is_cuda and s.is_sparse and s.shape == (2, 2) and s.type() == "torch.cuda.sparse.FloatTensor"
+    assert isinstance(s, torch.cuda.sparse.FloatTensor) and not isinstance(s, torch.cuda.sparse.DoubleTensor)
+    assert not isinstance(s.to_dense(), torch.cuda.sparse.FloatTensor)
 
 
 def test_a_sparse_buffer_moves_with_its_module_and_loads_from_a_state_dict():
@@ -190,13 +222,14 @@ def test_a_sparse_cuda_tensor_saved_loads_as_one_with_weights_only():
 
 def test_other_ops_on_a_sparse_cuda_tensor_say_plainly_they_are_not_supported():
     s = torch.eye(3).to_sparse().cuda()
-    for op in [lambda: s * s, lambda: s.index_select(0, torch.tensor([0], device="cuda")),
-               lambda: torch.ones(3, 3, device="cuda") @ s, lambda: torch.sparse.softmax(s, 1)]:
+    for op in [lambda: s * s, lambda: s @ s, lambda: torch.sparse.log_softmax(s, 1)]:
         with pytest.raises(NotImplementedError, match="remotecuda: .* not supported on a remote 'cuda' device"):
             op()
     v = torch.ones(3, device="cuda", requires_grad=True)
     with pytest.raises(NotImplementedError, match="values that require grad"):
         torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [0, 1, 2]], device="cuda"), v, (3, 3))
+    with pytest.raises(NotImplementedError, match="dense one that requires grad"):
+        s * v
     with pytest.raises(RuntimeError, match="expected scalar type Double but found Float"):
         torch.sparse.mm(s.double(), torch.ones(3, 2, device="cuda"))
     assert torch.equal(s.to_dense().cpu(), torch.eye(3))  # the session goes on
