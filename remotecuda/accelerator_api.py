@@ -128,6 +128,18 @@ class Event(metaclass=_OnAccelerator):
 #: what replaces torch.<name> while active
 TORCH_REPLACEMENTS = {"Stream": Stream, "Event": Event}
 
+_local_accelerator = torch._C._get_accelerator
+
+
+def _get_accelerator(check: bool = False) -> torch.device:
+    """``torch._C._get_accelerator``: the machine's accelerator as ``torch.get_device_module()``
+    and device-generic library code (transformers' continuous batching, FSDP) ask for it."""
+    return _CUDA if is_available() else _local_accelerator(check)
+
+
+#: what replaces torch._C.<name> while active
+C_REPLACEMENTS = {"_get_accelerator": _get_accelerator}
+
 
 # ---------------------------------------------------------------------- memory
 def memory_stats(device_index: Any = None, /) -> OrderedDict[str, Any]:

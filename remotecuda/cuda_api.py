@@ -128,6 +128,13 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return bool(_device().props.get("bf16", True))
 
 
+def runtime_version() -> str | None:
+    """What ``torch.version.cuda`` says while active: the CUDA runtime of the current device's
+    gateway (None where it runs on the CPU). Code reads it to tell a CUDA machine, e.g.
+    transformers before it turns TF32 on; asked, like the device's properties, it places the device."""
+    return _device().props.get("cuda_version") if is_available() else None
+
+
 def get_arch_list() -> list[str]:
     """The architectures the current device's gateway's torch was built for ([] on a CPU gateway)."""
     return list(_info("get_arch_list"))

@@ -751,6 +751,11 @@ class _Patches:
             jit_builtins._register_builtin(value, op)
             self.builtins.append(id(value))
 
+    def remove(self, obj: Any, name: str) -> None:
+        """``del obj.name`` (so that a module's ``__getattr__`` answers for it), undone by restore."""
+        self.saved.append((obj, name, getattr(obj, name), True))
+        delattr(obj, name)
+
     def set_item(self, table: MutableMapping, key: Any, value: Any) -> None:
         """``table[key] = value`` (``copyreg.dispatch_table``, ``os.environ``), undone by restore."""
         self.items.append((table, key, table.get(key), key in table))
@@ -901,6 +906,13 @@ class Interception:
         uninstall_excepthook()
 
 
+def _version_attribute(name: str) -> Any:
+    """``torch.version``'s module ``__getattr__`` while active: its ``cuda`` is the gateway's."""
+    if name == "cuda":
+        return cuda_api.runtime_version()
+    raise AttributeError(f"module 'torch.version' has no attribute {name!r}")
+
+
 def install(rt: Runtime) -> Interception:
     """Route 'cuda' to ``rt``: patch torch, push the dispatch mode on this thread."""
     p = _Patches()
@@ -928,6 +940,13 @@ def install(rt: Runtime) -> Interception:
         p.set(torch.accelerator.memory, name, obj)
     for name, obj in accelerator_api.TORCH_REPLACEMENTS.items():
         p.set(torch, name, obj)
+    for name, obj in accelerator_api.C_REPLACEMENTS.items():
+        p.set(torch._C, name, obj)
+    # read when asked (a discovered GPU's runtime is known once it is placed)
+    p.remove(torch.version, "cuda")
+    p.set(torch.version, "__getattr__", _version_attribute)
+    # (it caches its answers: one from before activation would name the CPU)
+    p.set(torch, "get_device_module", functools.cache(inspect.unwrap(torch.get_device_module)))
     # on cudnn's module object only: its own functions (set_flags...) still see the local truth
     p.set(torch.backends.cudnn, "is_available", lambda: True)
     p.set(torch.backends.cudnn, "is_acceptable", _cudnn_is_acceptable)

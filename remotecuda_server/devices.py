@@ -36,7 +36,8 @@ if torch.cuda.is_available():
             more["uuid"] = str(p.uuid)
         out.append(dict(index=i, kind="cuda", torch_device=f"cuda:{i}", name=p.name,
                         total_memory=p.total_memory, capability=[p.major, p.minor],
-                        multi_processor_count=p.multi_processor_count, bf16=bf16, more=more))
+                        multi_processor_count=p.multi_processor_count, bf16=bf16,
+                        cuda_version=torch.version.cuda, more=more))
 print(json.dumps(out))
 """
 _PROBE = _PROBE.replace("import json, torch\n", f"import json, torch\nMORE = {MORE!r}\n", 1)  # (in the child)
@@ -45,6 +46,9 @@ _PROBE = _PROBE.replace("import json, torch\n", f"import json, torch\nMORE = {MO
 SIMULATED_NAME = "Simulated GPU"
 SIMULATED_MEMORY = "16GiB"
 SIMULATED_CAPABILITY = "8.0"
+#: the CUDA runtime a simulated GPU reports (a client's ``torch.version.cuda``): code checks it to
+#: tell a CUDA machine, e.g. transformers before it turns TF32 on
+SIMULATED_CUDA_VERSION = "12.8"
 
 
 @dataclass
@@ -58,6 +62,7 @@ class DeviceInfo:
     multi_processor_count: int
     bf16: bool = True
     simulated: bool = False
+    cuda_version: str | None = None  # the gateway torch's CUDA runtime (None: the CPU)
     more: dict = field(default_factory=dict)  # a CUDA GPU's other properties (MORE, and its uuid)
 
     def as_dict(self) -> dict:
@@ -126,7 +131,8 @@ def simulated_devices(n: int, memory: str | None = None, name: str | None = None
     caps = [_capability(v) for v in _per_gpu("--gpu-capability", capability or SIMULATED_CAPABILITY, n)]
     return [DeviceInfo(index=i, kind="cpu", torch_device="cpu", name=names[i], total_memory=sizes[i],
                        capability=caps[i], multi_processor_count=os.cpu_count() or 1,
-                       bf16=tuple(caps[i]) >= (8, 0), simulated=True) for i in range(n)]
+                       bf16=tuple(caps[i]) >= (8, 0), simulated=True, cuda_version=SIMULATED_CUDA_VERSION)
+            for i in range(n)]
 
 
 def _select(gpus: list[DeviceInfo], wanted: str) -> list[DeviceInfo]:

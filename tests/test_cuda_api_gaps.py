@@ -13,7 +13,7 @@ import torch
 import remotecuda
 from remotecuda import cuda_api, visible_devices
 
-from conftest import GatewayProcess
+from conftest import GatewayProcess, run_python
 
 MiB = 2**20
 
@@ -117,6 +117,34 @@ def test_more_of_torch_cuda(sim):
     double = torch.cuda.jiterator._create_jit_fn("template <typename T> T twice(T x) { return x + x; }")
     with pytest.raises(NotImplementedError, match="jiterator compiles CUDA C"):
         double(torch.ones(2, device="cuda"))
+
+
+def test_a_cuda_machine_by_every_sign_libraries_read(sim):
+    """Library code tells a CUDA machine by ``torch.version.cuda`` (transformers refused
+    ``TrainingArguments(tf32=True)``: "--tf32 requires Ampere or a newer GPU arch") and takes the
+    machine's accelerator from ``torch.get_device_module()`` (which caches its answer: one read
+    before activation named the CPU); both are the GPUs' while active, the CPU's after."""
+    assert torch.version.cuda == "12.8"  # (what a simulated GPU reports; a CUDA gateway, its own)
+    assert torch.get_device_module() is torch.cuda
+    assert torch._C._get_accelerator() == torch.device("cuda")
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import import_utils
+    import_utils.is_torch_tf32_available.cache_clear()  # (cached by whatever test asked first)
+    args = transformers.TrainingArguments(output_dir="unused", tf32=True, report_to=[])
+    assert args.tf32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+
+
+def test_a_cpu_gateway_is_no_cuda_runtime(gateway):
+    out = run_python(f"""
+import torch, remotecuda
+before = torch.get_device_module()  # (cached here, before activation)
+remotecuda.activate({gateway.address!r}, fallback="error")
+during = torch.version.cuda, torch.get_device_module()
+remotecuda.deactivate()
+print(before.__name__, during[0], during[1].__name__, torch.version.cuda, torch.get_device_module().__name__)
+""")
+    assert out.stdout.split() == ["torch.cpu", "None", "torch.cuda", "None", "torch.cpu"], out.stderr
 
 
 def test_no_public_torch_cuda_function_fails_for_want_of_local_cuda(sim):

@@ -77,6 +77,7 @@ CLIENT = textwrap.dedent(r'''
             got = (x.to(f"cuda:{i}") * i).sum().item()
             assert abs(got - (x * i).sum().item()) < 1e-3
         print("PROPS", json.dumps([torch.cuda.get_device_properties(i).name for i in range(n)]), flush=True)
+        print("CUDA", torch.version.cuda, flush=True)  # (the current device's runtime: discovered, then placed)
     elif work == "late":  # cuda:0 now; cuda:1 (pinned to a gateway that is not there yet) when told
         assert (torch.ones(2, device="cuda:0") * 2).sum().item() == 4
         print("READY", flush=True)
@@ -209,6 +210,7 @@ def test_latency_optimized_avoids_the_gateway_behind_a_delay_proxy(fleet):
     assert all(d["placed"] and d["strategy"] == "latency-optimized" for d in devs), devs
     assert FAR not in placed_names(devs), devs  # (which of the others: their loopback round trips decide)
     assert out["PROPS"] == placed_names(devs)
+    assert out["CUDA"] == "12.8"  # (a simulated GPU's)
     assert all("rtt" in d["reason"] for d in devs) and len(placement_lines(err)) == 4, err
     # cuda:1 was placed first, by a question about its properties
     assert placement_lines(err)[0].startswith("remotecuda: cuda:1 placed at a question about its properties: ")
