@@ -244,7 +244,7 @@ class device_of(device):
 # ---------------------------------------------------------------------- synchronisation
 def synchronize(device: Any = None) -> None:
     """Wait for all queued work on the device (and raise its pending error, if any)."""
-    _session(device).request("rc::sync", [])
+    _session(device).synchronize()
 
 
 _ids = itertools.count(1)
@@ -377,7 +377,7 @@ class Event:
 
     def synchronize(self) -> None:
         if self.session is not None:
-            self.session.request("rc::sync", [])
+            self.session.synchronize()
 
     def elapsed_time(self, end_event: Event) -> float:
         if not (self.enable_timing and end_event.enable_timing):

@@ -477,7 +477,7 @@ class Pool:
                 with s.lock:
                     s.open("synchronize")  # (placed for its queued work: not a value read)
             if not s.closed or s.lost is not None:  # (a gateway found down: its error, as CUDA's sticky one)
-                s.request("rc::sync", [])
+                s.synchronize()
 
     def cancel(self) -> None:
         """Drop every session's queued work (an interrupted cell's), as an interrupt does."""

@@ -121,6 +121,9 @@ class Session:
         #: requests an interrupt stopped waiting for (their replies kept in ``_later``): the error
         #: a reply carries is reported once, so it is raised at the next wait, not dropped
         self._abandoned: set[int] = set()
+        #: whether every OPS message sent has been answered by an error-free reply since (the
+        #: gateway then has nothing of ours left to run): a sync needs no round trip
+        self._settled = True
         self._op_index = 0
         self._last_send = time.monotonic()
         self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # counts, and wait_seconds (counters())
@@ -499,6 +502,7 @@ class Session:
                 with HeldInterrupts():  # the queue is cleared and sent as one step
                     self._seq += 1
                     frames = self._seal(protocol.encode(protocol.OPS, body, self._payloads, self._seq), self.sock)
+                    self._settled = False
                     try:  # sent first, the books after: a value read waits for no bookkeeping
                         self._send_frames(self.sock, frames)
                     finally:  # (sent or not: a lost gateway's replay sends it from the log)
@@ -602,6 +606,7 @@ class Session:
             if body.get("err"):  # this op's own error, or (with a note) an earlier one's
                 err = body["err"]
                 raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
+            self._settled = not self._ops  # (this request was the last thing sent, and all of it ran)
             res = body.get("res")
             if name == "rc::fetch":
                 res = self._downloaded(res, msg, downloads.get(0))
@@ -616,6 +621,19 @@ class Session:
                 if self.trace is not None:
                     self.trace.transfer(self, "download", nbytes, None, t_wait)
             return res
+
+    def synchronize(self) -> None:
+        """Wait for everything queued and sent (``rc::sync``), raising a pending remote error.
+        When nothing was sent since the last error-free reply, the gateway has nothing of ours
+        left to run and the answer is known without a round trip, as an idle GPU's
+        ``cudaDeviceSynchronize`` returns in microseconds (torch.utils.benchmark's timers sync at
+        every reading, and size their blocks by what an empty reading costs)."""
+        with self.lock:
+            if (self._settled and self.connected and not self.closed and self.lost is None
+                    and not self._ops and not self._later and not self._abandoned):
+                self._drain()  # (a message the gateway sent meanwhile: its error is raised)
+                return
+            self.request("rc::sync", [])
 
     def request_later(self, name: str, args: list) -> int | None:
         """Queue a request whose answer (a Python value: ``_local_scalar_dense`` and the like) is
@@ -805,7 +823,7 @@ class Session:
         self._parts_sent, self._inflight = 0, []
         # the new address first, with no WELCOME yet: liveness must not judge it by the old gateway's id
         self.info, self.endpoint, self.gpu = {}, endpoint, gpu
-        self.connected, self.closed, self.lost = False, False, None
+        self.connected, self.closed, self.lost, self._settled = False, False, None, False
         self._connect(endpoint, gpu)
 
     def restore(self, snap: Snapshot, sticky: list[list]) -> None:
