@@ -91,7 +91,7 @@ def init() -> None:
 
 
 def device_count() -> int:
-    return len(_rt().pool.devices)
+    return len(_rt().pool.visible())
 
 
 def current_device() -> int:
