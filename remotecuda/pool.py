@@ -291,12 +291,23 @@ class Pool:
             self._apply_visible()
         return self.devices
 
+    def _initialize(self) -> None:
+        """CUDA's initialization, at the first use of a device: the environment CUDA reads then is
+        read a last time (a notebook sets it in its first cell, after the RemoteCUDA kernel activated):
+        CUDA_VISIBLE_DEVICES, and CUDA_LAUNCH_BLOCKING, whose 1 makes every op synchronous, as
+        REMOTECUDA_SYNC does (torch's CUDA errors advise it, to raise an error at its line)."""
+        self.visible()
+        if os.environ.get("CUDA_LAUNCH_BLOCKING", "") not in ("", "0"):
+            self.sync = True
+            for s in list(self.sessions.values()):
+                s.sync = True
+        self._initialized = True
+
     def check(self, index: int) -> VirtualDevice:
         """Virtual device ``cuda:index``, placed or not; an invalid index raises as CUDA does.
-        The first call is CUDA's initialization: CUDA_VISIBLE_DEVICES is read a last time."""
+        The first call is CUDA's initialization (``_initialize``)."""
         if not self._initialized:
-            self.visible()
-            self._initialized = True
+            self._initialize()
         if not self.devices:
             raise RuntimeError(f"No CUDA GPUs are available ({visible_devices.VAR}={self.hidden[1]!r} hides all "
                                f"{self.hidden[0]} of remotecuda's virtual devices)")

@@ -197,6 +197,22 @@ def test_cuda_visible_devices_picks_and_renumbers_the_virtual_devices(sim):
     assert torch.cuda.device_count() == 3
 
 
+def test_cuda_launch_blocking_raises_an_error_at_its_line(sim):
+    """CUDA_LAUNCH_BLOCKING=1, which torch's CUDA errors advise, makes every op synchronous as on
+    a GPU (it was ignored: the error came at a later sync); read at the first use of a device, as
+    CUDA reads it, so a notebook's first cell may set it."""
+    try:
+        _reactivate(sim, None)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CUDA_LAUNCH_BLOCKING", "1")
+            x = torch.zeros(2, device="cuda")
+            with pytest.raises(IndexError, match="out of bounds"):
+                x[torch.tensor([5], device="cuda")]
+            assert (x + 1).tolist() == [1.0, 1.0]
+    finally:
+        _reactivate(sim, None)
+
+
 def test_cuda_visible_devices_set_before_the_first_use_applies(sim):
     """CUDA reads the variable at its initialization (the first use of a device), and torch's
     device_count() reads it afresh until then: a notebook's first cell sets it, after the RemoteCUDA
