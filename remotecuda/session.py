@@ -719,23 +719,22 @@ class Session:
         try:
             while True:
                 for sock in dict(self._poller.poll(100)):
-                    frames = wire.recv(sock)
+                    # pyzmq looks for signals as a message's frames are freed, where an exception
+                    # cannot be raised: an interrupt met there was lost (a loop of downloads ran
+                    # on). Held while a message is taken in, and its frames freed, it is raised after
+                    reply = None
+                    try:
+                        with HeldInterrupts():
+                            reply, progress = self._received(sock, rid, downloads, progress)
+                    except KeyboardInterrupt:
+                        if reply is not None:  # (come: its error, if any, is raised at the next wait)
+                            self._later[rid] = reply.body
+                        raise
                     last_heard = time.monotonic()
-                    msg = self._decoded(frames, sock)
-                    if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
+                    if reply is not None:
                         if self._abandoned:
                             self._abandoned_errors()
-                        return msg, downloads
-                    if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
-                        self._later[msg.body["rid"]] = msg.body
-                    if msg.type == protocol.PART and msg.body.get("rid") == rid:
-                        download = downloads.setdefault(msg.body.get("i", 0), Download(self.offered))
-                        download.add(msg)
-                        progress = progress or Progress("download", 0)
-                        progress.update(download.last, sum(d.total for d in downloads.values()))
-                    if msg.type == protocol.ERROR:
-                        self._raise_error(msg.body)
-                    # else PONG
+                        return reply, downloads
                 if self._abandoned:
                     self._abandoned_errors(waiting=rid)
                 if self.lost is not None:  # liveness.py found the gateway down, or restarted
@@ -751,12 +750,30 @@ class Session:
         except KeyboardInterrupt:
             # as on a GPU, the work queued before the interrupt still runs (an in-place op
             # dropped would leave its tensor silently stale); ``cancel`` is what drops it
-            self._later[rid] = None
+            self._later.setdefault(rid, None)
             self._abandoned.add(rid)
             raise
         finally:
             if progress is not None:
                 progress.close()
+
+    def _received(self, sock: zmq.Socket, rid: int, downloads: dict[int, Download],
+                  progress: Progress | None) -> tuple[protocol.Message | None, Progress | None]:
+        """Take in one message that has come: the REPLY to request ``rid`` (returned), a PART of its
+        download, another request's reply, an ERROR (raised), or a PONG."""
+        msg = self._decoded(wire.recv(sock), sock)
+        if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
+            return msg, progress
+        if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
+            self._later[msg.body["rid"]] = msg.body
+        if msg.type == protocol.PART and msg.body.get("rid") == rid:
+            download = downloads.setdefault(msg.body.get("i", 0), Download(self.offered))
+            download.add(msg)
+            progress = progress or Progress("download", 0)
+            progress.update(download.last, sum(d.total for d in downloads.values()))
+        if msg.type == protocol.ERROR:
+            self._raise_error(msg.body)
+        return None, progress
 
     def _abandoned_errors(self, waiting: int | None = None) -> None:
         """Raise the error the reply of a request abandoned by an interrupt carried (an earlier
