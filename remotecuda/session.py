@@ -627,11 +627,13 @@ class Session:
         When nothing was sent since the last error-free reply, the gateway has nothing of ours
         left to run and the answer is known without a round trip, as an idle GPU's
         ``cudaDeviceSynchronize`` returns in microseconds (torch.utils.benchmark's timers sync at
-        every reading, and size their blocks by what an empty reading costs). While a trace
-        records, each sync is asked, and shown in it."""
+        every reading, and size their blocks by what an empty reading costs). Tensors freed
+        since are freed on the gateway first, as a GPU's allocator frees them at once. While a
+        trace records, each sync is asked, and shown in it."""
         with self.lock:
             if (self._settled and self.connected and not self.closed and self.lost is None
-                    and self.trace is None and not self._ops and not self._later and not self._abandoned):
+                    and self.trace is None and not self._ops and not self._release
+                    and not self._later and not self._abandoned):
                 self._drain()  # (a message the gateway sent meanwhile: its error is raised)
                 return
             self.request("rc::sync", [])

@@ -257,6 +257,12 @@ def test_sync_with_nothing_sent_since_is_free():
     torch.cuda.synchronize()
     torch.cuda.synchronize()
     assert remotecuda.stats()["blocking_round_trips"] == before + 1
+    used = torch.cuda.memory_allocated()
+    del x  # a tensor freed since: freed on the gateway by the sync
+    torch.cuda.synchronize()
+    assert remotecuda.stats()["blocking_round_trips"] == before + 3
+    assert torch.cuda.memory_allocated() == used - 16
+    x = torch.ones(4, device="cuda")
     bad = x[torch.tensor([9], device="cuda")]  # an asynchronous error is still raised at the sync
     with pytest.raises(IndexError, match="out of bounds"):
         torch.cuda.synchronize()
