@@ -91,7 +91,7 @@ def init() -> None:
 
 
 def device_count() -> int:
-    return len(_rt().pool.devices)
+    return len(_rt().pool.visible())
 
 
 def current_device() -> int:
@@ -251,7 +251,7 @@ class device_of(device):
 # ---------------------------------------------------------------------- synchronisation
 def synchronize(device: Any = None) -> None:
     """Wait for all queued work on the device (and raise its pending error, if any)."""
-    _session(device).request("rc::sync", [])
+    _session(device).synchronize()
 
 
 _ids = itertools.count(1)
@@ -384,7 +384,7 @@ class Event:
 
     def synchronize(self) -> None:
         if self.session is not None:
-            self.session.request("rc::sync", [])
+            self.session.synchronize()
 
     def elapsed_time(self, end_event: Event) -> float:
         if not (self.enable_timing and end_event.enable_timing):

@@ -7,6 +7,8 @@ import sys
 from types import TracebackType
 from typing import Any
 
+import remotecuda_wire
+
 
 class RemoteCUDAError(RuntimeError):
     """Base class for RemoteCUDA's own failures (not an op's)."""
@@ -82,13 +84,15 @@ def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
 
 # ---------------------------------------------------------------------- tracebacks
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: the runtime's packages: remotecuda and the wire it shares with the gateway (in a checkout these
+#: are not under sys.prefix, so a wire frame - an interrupt while an upload is hashed - is not a library's)
+_PACKAGES = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, remotecuda_wire.__file__))
 _LIBRARIES = tuple({os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
                                                     sys.base_exec_prefix)})
 
 
 def _ours(tb: TracebackType) -> bool:
-    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE)
+    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGES)
 
 
 def _library(tb: TracebackType) -> bool:

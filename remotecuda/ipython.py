@@ -431,7 +431,7 @@ class Extension:
                     os.environ.get("REMOTECUDA_SERVERS") or "discovery (multicast)",
                     "devices_wanted": cfg.devices or None,
                     "strategy": rt.pool.strategy if rt is not None else cfg.strategy,
-                    "fallback": cfg.fallback, "sync": cfg.sync,
+                    "fallback": cfg.fallback, "sync": self.sync_on(),
                     "cache_bytes": cfg.cache_bytes, "gateways": [], "devices": [],
                     "fallback_gateway": rt is not None and rt.pool.is_fallback,
                     "found_via": rt.pool.found_via if rt is not None else None}
@@ -569,6 +569,12 @@ class Extension:
             rt.pool.sync = on
             for sess in list(rt.pool.sessions.values()):
                 sess.sync = on
+
+    def sync_on(self) -> bool:
+        """Whether ops are synchronous: the pool's, which CUDA_LAUNCH_BLOCKING=1 also turns on
+        (pool.py, at the first use of a device), else the configuration's."""
+        rt = _rt()
+        return rt.pool.sync if rt is not None else bool(self.config.sync)
 
     def live(self) -> dict:
         """The running cell so far (``None`` between cells): what the panel shows while it runs."""
@@ -819,7 +825,7 @@ def _magics_class() -> type:
 
         def _cmd_sync(self, args: list) -> None:
             if not args or args[0].lower() not in ("on", "off"):
-                print(f"sync: {'on' if self.ext.config.sync else 'off'} (usage: %remotecuda sync on|off)")
+                print(f"sync: {'on' if self.ext.sync_on() else 'off'} (usage: %remotecuda sync on|off)")
                 return
             self.ext.set_sync(args[0].lower() == "on")
             print(f"sync: {args[0].lower()} (" + ("every op waits for the gateway: an error is raised at "

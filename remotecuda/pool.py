@@ -185,12 +185,11 @@ class Pool:
             warnings.warn("remotecuda: no gateway is reachable (" + "; ".join(unreachable) + "); "
                           "running 'cuda' work on the local CPU instead", RuntimeWarning, stacklevel=_caller_level())
             self._start_local_gateway(pins)
-        #: the devices CUDA_VISIBLE_DEVICES hid, and its value, for messages (visible_devices.py)
-        self.hidden = (0, os.environ.get(visible_devices.VAR))
-        visible = visible_devices.from_env(len(self.devices))
-        if visible is not None:
-            self.hidden = (len(self.devices) - len(visible), self.hidden[1])
-            self.devices = [replace(self.devices[i], index=n) for n, i in enumerate(visible)]
+        #: every device found, of which CUDA_VISIBLE_DEVICES picks ``devices`` (``_apply_visible``)
+        self._found = self.devices
+        #: whether a device was used (CUDA initialized): CUDA_VISIBLE_DEVICES is read no more
+        self._initialized = False
+        self._apply_visible()
         self._stop = threading.Event()
         self._pending = threading.Event()
         self._flusher = threading.Thread(target=self._background, name="remotecuda-flush", daemon=True)
@@ -274,8 +273,41 @@ class Pool:
                                               "no gateway found: a gateway on this machine's CPU"))
 
     # ------------------------------------------------------------------ devices and placement
+    def _apply_visible(self) -> None:
+        """The devices found that CUDA_VISIBLE_DEVICES leaves visible, renumbered (visible_devices.py)."""
+        value = os.environ.get(visible_devices.VAR)
+        visible = visible_devices.from_env(len(self._found))
+        #: the devices CUDA_VISIBLE_DEVICES hid, and its value, for messages
+        self.hidden = (0 if visible is None else len(self._found) - len(visible), value)
+        self.devices = (list(self._found) if visible is None
+                        else [replace(self._found[i], index=n) for n, i in enumerate(visible)])
+
+    def visible(self) -> list[VirtualDevice]:
+        """The devices. CUDA reads CUDA_VISIBLE_DEVICES when it initializes, at a program's first
+        use of a device, and torch's ``device_count()`` reads it afresh until then; a notebook sets
+        it in its first cell, which runs after the RemoteCUDA kernel activated. So until a device
+        is used, a changed value applies here too."""
+        if not self._initialized and os.environ.get(visible_devices.VAR) != self.hidden[1]:
+            self._apply_visible()
+        return self.devices
+
+    def _initialize(self) -> None:
+        """CUDA's initialization, at the first use of a device: the environment CUDA reads then is
+        read a last time (a notebook sets it in its first cell, after the RemoteCUDA kernel activated):
+        CUDA_VISIBLE_DEVICES, and CUDA_LAUNCH_BLOCKING, whose 1 makes every op synchronous, as
+        REMOTECUDA_SYNC does (torch's CUDA errors advise it, to raise an error at its line)."""
+        self.visible()
+        if os.environ.get("CUDA_LAUNCH_BLOCKING", "") not in ("", "0"):
+            self.sync = True
+            for s in list(self.sessions.values()):
+                s.sync = True
+        self._initialized = True
+
     def check(self, index: int) -> VirtualDevice:
-        """Virtual device ``cuda:index``, placed or not; an invalid index raises as CUDA does."""
+        """Virtual device ``cuda:index``, placed or not; an invalid index raises as CUDA does.
+        The first call is CUDA's initialization (``_initialize``)."""
+        if not self._initialized:
+            self._initialize()
         if not self.devices:
             raise RuntimeError(f"No CUDA GPUs are available ({visible_devices.VAR}={self.hidden[1]!r} hides all "
                                f"{self.hidden[0]} of remotecuda's virtual devices)")
@@ -477,7 +509,7 @@ class Pool:
                 with s.lock:
                     s.open("synchronize")  # (placed for its queued work: not a value read)
             if not s.closed or s.lost is not None:  # (a gateway found down: its error, as CUDA's sticky one)
-                s.request("rc::sync", [])
+                s.synchronize()
 
     def cancel(self) -> None:
         """Drop every session's queued work (an interrupted cell's), as an interrupt does."""

@@ -121,6 +121,9 @@ class Session:
         #: requests an interrupt stopped waiting for (their replies kept in ``_later``): the error
         #: a reply carries is reported once, so it is raised at the next wait, not dropped
         self._abandoned: set[int] = set()
+        #: whether every OPS message sent has been answered by an error-free reply since (the
+        #: gateway then has nothing of ours left to run): a sync needs no round trip
+        self._settled = True
         self._op_index = 0
         self._last_send = time.monotonic()
         self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # counts, and wait_seconds (counters())
@@ -499,6 +502,7 @@ class Session:
                 with HeldInterrupts():  # the queue is cleared and sent as one step
                     self._seq += 1
                     frames = self._seal(protocol.encode(protocol.OPS, body, self._payloads, self._seq), self.sock)
+                    self._settled = False
                     try:  # sent first, the books after: a value read waits for no bookkeeping
                         self._send_frames(self.sock, frames)
                     finally:  # (sent or not: a lost gateway's replay sends it from the log)
@@ -602,6 +606,7 @@ class Session:
             if body.get("err"):  # this op's own error, or (with a note) an earlier one's
                 err = body["err"]
                 raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
+            self._settled = not self._ops  # (this request was the last thing sent, and all of it ran)
             res = body.get("res")
             if name == "rc::fetch":
                 res = self._downloaded(res, msg, downloads.get(0))
@@ -616,6 +621,22 @@ class Session:
                 if self.trace is not None:
                     self.trace.transfer(self, "download", nbytes, None, t_wait)
             return res
+
+    def synchronize(self) -> None:
+        """Wait for everything queued and sent (``rc::sync``), raising a pending remote error.
+        When nothing was sent since the last error-free reply, the gateway has nothing of ours
+        left to run and the answer is known without a round trip, as an idle GPU's
+        ``cudaDeviceSynchronize`` returns in microseconds (torch.utils.benchmark's timers sync at
+        every reading, and size their blocks by what an empty reading costs). Tensors freed
+        since are freed on the gateway first, as a GPU's allocator frees them at once. While a
+        trace records, each sync is asked, and shown in it."""
+        with self.lock:
+            if (self._settled and self.connected and not self.closed and self.lost is None
+                    and self.trace is None and not self._ops and not self._release
+                    and not self._later and not self._abandoned):
+                self._drain()  # (a message the gateway sent meanwhile: its error is raised)
+                return
+            self.request("rc::sync", [])
 
     def request_later(self, name: str, args: list) -> int | None:
         """Queue a request whose answer (a Python value: ``_local_scalar_dense`` and the like) is
@@ -701,23 +722,22 @@ class Session:
         try:
             while True:
                 for sock in dict(self._poller.poll(100)):
-                    frames = wire.recv(sock)
+                    # pyzmq looks for signals as a message's frames are freed, where an exception
+                    # cannot be raised: an interrupt met there was lost (a loop of downloads ran
+                    # on). Held while a message is taken in, and its frames freed, it is raised after
+                    reply = None
+                    try:
+                        with HeldInterrupts():
+                            reply, progress = self._received(sock, rid, downloads, progress)
+                    except KeyboardInterrupt:
+                        if reply is not None:  # (come: its error, if any, is raised at the next wait)
+                            self._later[rid] = reply.body
+                        raise
                     last_heard = time.monotonic()
-                    msg = self._decoded(frames, sock)
-                    if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
+                    if reply is not None:
                         if self._abandoned:
                             self._abandoned_errors()
-                        return msg, downloads
-                    if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
-                        self._later[msg.body["rid"]] = msg.body
-                    if msg.type == protocol.PART and msg.body.get("rid") == rid:
-                        download = downloads.setdefault(msg.body.get("i", 0), Download(self.offered))
-                        download.add(msg)
-                        progress = progress or Progress("download", 0)
-                        progress.update(download.last, sum(d.total for d in downloads.values()))
-                    if msg.type == protocol.ERROR:
-                        self._raise_error(msg.body)
-                    # else PONG
+                        return reply, downloads
                 if self._abandoned:
                     self._abandoned_errors(waiting=rid)
                 if self.lost is not None:  # liveness.py found the gateway down, or restarted
@@ -733,12 +753,30 @@ class Session:
         except KeyboardInterrupt:
             # as on a GPU, the work queued before the interrupt still runs (an in-place op
             # dropped would leave its tensor silently stale); ``cancel`` is what drops it
-            self._later[rid] = None
+            self._later.setdefault(rid, None)
             self._abandoned.add(rid)
             raise
         finally:
             if progress is not None:
                 progress.close()
+
+    def _received(self, sock: zmq.Socket, rid: int, downloads: dict[int, Download],
+                  progress: Progress | None) -> tuple[protocol.Message | None, Progress | None]:
+        """Take in one message that has come: the REPLY to request ``rid`` (returned), a PART of its
+        download, another request's reply, an ERROR (raised), or a PONG."""
+        msg = self._decoded(wire.recv(sock), sock)
+        if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
+            return msg, progress
+        if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
+            self._later[msg.body["rid"]] = msg.body
+        if msg.type == protocol.PART and msg.body.get("rid") == rid:
+            download = downloads.setdefault(msg.body.get("i", 0), Download(self.offered))
+            download.add(msg)
+            progress = progress or Progress("download", 0)
+            progress.update(download.last, sum(d.total for d in downloads.values()))
+        if msg.type == protocol.ERROR:
+            self._raise_error(msg.body)
+        return None, progress
 
     def _abandoned_errors(self, waiting: int | None = None) -> None:
         """Raise the error the reply of a request abandoned by an interrupt carried (an earlier
@@ -805,7 +843,7 @@ class Session:
         self._parts_sent, self._inflight = 0, []
         # the new address first, with no WELCOME yet: liveness must not judge it by the old gateway's id
         self.info, self.endpoint, self.gpu = {}, endpoint, gpu
-        self.connected, self.closed, self.lost = False, False, None
+        self.connected, self.closed, self.lost, self._settled = False, False, None, False
         self._connect(endpoint, gpu)
 
     def restore(self, snap: Snapshot, sticky: list[list]) -> None:

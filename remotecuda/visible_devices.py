@@ -1,7 +1,8 @@
 """``CUDA_VISIBLE_DEVICES`` in the client's environment, read as CUDA reads it, over the virtual devices.
 
 A program (or a launcher: a job scheduler, ``torchrun``-style wrappers) that sets
-``CUDA_VISIBLE_DEVICES=1`` or ``0,2`` before activation means what it means on a GPU machine:
+``CUDA_VISIBLE_DEVICES=1`` or ``0,2`` before its first use of a device (CUDA's initialization; the
+pool reads it until then, ``Pool.visible``) means what it means on a GPU machine:
 the program sees those devices only, renumbered from 0 in the order given. Here the devices
 are remotecuda's virtual ones (``cuda:0..N-1`` as the pool made them, pool.py), so the variable
 picks among those. It is parsed as CUDA's runtime parses it (and torch's

@@ -242,6 +242,35 @@ def test_allocation_larger_than_the_gpu_raises_at_the_call():
     assert keep.sum().item() == 3.0
 
 
+def test_sync_with_nothing_sent_since_is_free():
+    """An idle GPU's synchronize returns in microseconds; torch.utils.benchmark's timer syncs at
+    each reading and sizes its blocks by what an empty one costs (a round trip made
+    blocked_autorange time a thousand runs a block where a GPU times a few)."""
+    x = torch.ones(4, device="cuda")
+    torch.cuda.synchronize()
+    before = remotecuda.stats()["blocking_round_trips"]
+    for _ in range(3):
+        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
+    assert remotecuda.stats()["blocking_round_trips"] == before
+    y = x * 2  # work sent since: waited for
+    torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    assert remotecuda.stats()["blocking_round_trips"] == before + 1
+    used = torch.cuda.memory_allocated()
+    del x  # a tensor freed since: freed on the gateway by the sync
+    torch.cuda.synchronize()
+    assert remotecuda.stats()["blocking_round_trips"] == before + 3
+    assert torch.cuda.memory_allocated() == used - 16
+    x = torch.ones(4, device="cuda")
+    bad = x[torch.tensor([9], device="cuda")]  # an asynchronous error is still raised at the sync
+    with pytest.raises(IndexError, match="out of bounds"):
+        torch.cuda.synchronize()
+    torch.cuda.synchronize()  # once
+    del bad
+    assert y.sum().item() == 8.0
+
+
 def test_async_round_trips():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).cuda()
     opt = torch.optim.AdamW(model.parameters())

@@ -5,6 +5,7 @@ a GPU machine's would work."""
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 
 import pytest
@@ -44,13 +45,14 @@ def monkeypatch_module():
 
 
 def _reactivate(sim: GatewayProcess, visible: str | None) -> None:
+    """Activate anew with CUDA_VISIBLE_DEVICES set (None: unset) as a program sets it, until the
+    next call (the module's fixture restores it at the end)."""
     remotecuda.deactivate()
-    with pytest.MonkeyPatch.context() as mp:
-        if visible is None:
-            mp.delenv(visible_devices.VAR, raising=False)
-        else:
-            mp.setenv(visible_devices.VAR, visible)
-        remotecuda.activate(sim.address, fallback="error")
+    if visible is None:
+        os.environ.pop(visible_devices.VAR, None)
+    else:
+        os.environ[visible_devices.VAR] = visible
+    remotecuda.activate(sim.address, fallback="error")
 
 
 # ---------------------------------------------------------------------- memory fraction
@@ -218,6 +220,45 @@ def test_cuda_visible_devices_picks_and_renumbers_the_virtual_devices(sim):
         assert not torch.accelerator.is_available() and torch.accelerator.current_accelerator(True) is None
         with pytest.raises(RuntimeError, match="No CUDA GPUs are available.*CUDA_VISIBLE_DEVICES=''"):
             torch.ones(1, device="cuda")
+    finally:
+        _reactivate(sim, None)
+    assert torch.cuda.device_count() == 3
+
+
+def test_cuda_launch_blocking_raises_an_error_at_its_line(sim):
+    """CUDA_LAUNCH_BLOCKING=1, which torch's CUDA errors advise, makes every op synchronous as on
+    a GPU (it was ignored: the error came at a later sync); read at the first use of a device, as
+    CUDA reads it, so a notebook's first cell may set it."""
+    try:
+        _reactivate(sim, None)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CUDA_LAUNCH_BLOCKING", "1")
+            x = torch.zeros(2, device="cuda")
+            with pytest.raises(IndexError, match="out of bounds"):
+                x[torch.tensor([5], device="cuda")]
+            assert (x + 1).tolist() == [1.0, 1.0]
+    finally:
+        _reactivate(sim, None)
+
+
+def test_cuda_visible_devices_set_before_the_first_use_applies(sim):
+    """CUDA reads the variable at its initialization (the first use of a device), and torch's
+    device_count() reads it afresh until then: a notebook's first cell sets it, after the RemoteCUDA
+    kernel activated (the count stayed the pool's, every device visible)."""
+    try:
+        _reactivate(sim, None)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(visible_devices.VAR, "2")
+            assert torch.cuda.device_count() == 1 and torch.cuda.is_available()
+            mp.setenv(visible_devices.VAR, "")
+            assert not torch.cuda.is_available()
+            mp.setenv(visible_devices.VAR, "1,0")
+            assert torch.cuda.device_count() == 2
+            x = torch.full((2,), 3.0, device="cuda:1")  # the first use: read no more
+            mp.setenv(visible_devices.VAR, "2")
+            assert torch.cuda.device_count() == 2
+            assert [d.gpu for d in remotecuda.runtime.current().pool.devices] == [1, 0]
+            assert x.sum().item() == 6.0
     finally:
         _reactivate(sim, None)
     assert torch.cuda.device_count() == 3

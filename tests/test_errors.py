@@ -163,6 +163,26 @@ def test_generated_code_below_remotecuda_is_hidden():
     assert names == [__file__], names
 
 
+def test_wire_frames_below_remotecuda_are_hidden():
+    """An interrupt landing in remotecuda_wire (an upload's payload being hashed, a download's
+    parts copied): the traceback ends at the user's line. In a checkout (pip install -e .), not
+    under sys.prefix, the wire's frames were taken for the user's and shown."""
+    import remotecuda.errors as errors
+    import remotecuda_wire.protocol as wire
+    ns: dict = {}
+    exec(compile("def ours(cb):\n    return cb()\n", errors.__file__, "exec"), ns)
+    exec(compile("def digest():\n    raise KeyboardInterrupt\n", wire.__file__, "exec"), ns)
+    try:
+        ns["ours"](ns["digest"])
+    except KeyboardInterrupt as e:
+        tb = errors.hide_runtime_frames(e).__traceback__
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    assert names == [__file__], names
+
+
 def test_ipython_traceback_has_no_runtime_frames(gateway):
     pytest.importorskip("jupyter_client")
     from test_jupyter import Kernel
