@@ -349,7 +349,9 @@ class Pool:
             profile = self._profile(own or SessionProfile())
             states, statuses = self._states(d.pin, profile)
             try:
-                p = place(states, profile, self.strategy, devices=[d.pin], spread=self.spread)
+                mine = {(o.endpoint, o.gpu) for o in self.devices if o.placed}  # (distinct GPUs while there are enough)
+                taken = [g.key for g in states if (g.address, g.index) in mine]
+                p = place(states, profile, self.strategy, devices=[d.pin], spread=self.spread, taken=taken)
             except PlacementError as e:
                 raise PlacementError(f"cannot place cuda:{index}: {e} (gateways found via {self.found_via})") from None
             g = p.gpus[0]

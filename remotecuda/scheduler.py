@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,11 +297,14 @@ def devices_from_env(env: Mapping[str, str] | None = None) -> tuple[Pin, ...] | 
 
 def place(gpus: Sequence[GpuState], profile: SessionProfile | None = None,
           strategy: str = DEFAULT_STRATEGY, devices: int | Sequence[Pin] = 1,
-          spread: int = 0) -> Placement:
+          spread: int = 0, taken: Collection[tuple[str, int]] = ()) -> Placement:
     """Choose the GPUs for one session's devices (a count, or one ``Pin`` per device) from
     ``gpus`` by ``strategy``. ``spread`` rotates the choice among exactly equal GPUs (give each
-    client its own, e.g. a hash of its id). Raises PlacementError when no GPU can serve a device
-    and ValueError for an unknown strategy or a count below 1."""
+    client its own, e.g. a hash of its id). ``taken``: the keys of GPUs the client's devices
+    placed before hold; memory-aware avoids them as it avoids this placement's own picks (the
+    devices would share one GPU's memory), without counting them as load again (the gateways
+    count their sessions). Raises PlacementError when no GPU can serve a device and ValueError
+    for an unknown strategy or a count below 1."""
     requested = check_strategy(strategy)
     profile = profile or SessionProfile()
     pins: tuple[Pin, ...] = (ANY,) * devices if isinstance(devices, int) else tuple(devices)
@@ -330,6 +333,8 @@ def place(gpus: Sequence[GpuState], profile: SessionProfile | None = None,
             elif how == "memory-aware" and profile.allocated_bytes:
                 why = f"session holds {_bytes(profile.allocated_bytes)}"
             why = "; ".join(w for w in (why, *notes) if w)
+            if how == "memory-aware":
+                extra.update(dict.fromkeys(taken, 0))
         g, details[i] = _CHOOSE[how](cands, gpus, profile, extra, spread)
         chosen[i] = g
         extra[g.key] = extra.get(g.key, 0) + 1

@@ -442,8 +442,9 @@ class Session:
         self._stats["compressed_bytes_saved"] += n - sent
         try:
             self._settle(trackers, n, sent, t0, non_blocking, t)
-        except BaseException:  # interrupted while ZeroMQ sent: no tensor will ever hold h
-            self.release(h)
+        except BaseException as e:  # interrupted while ZeroMQ sent: no tensor will ever hold h
+            if not (isinstance(e, GatewayLostError) and self._may_recover()):  # (a failover replays it: it will)
+                self.release(h)
             raise
         if self.trace is not None:
             self.trace.transfer(self, "upload", n, sent, began, parts=len(trackers))

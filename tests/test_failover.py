@@ -174,3 +174,42 @@ def test_the_log_keeps_uploads_once_and_spills_past_its_memory_bound(tmp_path):
     assert log.blob(b"snap") == b"z" * 10 and log.info()["snapshots"] == 1
     log.close()
     assert not folder.exists() and tmp_path.exists()
+
+
+#: the client of the upload test: argv = the gateways' pids by address. Its gateway is killed (and
+#: gone) before a 64 MB upload starts, so the upload's parts wait in ZeroMQ until liveness marks the
+#: gateway down, and the failover comes while the upload waits for them.
+UPLOAD_CLIENT = textwrap.dedent(r'''
+    import json, os, signal, sys
+    import torch, remotecuda
+
+    pids = json.loads(sys.argv[1])
+    remotecuda.activate(fallback="error")
+    w = torch.ones(4, device="cuda")
+    assert float(w.sum()) == 4
+    pid = pids[remotecuda.stats()["devices"][0]["gateway"][6:]]
+    os.kill(pid, signal.SIGKILL)
+    while open(f"/proc/{pid}/stat").read().split()[2] != "Z":  # (its parent, the test, reaps it later)
+        pass
+    x = torch.arange(16 << 20, dtype=torch.float32)
+    y = x.cuda()  # 64 MB, in parts, to a gateway that is gone
+    print("RESULT", float((y[-1000:] * w[0]).sum()) == float(x[-1000:].sum()), flush=True)
+    print("FAILOVERS", len(remotecuda.stats()["failovers"]), flush=True)
+''')
+
+
+def test_a_gateway_killed_under_a_large_upload_is_replaced_and_the_upload_kept():
+    """A blocking upload in parts that the failover interrupts (its parts never left ZeroMQ) is
+    replayed on the new gateway: the tensor holds its bytes (the upload's handle was released,
+    and the first op reading the tensor failed with 'tensor handle ... is unknown')."""
+    import os
+    with ThreadPoolExecutor(2) as pool:
+        gws = list(pool.map(lambda _: GatewayProcess(), range(2)))
+    try:
+        e = dict(os.environ, REMOTECUDA_SERVERS=",".join(gw.address for gw in gws))
+        r = subprocess.run([sys.executable, "-c", UPLOAD_CLIENT, json.dumps({gw.address: gw.proc.pid for gw in gws})],
+                           capture_output=True, text=True, timeout=150, cwd=ROOT, env=e)
+    finally:
+        for gw in gws:
+            gw.stop()
+    assert "RESULT True" in r.stdout and "FAILOVERS 1" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -5,6 +5,7 @@ Real gateway processes (`remotecuda start --device cpu --gpus N`), real clients 
 interpreters, real multicast on 127.0.0.1, each beacon test on a group of its own."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -376,3 +377,15 @@ def test_advertise_and_no_discovery(group):
     finally:
         loud.kill()
         quiet.stop()
+
+
+def test_memory_aware_places_a_clients_devices_on_distinct_gpus(sim):
+    """Two devices placed one at a time, memory-aware: the second goes to another GPU while one
+    fits (both went to the largest, sharing its memory, as README's `REMOTECUDA_DEVICES=2` says not)."""
+    r = run_python("import json, torch, remotecuda\nremotecuda.activate(fallback='error')\n"
+                   "print('NAMES', json.dumps([torch.cuda.get_device_name(i) for i in range(2)]))",
+                   env={"REMOTECUDA_SERVERS": sim.address, "REMOTECUDA_DEVICES": "2",
+                        "REMOTECUDA_STRATEGY": "memory-aware"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    names = json.loads(r.stdout.split("NAMES ", 1)[1])
+    assert len(set(names)) == 2, r.stdout + r.stderr
