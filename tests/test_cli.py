@@ -185,6 +185,15 @@ def test_run_ends_as_python_does(gateway, tmp_path, ending):
                                                                  run[0].stderr)
 
 
+def test_run_reads_the_program_from_stdin(gateway):
+    """`remotecuda run python - ARGS` runs the program on stdin, as `python -` does (it was a usage error)."""
+    program = "import sys, torch\nprint(sys.argv, torch.ones(2, device='cuda').sum().item())\nsys.exit(3)\n"
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
+    r = subprocess.run([sys.executable, "-m", "remotecuda", "run", "python", "-", "a b", "-c"], input=program,
+                       capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert (r.returncode, r.stdout) == (3, "['-', 'a b', '-c'] 2.0\n"), r.stderr
+
+
 FLAGS = r'''
 import sys
 print("FLAGS", sys.flags.optimize, sys.flags.dont_write_bytecode, sys.flags.dev_mode, sys.flags.safe_path,
@@ -380,6 +389,28 @@ def test_start_help_names_the_pool_options():
                    "--advertise HOST:PORT", "--discovery-iface IP"):
         assert option in text, text
     assert "do not announce this gateway on multicast" in text and "not implemented" not in text
+
+
+@pytest.mark.parametrize("flag,value", [("--port", "70000"), ("--port", "-1"), ("--spare", "-1"),
+                                        ("--session-timeout", "0"), ("--idle-timeout", "nan"),
+                                        ("--max-sessions", "0"), ("--discovery-iface", "eth0")])
+def test_start_refuses_a_bad_value_as_a_usage_error(flag, value):
+    """A value out of range is a usage error naming the option (ZeroMQ took port 70000 and -1, and
+    the banner showed them; a bad interface was a bare inet_aton error)."""
+    r = _run([sys.executable, "-m", "remotecuda", "start", flag, value], timeout=60)
+    assert r.returncode == 2 and f"argument {flag}: " in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_start_says_its_port_is_taken():
+    """A second gateway on a taken port says so in one line (it was a ZMQError traceback)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _run([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--no-discovery",
+                  "--port", str(port)], timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"remotecuda start: cannot listen on tcp://127.0.0.1:{port}: Address already in use" in r.stderr
 
 
 def test_one_version():
