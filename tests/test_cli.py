@@ -413,6 +413,18 @@ def test_start_says_its_port_is_taken():
     assert f"remotecuda start: cannot listen on tcp://127.0.0.1:{port}: Address already in use" in r.stderr
 
 
+def test_a_missing_token_file_is_named(gateway, tmp_path):
+    """A token file that is not there is an error naming it as remotecuda's, on the gateway (exit 2) and
+    on the client (it was a bare FileNotFoundError from open())."""
+    missing = str(tmp_path / "no-token")
+    r = _run([sys.executable, "-m", "remotecuda", "start", "--token-file", missing], timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"remotecuda start: [Errno 2] cannot read the remotecuda token file {missing!r}" in r.stderr
+    r = run_python("import torch, remotecuda; remotecuda.activate(); torch.ones(1, device='cuda').item()",
+                   env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_TOKEN_FILE": missing})
+    assert f"FileNotFoundError: [Errno 2] cannot read the remotecuda token file {missing!r}" in r.stderr, r.stderr
+
+
 def test_one_version():
     """pyproject.toml, the client, the gateway and the kernel report one version."""
     from importlib.metadata import version
