@@ -178,8 +178,11 @@ def _servers(a: argparse.Namespace) -> int:
     import time
 
     from .discovery import Discovery, MulticastSource, ServerListSource, servers_from_env, source_from_env, table
-    named = servers_from_env(a.server)
-    source = source_from_env(named)
+    try:
+        source = source_from_env(servers_from_env(a.server))
+    except (OSError, ValueError) as e:  # a malformed --server / REMOTECUDA_SERVERS / _DISCOVERY, a token file
+        print(f"remotecuda servers: {str(e).removeprefix('remotecuda: ')}", file=sys.stderr)
+        return 2
     with Discovery(source) as d:
         if isinstance(source, ServerListSource):  # every named one answered: no need to wait longer
             found = d.wait(len(source.endpoints), a.wait)
@@ -258,7 +261,14 @@ def _run(a: argparse.Namespace) -> int:
     import remotecuda
     from remotecuda.errors import hide_runtime_frames
     with warnings.catch_warnings(record=True) as said:  # the program has no activate() line to name
-        remotecuda.activate(a.server)
+        try:
+            remotecuda.activate(a.server)
+        except (OSError, ValueError) as e:  # a malformed setting: no program line to show
+            print(f"remotecuda run: {str(e).removeprefix('remotecuda: ')}", file=sys.stderr)
+            return 2
+        except remotecuda.GatewayUnavailableError as e:  # REMOTECUDA_FALLBACK=error, or a refused token
+            print(f"remotecuda run: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     for w in said:
         print(w.message, file=sys.stderr, flush=True)
     if a.trace:

@@ -425,6 +425,29 @@ def test_a_missing_token_file_is_named(gateway, tmp_path):
     assert f"FileNotFoundError: [Errno 2] cannot read the remotecuda token file {missing!r}" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("cmd,env,says", [
+    (["run", "--server", "gpu-box", "python", "-c", "pass"], {},
+     "remotecuda run: a server is HOST:PORT, got 'gpu-box'"),
+    (["servers", "--server", "gpu-box"], {}, "remotecuda servers: a server is HOST:PORT, got 'gpu-box'"),
+    (["servers"], {"REMOTECUDA_DISCOVERY": "gpu-box"}, "remotecuda servers: REMOTECUDA_DISCOVERY is GROUP:PORT"),
+    (["run", "python", "-c", "pass"], {"REMOTECUDA_STRATEGY": "fastest"},
+     "remotecuda run: REMOTECUDA_STRATEGY: unknown scheduling strategy 'fastest'")])
+def test_a_malformed_setting_is_one_line_and_exit_2(gateway, cmd, env, says):
+    """A wrong --server, REMOTECUDA_DISCOVERY or REMOTECUDA_STRATEGY is one line naming it, exit 2, as
+    a usage error (they were tracebacks from deep inside activate(); REMOTECUDA_DISCOVERY=NAME a gaierror)."""
+    r = _run([sys.executable, "-m", "remotecuda", *cmd], env={"REMOTECUDA_SERVERS": gateway.address, **env}
+             if cmd[0] == "run" and "--server" not in cmd else env, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(says) and "Traceback" not in r.stderr, r.stderr
+
+
+def test_run_says_no_gateway_in_one_line_with_fallback_error():
+    """REMOTECUDA_FALLBACK=error: `remotecuda run` names the GatewayUnavailableError, exit 1, no traceback."""
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", f"127.0.0.1:{_free_port()}", "python", "-c",
+              "print('ran')"], env={"REMOTECUDA_FALLBACK": "error"}, timeout=120)
+    assert r.returncode == 1 and "ran" not in r.stdout and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("remotecuda run: GatewayUnavailableError: no RemoteCUDA gateway is reachable")
+
+
 def test_one_version():
     """pyproject.toml, the client, the gateway and the kernel report one version."""
     from importlib.metadata import version
