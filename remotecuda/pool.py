@@ -51,6 +51,7 @@ import zmq
 
 from remotecuda_wire import beacon, cache, protocol
 from remotecuda_wire.lifetime import die_with_parent
+from remotecuda_wire.limits import env_number
 
 from . import visible_devices
 from .discovery import Answer, Discovery, MulticastSource, ask
@@ -150,8 +151,10 @@ class Pool:
         #: rotates this client's choice among exactly equal GPUs (clients reading the same figures do not herd)
         self.spread = random.SystemRandom().randrange(1 << 30)
         #: the upload cache bound that sessions opened from now on ask the gateway for
-        self.cache_bytes = int(os.environ.get("REMOTECUDA_CACHE_BYTES", cache.DEFAULT_BYTES))
-        self.cache_policy = os.environ.get("REMOTECUDA_CACHE_POLICY", "lru").lower()
+        self.cache_bytes = int(env_number("REMOTECUDA_CACHE_BYTES", cache.DEFAULT_BYTES))
+        self.cache_policy = os.environ.get("REMOTECUDA_CACHE_POLICY", "").strip().lower() or "lru"
+        if self.cache_policy not in ("lru", "lfu"):
+            raise ValueError(f"REMOTECUDA_CACHE_POLICY={self.cache_policy!r}: 'lru' (the default) or 'lfu'")
         self.devices: list[VirtualDevice] = []
         self.sessions: dict[int, Session] = {}
         self.fallback_gateway: subprocess.Popen | None = None

@@ -448,6 +448,18 @@ def test_run_says_no_gateway_in_one_line_with_fallback_error():
     assert r.stderr.startswith("remotecuda run: GatewayUnavailableError: no RemoteCUDA gateway is reachable")
 
 
+@pytest.mark.parametrize("setting,says", [("REMOTECUDA_CACHE_POLICY=mru", "REMOTECUDA_CACHE_POLICY='mru': 'lru'"),
+                                          ("REMOTECUDA_CACHE_BYTES=1G", "REMOTECUDA_CACHE_BYTES='1G' is not a number"),
+                                          ("REMOTECUDA_RETRIES=x", "REMOTECUDA_RETRIES='x' is not a number")])
+def test_a_malformed_variable_is_named(gateway, setting, says):
+    """A value README's table does not allow is a ValueError naming the variable (an unknown cache
+    policy was taken silently; a malformed number was int()'s bare message)."""
+    name, value = setting.split("=")
+    r = run_python("import torch, remotecuda; remotecuda.activate(); print(torch.ones(1, device='cuda').item())",
+                   env={"REMOTECUDA_SERVERS": gateway.address, name: value})
+    assert r.returncode == 1 and f"ValueError: {says}" in r.stderr, r.stderr
+
+
 def test_one_version():
     """pyproject.toml, the client, the gateway and the kernel report one version."""
     from importlib.metadata import version
