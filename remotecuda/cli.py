@@ -204,7 +204,8 @@ def _servers(a: argparse.Namespace) -> int:
                  "    only: elsewhere, name the gateways (--server HOST:PORT or REMOTECUDA_SERVERS)\n"
                  "  - on a machine with several networks, pick the interface: REMOTECUDA_DISCOVERY_IFACE=IP")
     else:
-        hints = ("  - is the gateway running there? `remotecuda start --host 0.0.0.0` on the GPU machine\n"
+        hints = ("  - is the gateway running there? `remotecuda start --host 0.0.0.0 --token-file FILE` on the GPU\n"
+                 "    machine (and REMOTECUDA_TOKEN_FILE=FILE here)\n"
                  "  - the firewall must let TCP to its port through")
     print(f"remotecuda: no gateway found via {where} within {a.wait:g} s.\n{hints}", file=sys.stderr)
     return 1
