@@ -451,10 +451,12 @@ def test_run_says_no_gateway_in_one_line_with_fallback_error():
 @pytest.mark.parametrize("setting,says", [("REMOTECUDA_CACHE_POLICY=mru", "REMOTECUDA_CACHE_POLICY='mru': 'lru'"),
                                           ("REMOTECUDA_CACHE_BYTES=1G", "REMOTECUDA_CACHE_BYTES='1G' is not a number"),
                                           ("REMOTECUDA_RETRIES=x", "REMOTECUDA_RETRIES='x' is not a number"),
-                                          ("REMOTECUDA_CODECS=lz5", "REMOTECUDA_CODECS='lz5': a comma-separated")])
+                                          ("REMOTECUDA_CODECS=lz5", "REMOTECUDA_CODECS='lz5': a comma-separated"),
+                                          ("REMOTECUDA_PROGRESS=soon", "REMOTECUDA_PROGRESS='soon': seconds")])
 def test_a_malformed_variable_is_named(gateway, setting, says):
     """A value README's table does not allow is a ValueError naming the variable (an unknown cache
-    policy or codec was taken silently, a codec as raw; a malformed number was int()'s bare message)."""
+    policy or codec was taken silently, a codec as raw; a malformed number was int()'s bare message; a
+    malformed REMOTECUDA_PROGRESS was raised only at the first transfer of more than 2 s)."""
     name, value = setting.split("=")
     r = run_python("import torch, remotecuda; remotecuda.activate(); print(torch.ones(1, device='cuda').item())",
                    env={"REMOTECUDA_SERVERS": gateway.address, name: value})
