@@ -122,6 +122,10 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
     import zmq
 
     from remotecuda_server.devices import detect, parse_size
+    try:
+        session_memory = parse_size(a.session_memory) if a.session_memory is not None else None
+    except ValueError as e:
+        raise SystemExit(f"remotecuda start: --session-memory: {e}") from None
     from remotecuda_server.gateway import VERSION, Gateway, raise_open_file_limit
     if not _is_loopback(a.host):
         if token is None and not a.curve_clients:
@@ -138,7 +142,7 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
                      advertise=a.advertise, discovery_iface=a.discovery_iface, token=token,
                      max_sessions=a.max_sessions, max_sessions_per_peer=a.max_sessions_per_peer,
                      idle_timeout=a.idle_timeout, admin_token=admin, max_queued=a.max_queued,
-                     session_memory=parse_size(a.session_memory) if a.session_memory is not None else None,
+                     session_memory=session_memory,
                      curve_secret=a.curve_secret, curve_clients=a.curve_clients)
     except (OSError, ValueError) as e:
         raise SystemExit(f"remotecuda start: {e}") from None
