@@ -71,7 +71,7 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
     "error" (``REMOTECUDA_FALLBACK``). ``sync``: make every op synchronous for debugging
     (``REMOTECUDA_SYNC=1``). docs/POOL.md says more.
     """
-    from . import interception, lazydynamo, runtime
+    from . import interception, lazydynamo, progress, runtime
     from .discovery import servers_from_env
     from .scheduler import check_strategy, devices_from_env, parse_devices, strategy_from_env
     active = runtime.active()
@@ -85,6 +85,7 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
         sync = os.environ.get("REMOTECUDA_SYNC", "") not in ("", "0")
     strategy = strategy_from_env() if strategy is None else check_strategy(strategy)
     pins = devices_from_env() if devices is None else parse_devices(devices, "devices")
+    progress.after()  # a malformed REMOTECUDA_PROGRESS is refused now, not at the first long transfer
     lazydynamo.install()  # the first op on 'cuda' must not wait ~1 s for torch._dynamo
     return runtime.start(servers_from_env(servers), interception.install, fallback=fallback, sync=sync,
                          strategy=strategy, devices=pins)

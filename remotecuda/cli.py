@@ -14,6 +14,8 @@ import sys
 import types
 import warnings
 import zipfile
+from collections.abc import Callable
+from typing import Any
 
 from remotecuda_wire.limits import CACHE_BYTES, MAX_QUEUED
 
@@ -27,6 +29,37 @@ def _is_loopback(host: str) -> bool:
     except OSError:
         return False
     return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _port(text: str) -> int:
+    """A TCP port for ``--port``: 0 (a free one) to 65535; ZeroMQ would take others and wrap them."""
+    port: int = _number(int)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535 (0: a free one), got {text}")
+    return port
+
+
+def _number(kind: type[int] | type[float], least: float = 0, above: bool = False) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` of ``text``, at least ``least`` (``above`` it), else a usage error (exit 2)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'a whole' if kind is int else 'a'} number, got {text!r}") \
+                from None
+        if not (value > least if above else value >= least):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be {'more than' if above else 'at least'} {least:g}, got {text}")
+        return value
+    return parse
+
+
+def _ipv4(text: str) -> str:
+    """``--discovery-iface``: an interface's IPv4 address (what IP_MULTICAST_IF takes)."""
+    import ipaddress
+    try:
+        return str(ipaddress.IPv4Address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the interface's IPv4 address, e.g. 10.0.0.5, got {text!r}") from None
 
 
 def _gateway_token(a: argparse.Namespace) -> tuple[bytes | None, str | None]:
@@ -86,7 +119,13 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
         # malloc reads its tunables at process start: restart once with huge pages for the large
         # receive buffers (same pid, same stdout), as the session workers get them
         os.execve(sys.executable, [sys.executable, "-m", "remotecuda", *argv], env)
+    import zmq
+
     from remotecuda_server.devices import detect, parse_size
+    try:
+        session_memory = parse_size(a.session_memory) if a.session_memory is not None else None
+    except ValueError as e:
+        raise SystemExit(f"remotecuda start: --session-memory: {e}") from None
     from remotecuda_server.gateway import VERSION, Gateway, raise_open_file_limit
     if not _is_loopback(a.host):
         if token is None and not a.curve_clients:
@@ -103,10 +142,14 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
                      advertise=a.advertise, discovery_iface=a.discovery_iface, token=token,
                      max_sessions=a.max_sessions, max_sessions_per_peer=a.max_sessions_per_peer,
                      idle_timeout=a.idle_timeout, admin_token=admin, max_queued=a.max_queued,
-                     session_memory=parse_size(a.session_memory) if a.session_memory is not None else None,
+                     session_memory=session_memory,
                      curve_secret=a.curve_secret, curve_clients=a.curve_clients)
     except (OSError, ValueError) as e:
         raise SystemExit(f"remotecuda start: {e}") from None
+    except zmq.ZMQError as e:  # the port is taken, or --host is no address of this machine
+        raise SystemExit(f"remotecuda start: cannot listen on tcp://{a.host}:{a.port}: {e.strerror} "
+                         "(another gateway there? pick another --port, or --port 0 for a free one; "
+                         "--host must be an address of this machine)") from None
     if not a.quiet:
         print(f"RemoteCUDA gateway {VERSION}: {note}", flush=True)
         for d in devices:
@@ -139,8 +182,11 @@ def _servers(a: argparse.Namespace) -> int:
     import time
 
     from .discovery import Discovery, MulticastSource, ServerListSource, servers_from_env, source_from_env, table
-    named = servers_from_env(a.server)
-    source = source_from_env(named)
+    try:
+        source = source_from_env(servers_from_env(a.server))
+    except (OSError, ValueError) as e:  # a malformed --server / REMOTECUDA_SERVERS / _DISCOVERY, a token file
+        print(f"remotecuda servers: {str(e).removeprefix('remotecuda: ')}", file=sys.stderr)
+        return 2
     with Discovery(source) as d:
         if isinstance(source, ServerListSource):  # every named one answered: no need to wait longer
             found = d.wait(len(source.endpoints), a.wait)
@@ -162,14 +208,15 @@ def _servers(a: argparse.Namespace) -> int:
                  "    only: elsewhere, name the gateways (--server HOST:PORT or REMOTECUDA_SERVERS)\n"
                  "  - on a machine with several networks, pick the interface: REMOTECUDA_DISCOVERY_IFACE=IP")
     else:
-        hints = ("  - is the gateway running there? `remotecuda start --host 0.0.0.0` on the GPU machine\n"
+        hints = ("  - is the gateway running there? `remotecuda start --host 0.0.0.0 --token-file FILE` on the GPU\n"
+                 "    machine (and REMOTECUDA_TOKEN_FILE=FILE here)\n"
                  "  - the firewall must let TCP to its port through")
     print(f"remotecuda: no gateway found via {where} within {a.wait:g} s.\n{hints}", file=sys.stderr)
     return 1
 
 
 USAGE = ("usage: remotecuda run [--server HOST:PORT] [--trace FILE.json] "
-         "python [-u -O -W ARG -X OPT ...] (SCRIPT.py | -m MODULE | -c CODE) [ARGS...]")
+         "python [-u -O -W ARG -X OPT ...] (SCRIPT.py | -m MODULE | -c CODE | -) [ARGS...]")
 
 # interpreter options that keep `python OPTIONS -m remotecuda run ...` running the program as
 # `python OPTIONS ...` would (not -S: without site, neither torch nor remotecuda imports)
@@ -204,7 +251,8 @@ def _run(a: argparse.Namespace) -> int:
                          or cmd[0] == sys.executable)
     split = _split_options(cmd[1:]) if is_python else None
     options, rest = split or ([], [])
-    if not rest or rest[0] in ("-m", "-c") and len(rest) < 2 or rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+    if not rest or rest[0] in ("-m", "-c") and len(rest) < 2 \
+            or rest[0].startswith("-") and rest[0] not in ("-m", "-c", "-"):
         print(USAGE, file=sys.stderr)
         return 2
     if options:  # they act at the interpreter's start: start one with them, running this command
@@ -218,7 +266,14 @@ def _run(a: argparse.Namespace) -> int:
     import remotecuda
     from remotecuda.errors import hide_runtime_frames
     with warnings.catch_warnings(record=True) as said:  # the program has no activate() line to name
-        remotecuda.activate(a.server)
+        try:
+            remotecuda.activate(a.server)
+        except (OSError, ValueError) as e:  # a malformed setting: no program line to show
+            print(f"remotecuda run: {str(e).removeprefix('remotecuda: ')}", file=sys.stderr)
+            return 2
+        except remotecuda.GatewayUnavailableError as e:  # REMOTECUDA_FALLBACK=error, or a refused token
+            print(f"remotecuda run: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     for w in said:
         print(w.message, file=sys.stderr, flush=True)
     if a.trace:
@@ -274,10 +329,11 @@ def _execute(rest: list[str]) -> None:
         _path0(os.getcwd())
         _main_module()
         runpy._run_module_as_main(rest[1], alter_argv=True)  # what `python -m` itself runs
-    elif rest[0] == "-c":
-        sys.argv = ["-c", *rest[2:]]
+    elif rest[0] in ("-c", "-"):  # the code given, or the program read from stdin (`python -`)
+        sys.argv = [rest[0], *rest[2 if rest[0] == "-c" else 1:]]
         _path0("")
-        exec(compile(rest[1], "<string>", "exec", dont_inherit=True), _main_module().__dict__)
+        source, name = (rest[1], "<string>") if rest[0] == "-c" else (sys.stdin.read(), "<stdin>")
+        exec(compile(source, name, "exec", dont_inherit=True), _main_module().__dict__)
     else:
         sys.argv = list(rest)
         if os.path.isdir(rest[0]) or zipfile.is_zipfile(rest[0]):  # runs its __main__.py
@@ -349,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="start a GPU gateway on this machine")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=55555, help="TCP port (default 55555; 0 picks a free one)")
+    s.add_argument("--port", type=_port, default=55555, help="TCP port (default 55555; 0 picks a free one)")
     s.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="serve CUDA GPUs, or the CPU (auto: CUDA if present)")
     s.add_argument("--gpus", default=None,
@@ -368,13 +424,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--advertise", default=None, metavar="HOST:PORT",
                    help="the address beacons give clients, when they reach the gateway by another one "
                         "(a proxy, a tunnel, NAT; default: the bound address)")
-    s.add_argument("--discovery-iface", default=None, metavar="IP",
+    s.add_argument("--discovery-iface", type=_ipv4, default=None, metavar="IP",
                    help="the interface (its IPv4 address) beacons leave by (default REMOTECUDA_DISCOVERY_IFACE; "
                         "else 127.0.0.1 for a loopback --host, else the system's choice)")
-    s.add_argument("--spare", type=int, default=1, help="session workers kept started per device")
-    s.add_argument("--session-timeout", type=float, default=60.0,
+    s.add_argument("--spare", type=_number(int), default=1, help="session workers kept started per device")
+    s.add_argument("--session-timeout", type=_number(float, above=True), default=60.0,
                    help="seconds without a message before a session is dropped")
-    s.add_argument("--cache-bytes", type=int, default=CACHE_BYTES,
+    s.add_argument("--cache-bytes", type=_number(int), default=CACHE_BYTES,
                    help="the most a session's upload cache may hold (default 512 MiB)")
     s.add_argument("--no-direct", action="store_true",
                    help="carry all session traffic through the one port (no per-session data ports)")
@@ -391,17 +447,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--admin-token", default=None, help="the admin token itself (prefer --admin-token-file)")
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback --host without a token: anyone who reaches the port runs code here")
-    s.add_argument("--max-sessions", type=int, default=64, help="sessions at once, in all (default 64)")
-    s.add_argument("--max-sessions-per-peer", type=int, default=16,
+    s.add_argument("--max-sessions", type=_number(int, 1), default=64, help="sessions at once, in all (default 64)")
+    s.add_argument("--max-sessions-per-peer", type=_number(int, 1), default=16,
                    help="sessions at once from one IP address (default 16)")
     s.add_argument("--session-memory", default=None,
                    help="the most memory one session may hold, enforced (same sizes as --gpu-memory: 2GB, "
                         "512MiB, bytes); past it an op raises torch.cuda.OutOfMemoryError in that session "
                         "alone (default: no quota but the GPU's size)")
-    s.add_argument("--max-queued", type=int, default=MAX_QUEUED,
+    s.add_argument("--max-queued", type=_number(int, 1), default=MAX_QUEUED,
                    help=f"ops one session may have queued, not yet run; a message past it is refused with an "
                         f"error (default {MAX_QUEUED:,})")
-    s.add_argument("--idle-timeout", type=float, default=30.0,
+    s.add_argument("--idle-timeout", type=_number(float, above=True), default=30.0,
                    help="seconds a connection may stay without authenticating, or without a session and "
                         "silent, before it is closed (default 30)")
     s.add_argument("--curve-secret", default=None, metavar="FILE",
@@ -417,11 +473,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="record a trace of the program's ops, messages, transfers and waits, written to "
                         "FILE.json at its end (Chrome trace-event format: open it in https://ui.perfetto.dev)")
     r.add_argument("command", nargs=argparse.REMAINDER,
-                   help="python SCRIPT.py [ARGS...] | python -m MODULE [ARGS...] | python -c CODE [ARGS...]")
+                   help="python SCRIPT.py [ARGS...] | python -m MODULE [ARGS...] | python -c CODE [ARGS...] | "
+                        "python - [ARGS...] (the program from stdin)")
     v = sub.add_parser("servers", help="list the gateways found (multicast beacons, or --server)")
     v.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT] to ask instead of listening "
                    "(default REMOTECUDA_SERVERS; unset: listen for beacons)")
-    v.add_argument("--wait", type=float, default=1.5, help="seconds to listen (default 1.5: one beacon round)")
+    v.add_argument("--wait", type=_number(float), default=1.5, help="seconds to listen (default 1.5: one beacon round)")
     v.add_argument("--json", action="store_true", help="print the list as JSON")
     sub.add_parser("token", help="print a new random token (for --token-file / REMOTECUDA_TOKEN_FILE)")
     k = sub.add_parser("keys", help="make a CURVE key pair: DIR/NAME.key (public) and DIR/NAME.key_secret (0600)")

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from remotecuda_wire import protocol
+from remotecuda_wire.limits import env_number
 
 from .errors import GatewayDownError
 
@@ -67,11 +68,7 @@ def enabled() -> bool:
 
 
 def retries() -> int:
-    value = os.environ.get("REMOTECUDA_RETRIES", "").strip()
-    n = int(value) if value else RETRIES
-    if n < 1:
-        raise ValueError(f"REMOTECUDA_RETRIES={value!r}: at least 1 attempt")
-    return n
+    return int(env_number("REMOTECUDA_RETRIES", RETRIES, least=1))
 
 
 class Failover:

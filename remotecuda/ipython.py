@@ -54,6 +54,9 @@ CELL_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips"
 class RemoteCUDA(Configurable):
     """RemoteCUDA settings for IPython / Jupyter (``c.RemoteCUDA.servers = "host:port"``)."""
 
+    #: the variables apply_env ignored: hidden from activate(), which would read them again and fail
+    ignored_env: tuple[str, ...] = ()
+
     servers = Unicode("", help="Gateways, 'host:port[,host:port...]', asked directly (all their GPUs "
                                "as cuda:0..N-1). Empty: the gateways that announce themselves on "
                                "multicast (else 127.0.0.1:55555).").tag(config=True)
@@ -81,7 +84,7 @@ class RemoteCUDA(Configurable):
                 "REMOTECUDA_CACHE_BYTES": ("cache_bytes", lambda v: int(v.strip())),
                 "REMOTECUDA_FALLBACK": ("fallback", lambda v: v.strip().lower()),
                 "REMOTECUDA_SYNC": ("sync", lambda v: v.strip() not in ("", "0"))}
-        bad = []
+        bad, ignored = [], []
         for var, (trait, f) in conv.items():
             value = env.get(var)
             if value is None or (not value.strip() and trait != "sync"):
@@ -90,6 +93,8 @@ class RemoteCUDA(Configurable):
                 setattr(self, trait, f(value))
             except Exception as e:  # TraitError, ValueError
                 bad.append(f"remotecuda: ignored {var}={value!r} ({e})")
+                ignored.append(var)
+        self.ignored_env = tuple(ignored)
         return bad
 
 
@@ -159,6 +164,8 @@ class Extension:
         self.activation_error = None
         self.notices = [n for n in self.notices if not n.startswith("remotecuda: not active")
                         and "local CPU" not in n]
+        # the traits stand for the variables ignored with a notice (the pool reads REMOTECUDA_CACHE_BYTES)
+        hidden = {var: os.environ.pop(var) for var in self.config.ignored_env if var in os.environ}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -168,6 +175,8 @@ class Extension:
             except Exception as e:  # no gateway: say so in the notebook, keep the magics usable
                 self.activation_error = f"{type(e).__name__}: {e}"
                 rt = None
+            finally:
+                os.environ.update(hidden)
         for w in caught:  # the fallback warning is worth a line in the notebook; others as usual
             if issubclass(w.category, RuntimeWarning) and str(w.message).startswith("remotecuda"):
                 self.notices.append(str(w.message))

@@ -51,6 +51,7 @@ import zmq
 
 from remotecuda_wire import beacon, cache, protocol
 from remotecuda_wire.lifetime import die_with_parent
+from remotecuda_wire.limits import env_number
 
 from . import visible_devices
 from .discovery import Answer, Discovery, MulticastSource, ask
@@ -150,8 +151,10 @@ class Pool:
         #: rotates this client's choice among exactly equal GPUs (clients reading the same figures do not herd)
         self.spread = random.SystemRandom().randrange(1 << 30)
         #: the upload cache bound that sessions opened from now on ask the gateway for
-        self.cache_bytes = int(os.environ.get("REMOTECUDA_CACHE_BYTES", cache.DEFAULT_BYTES))
-        self.cache_policy = os.environ.get("REMOTECUDA_CACHE_POLICY", "lru").lower()
+        self.cache_bytes = int(env_number("REMOTECUDA_CACHE_BYTES", cache.DEFAULT_BYTES))
+        self.cache_policy = os.environ.get("REMOTECUDA_CACHE_POLICY", "").strip().lower() or "lru"
+        if self.cache_policy not in ("lru", "lfu"):
+            raise ValueError(f"REMOTECUDA_CACHE_POLICY={self.cache_policy!r}: 'lru' (the default) or 'lfu'")
         self.devices: list[VirtualDevice] = []
         self.sessions: dict[int, Session] = {}
         self.fallback_gateway: subprocess.Popen | None = None
@@ -241,12 +244,20 @@ class Pool:
             self.discovery.close()
             self.discovery = None
         missed = [f"no beacon heard on {where} within {LISTEN:.1f} s" if source is not None else where]
-        if local is None:
+        # a pin's HOST:PORT is asked directly (docs/POOL.md): a gateway started --no-discovery is pinned too
+        pinned = list(dict.fromkeys(endpoint(f"{p.host}:{p.port}") for p in pins or [] if p.host and p.port))
+        answers = ask(self.ctx, pinned, LISTEN) if pinned else []
+        named = [ep for ep, a in zip(pinned, answers) if a is not None]
+        missed += [f"no RemoteCUDA gateway answered at {ep} within {LISTEN:.1f} s" for ep in pinned if ep not in named]
+        if local is None and not named:
             return [*missed, f"none answered at {DEFAULT_SERVER}"]
-        log.info("no gateway announced itself on %s; using the one at %s", where, DEFAULT_SERVER)
-        self.named = [endpoint(DEFAULT_SERVER)]
-        self.found_via = f"{DEFAULT_SERVER} (no beacon heard on {where})"
-        self._listed([local], pins)
+        if local is not None and endpoint(DEFAULT_SERVER) not in named:
+            named.append(endpoint(DEFAULT_SERVER))
+            answers.append(local)
+        log.info("no gateway announced itself on %s; using %s", where, ", ".join(ep[6:] for ep in named))
+        self.named = named
+        self.found_via = f"{', '.join(ep[6:] for ep in named)} (no beacon heard on {where})"
+        self._listed([a for a in answers if a is not None], pins)
         return []
 
     def _start_local_gateway(self, pins: list[Pin] | None) -> None:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from remotecuda_wire.limits import env_number
+
 #: keep this many bytes of uploads in memory; the rest go to the spill folder
 MEMORY_BYTES = 64 << 20
 #: take a snapshot when the log holds this many bytes (messages and uploads)
@@ -40,8 +42,7 @@ STICKY_OPS = frozenset({"rc::set_flags", "rc::program_define"})
 
 
 def _env_bytes(name: str, default: int) -> int:
-    value = os.environ.get(name, "").strip()
-    return int(float(value)) if value else default
+    return int(env_number(name, default))
 
 
 @dataclass

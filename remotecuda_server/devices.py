@@ -126,7 +126,10 @@ def simulated_devices(n: int, memory: str | None = None, name: str | None = None
     bfloat16 follows the capability, as on CUDA (native from 8.0, Ampere)."""
     if n < 1:
         raise ValueError(f"--gpus N needs at least one simulated GPU, got {n}")
-    sizes = [parse_size(v) for v in _per_gpu("--gpu-memory", memory or SIMULATED_MEMORY, n)]
+    try:
+        sizes = [parse_size(v) for v in _per_gpu("--gpu-memory", memory or SIMULATED_MEMORY, n)]
+    except ValueError as e:  # name the option: --session-memory takes sizes too
+        raise ValueError(f"--gpu-memory: {e}") from None
     names = _per_gpu("--gpu-name", name or SIMULATED_NAME, n)
     caps = [_capability(v) for v in _per_gpu("--gpu-capability", capability or SIMULATED_CAPABILITY, n)]
     return [DeviceInfo(index=i, kind="cpu", torch_device="cpu", name=names[i], total_memory=sizes[i],

@@ -59,8 +59,11 @@ def read_token(token: str | None = None, token_file: str | None = None,
     if token is None and token_file is None:
         token, token_file = environ.get(TOKEN_ENV) or None, environ.get(TOKEN_FILE_ENV) or None
     if token is None and token_file is not None:
-        with open(token_file, "rb") as f:
-            data = f.read().strip()
+        try:
+            with open(token_file, "rb") as f:
+                data = f.read().strip()
+        except OSError as e:  # say which file is meant: the variable may have been set long ago
+            raise type(e)(e.errno, f"cannot read the remotecuda token file {token_file!r}: {e.strerror}") from None
     elif token is not None:
         data = token.strip().encode()
     else:

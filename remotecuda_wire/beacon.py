@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import socket
 import struct
@@ -58,9 +59,17 @@ def group_from_env() -> tuple[str, int]:
     group, sep, port = text.rpartition(":")
     if not sep:
         group, port = text, ""
-    if port and not port.isdigit():
-        raise ValueError(f"REMOTECUDA_DISCOVERY is GROUP:PORT, got {text!r}")
+    if port and not (port.isdigit() and 0 < int(port) < 65536) or group and not _is_multicast(group):
+        raise ValueError(f"REMOTECUDA_DISCOVERY is GROUP:PORT, an IPv4 multicast group and a UDP port "
+                         f"(default {DEFAULT_GROUP}:{DEFAULT_PORT}), got {text!r}")
     return group or DEFAULT_GROUP, int(port) if port else DEFAULT_PORT
+
+
+def _is_multicast(group: str) -> bool:
+    try:
+        return ipaddress.IPv4Address(group).is_multicast
+    except ValueError:
+        return False
 
 
 def iface_from_env() -> str | None:

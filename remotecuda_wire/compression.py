@@ -19,11 +19,11 @@ the transfers the session measures; the gateway keeps the default for downloads.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Collection
 
 from . import protocol
+from .limits import env_number
 
 SAMPLE = 64 << 10
 #: a codec call's fixed cost, left out when the sample's speed is extrapolated to the payload
@@ -42,7 +42,7 @@ class LinkModel:
 
     def __init__(self, bytes_per_s: float | None = None):
         if bytes_per_s is None:
-            bytes_per_s = float(os.environ.get("REMOTECUDA_LINK_MBPS", "1000")) * 1e6
+            bytes_per_s = env_number("REMOTECUDA_LINK_MBPS", 1000, least=1e-3) * 1e6
         self.bytes_per_s = bytes_per_s
 
     def observe(self, nbytes: int, seconds: float) -> None:

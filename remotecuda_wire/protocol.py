@@ -268,7 +268,9 @@ def enabled_codecs(setting: str | None) -> tuple[str, ...]:
     empty or ``none``: raw only) limited to those installed, or all installed when unset."""
     if setting is None:
         return tuple(CODEC_IMPLS)
-    wanted = {name.strip().lower() for name in setting.split(",")}
+    wanted = {name.strip().lower() for name in setting.split(",")} - {"", "none"}
+    if wanted - {"lz4", "zstd"}:  # a misspelt codec would silently mean raw (lz4 may be uninstalled: allowed)
+        raise ValueError(f"REMOTECUDA_CODECS={setting!r}: a comma-separated list of lz4 and zstd, or 'none'")
     return tuple(name for name in CODEC_IMPLS if name in wanted)
 
 

@@ -185,6 +185,15 @@ def test_run_ends_as_python_does(gateway, tmp_path, ending):
                                                                  run[0].stderr)
 
 
+def test_run_reads_the_program_from_stdin(gateway):
+    """`remotecuda run python - ARGS` runs the program on stdin, as `python -` does (it was a usage error)."""
+    program = "import sys, torch\nprint(sys.argv, torch.ones(2, device='cuda').sum().item())\nsys.exit(3)\n"
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
+    r = subprocess.run([sys.executable, "-m", "remotecuda", "run", "python", "-", "a b", "-c"], input=program,
+                       capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert (r.returncode, r.stdout) == (3, "['-', 'a b', '-c'] 2.0\n"), r.stderr
+
+
 FLAGS = r'''
 import sys
 print("FLAGS", sys.flags.optimize, sys.flags.dont_write_bytecode, sys.flags.dev_mode, sys.flags.safe_path,
@@ -380,6 +389,78 @@ def test_start_help_names_the_pool_options():
                    "--advertise HOST:PORT", "--discovery-iface IP"):
         assert option in text, text
     assert "do not announce this gateway on multicast" in text and "not implemented" not in text
+
+
+@pytest.mark.parametrize("flag,value", [("--port", "70000"), ("--port", "-1"), ("--spare", "-1"),
+                                        ("--session-timeout", "0"), ("--idle-timeout", "nan"),
+                                        ("--max-sessions", "0"), ("--discovery-iface", "eth0")])
+def test_start_refuses_a_bad_value_as_a_usage_error(flag, value):
+    """A value out of range is a usage error naming the option (ZeroMQ took port 70000 and -1, and
+    the banner showed them; a bad interface was a bare inet_aton error)."""
+    r = _run([sys.executable, "-m", "remotecuda", "start", flag, value], timeout=60)
+    assert r.returncode == 2 and f"argument {flag}: " in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_start_says_its_port_is_taken():
+    """A second gateway on a taken port says so in one line (it was a ZMQError traceback)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _run([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--no-discovery",
+                  "--port", str(port)], timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"remotecuda start: cannot listen on tcp://127.0.0.1:{port}: Address already in use" in r.stderr
+
+
+def test_a_missing_token_file_is_named(gateway, tmp_path):
+    """A token file that is not there is an error naming it as remotecuda's, on the gateway (exit 2) and
+    on the client (it was a bare FileNotFoundError from open())."""
+    missing = str(tmp_path / "no-token")
+    r = _run([sys.executable, "-m", "remotecuda", "start", "--token-file", missing], timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"remotecuda start: [Errno 2] cannot read the remotecuda token file {missing!r}" in r.stderr
+    r = run_python("import torch, remotecuda; remotecuda.activate(); torch.ones(1, device='cuda').item()",
+                   env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_TOKEN_FILE": missing})
+    assert f"FileNotFoundError: [Errno 2] cannot read the remotecuda token file {missing!r}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("cmd,env,says", [
+    (["run", "--server", "gpu-box", "python", "-c", "pass"], {},
+     "remotecuda run: a server is HOST:PORT, got 'gpu-box'"),
+    (["servers", "--server", "gpu-box"], {}, "remotecuda servers: a server is HOST:PORT, got 'gpu-box'"),
+    (["servers"], {"REMOTECUDA_DISCOVERY": "gpu-box"}, "remotecuda servers: REMOTECUDA_DISCOVERY is GROUP:PORT"),
+    (["run", "python", "-c", "pass"], {"REMOTECUDA_STRATEGY": "fastest"},
+     "remotecuda run: REMOTECUDA_STRATEGY: unknown scheduling strategy 'fastest'")])
+def test_a_malformed_setting_is_one_line_and_exit_2(gateway, cmd, env, says):
+    """A wrong --server, REMOTECUDA_DISCOVERY or REMOTECUDA_STRATEGY is one line naming it, exit 2, as
+    a usage error (they were tracebacks from deep inside activate(); REMOTECUDA_DISCOVERY=NAME a gaierror)."""
+    r = _run([sys.executable, "-m", "remotecuda", *cmd], env={"REMOTECUDA_SERVERS": gateway.address, **env}
+             if cmd[0] == "run" and "--server" not in cmd else env, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(says) and "Traceback" not in r.stderr, r.stderr
+
+
+def test_run_says_no_gateway_in_one_line_with_fallback_error():
+    """REMOTECUDA_FALLBACK=error: `remotecuda run` names the GatewayUnavailableError, exit 1, no traceback."""
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", f"127.0.0.1:{_free_port()}", "python", "-c",
+              "print('ran')"], env={"REMOTECUDA_FALLBACK": "error"}, timeout=120)
+    assert r.returncode == 1 and "ran" not in r.stdout and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("remotecuda run: GatewayUnavailableError: no RemoteCUDA gateway is reachable")
+
+
+@pytest.mark.parametrize("setting,says", [("REMOTECUDA_CACHE_POLICY=mru", "REMOTECUDA_CACHE_POLICY='mru': 'lru'"),
+                                          ("REMOTECUDA_CACHE_BYTES=1G", "REMOTECUDA_CACHE_BYTES='1G' is not a number"),
+                                          ("REMOTECUDA_RETRIES=x", "REMOTECUDA_RETRIES='x' is not a number"),
+                                          ("REMOTECUDA_CODECS=lz5", "REMOTECUDA_CODECS='lz5': a comma-separated"),
+                                          ("REMOTECUDA_PROGRESS=soon", "REMOTECUDA_PROGRESS='soon': seconds")])
+def test_a_malformed_variable_is_named(gateway, setting, says):
+    """A value README's table does not allow is a ValueError naming the variable (an unknown cache
+    policy or codec was taken silently, a codec as raw; a malformed number was int()'s bare message; a
+    malformed REMOTECUDA_PROGRESS was raised only at the first transfer of more than 2 s)."""
+    name, value = setting.split("=")
+    r = run_python("import torch, remotecuda; remotecuda.activate(); print(torch.ones(1, device='cuda').item())",
+                   env={"REMOTECUDA_SERVERS": gateway.address, name: value})
+    assert r.returncode == 1 and f"ValueError: {says}" in r.stderr, r.stderr
 
 
 def test_one_version():

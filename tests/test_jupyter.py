@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, GatewayProcess, wait_for
+from conftest import ROOT, GatewayProcess, run_python, wait_for
 
 jupyter_client = pytest.importorskip("jupyter_client")
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
@@ -510,3 +510,16 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_an_ignored_variable_does_not_keep_the_extension_inactive(gateway):
+    """docs/JUPYTER.md: "A bad environment value is ignored with a notice rather than keeping the kernel
+    from starting": a malformed REMOTECUDA_CACHE_BYTES was ignored by the extension, then read again by
+    activate(), which failed, so the kernel stayed inactive."""
+    r = run_python("from IPython.testing.globalipapp import start_ipython\n"
+                   "ip = start_ipython()\n"
+                   "ip.run_line_magic('load_ext', 'remotecuda')\n"
+                   "ip.run_cell('import torch; print(torch.ones(2, device=\"cuda\").sum().item())')\n",
+                   env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_CACHE_BYTES": "1G"}, timeout=180)
+    assert "remotecuda: ignored REMOTECUDA_CACHE_BYTES='1G'" in r.stdout + r.stderr, r.stderr
+    assert "not active" not in r.stdout + r.stderr and "2.0" in r.stdout, (r.stdout, r.stderr)

@@ -287,3 +287,15 @@ def test_a_gateway_that_joins_later_takes_devices_placed_later(fleet):
     devs = _tagged(stdout)["AFTER"]
     assert devs[0]["name"] != LATE[0] and devs[1]["name"] == LATE[0], devs
     assert devs[1]["gateway"] == fleet["late"].endpoint and devs[1]["simulated"], devs
+
+
+def test_a_pin_reaches_a_gateway_that_does_not_announce_itself(gateway):
+    """docs/POOL.md: "A pin's HOST:PORT is asked directly, so a gateway that does not announce itself
+    (--no-discovery) can still be pinned": with no beacon heard, such a pin fell back to the local CPU."""
+    host_port = gateway.address.removeprefix("tcp://")
+    r = run_python("import torch, remotecuda\n"
+                   "remotecuda.activate()\n"
+                   "print((torch.ones(3, device='cuda') * 2).sum().item(), torch.cuda.get_device_name(0))\n",
+                   env={"REMOTECUDA_DEVICES": f"{host_port}/0", "REMOTECUDA_FALLBACK": "error",
+                        "REMOTECUDA_SERVERS": "", "REMOTECUDA_DISCOVERY": private_discovery()}, timeout=180)
+    assert r.returncode == 0 and r.stdout.split()[0] == "6.0" and "fallback" not in r.stdout, r.stderr

@@ -87,7 +87,10 @@ def test_bad_gpu_options_are_refused():
         detect("cuda", None, None, "A100", None)
     r = subprocess.run([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--port", "0",
                         "--gpus", "1", "--gpu-memory", "lots"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode != 0 and "remotecuda start: 'lots' is not a memory size" in r.stderr, r.stderr
+    assert r.returncode != 0 and "remotecuda start: --gpu-memory: 'lots' is not a memory size" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--port", "0",
+                        "--session-memory", "lots"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0 and "remotecuda start: --session-memory: 'lots' is not a memory size" in r.stderr, r.stderr
 
 
 ACCOUNT_USER = r'''
