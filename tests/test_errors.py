@@ -62,6 +62,31 @@ def test_dim_out_of_range_is_raised_at_the_call(remote, mistake):
     torch.cuda.synchronize()  # nothing left pending
 
 
+def test_linalg_errors_are_linalg_errors_raised_at_the_call(remote):
+    """``except torch.linalg.LinAlgError`` around a factorization (add jitter and retry): a GPU
+    raises it at the call (its error check reads the result), as that type; it came as a plain
+    RuntimeError, at the next sync."""
+    for fn in (torch.linalg.cholesky, torch.linalg.inv):
+        bad = -torch.eye(3) if fn is torch.linalg.cholesky else torch.zeros(3, 3)
+        local = _raised(fn, bad)
+        with pytest.raises(torch.linalg.LinAlgError) as info:
+            fn(bad.cuda())
+        assert str(info.value) == str(local) and not getattr(info.value, "__notes__", None)
+    a = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
+    assert torch.equal(torch.linalg.cholesky(a.cuda()).cpu(), torch.linalg.cholesky(a))  # the session goes on
+
+
+def test_device_index_errors_are_torch_cudas(remote):
+    with pytest.raises(torch.AcceleratorError, match="^CUDA error: invalid device ordinal"):
+        torch.ones(2).to("cuda:7")
+    with pytest.raises(torch.AcceleratorError, match="^CUDA error: invalid device ordinal"):
+        torch.cuda.set_device(9)
+    for fn in (torch.cuda.get_device_properties, torch.cuda.get_device_name, torch.cuda.get_device_capability):
+        with pytest.raises(AssertionError, match="^Invalid device id$"):
+            fn(9)
+    assert torch.ones(2, device="cuda").sum().item() == 2.0
+
+
 def test_meta_refusal_costs_one_round_trip(remote):
     import remotecuda
     a, b = torch.randn(3, 4, device="cuda"), torch.randn(5, 6, device="cuda")
