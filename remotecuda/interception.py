@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import re
 import threading
 import types
 import warnings
@@ -277,6 +278,8 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     else:
         out = to_cuda(func(*args, **kw), _cuda_index(d))
     if requires_grad:
+        if not (out.is_floating_point() or out.is_complex()):  # (requires_grad_'s words differ)
+            raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
         out.requires_grad_(True)
     return out
 
@@ -434,6 +437,53 @@ def _dropout_args(input: Any, p: float, train: bool) -> tuple:
     return input, p, train
 
 
+def _one_hot(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``F.one_hot`` as CUDA's kernel computes it: C++ takes a meta-keyed tensor's traceable path,
+    which compares with ``arange(num_classes)`` and so gave a row of zeros for a class out of range
+    (a label of -1, or one past ``num_classes``), silently; CUDA's scatter refuses it (a
+    device-side assert), as the gateway's scatter does."""
+    x, n = _one_hot_args(*args, **kwargs)
+    if not isinstance(x, RemoteTensor) or x.dtype != torch.int64:
+        return func(*args, **kwargs)
+    if x.numel() == 0:
+        if n <= 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        return x.new_empty((*x.shape, n))
+    if n == -1:
+        n = int(x.max().item()) + 1
+    elif n < 1:
+        raise RuntimeError("num_classes should be positive")
+    return x.new_zeros((*x.shape, n)).scatter_(-1, x.unsqueeze(-1), 1)
+
+
+def _one_hot_args(tensor: Any, num_classes: int = -1) -> tuple:
+    return tensor, num_classes
+
+
+#: how C++ names a wrapper's type ("MetaFloatType"), where a GPU's torch says "torch.cuda.FloatTensor"
+_META_TYPE = re.compile(r"\bMeta(\w+)Type\b")
+
+
+def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """The autograd engine (``backward()``, ``autograd.grad``) as a GPU's. It skips its check of a
+    given gradient's device for tensor subclasses: ``y.backward(torch.ones(3))`` for a 'cuda' ``y``
+    left a CPU ``x.grad``, where a GPU refuses the gradient. And its errors name a 'cuda' tensor by
+    its wrapper's C++ type: a tensor modified in place after it was saved is "[MetaFloatType [3]]",
+    not "[torch.cuda.FloatTensor [3]]"."""
+    outputs, grads = args[0], args[1]
+    for i, (out, grad) in enumerate(zip(outputs, grads)):
+        if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and isinstance(grad, torch.Tensor) \
+                and grad.dim() > 0 and grad.device != out.device:  # (a 0-d one is moved, as C++ does)
+            raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} but got {grad.device}")
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:
+        if type(e) is not RuntimeError or not any(isinstance(t, RemoteTensor) for t in outputs) or \
+                not _META_TYPE.search(str(e)):
+            raise
+        raise RuntimeError(_META_TYPE.sub(r"torch.cuda.\1Tensor", str(e))) from None
+
+
 def _get_default_device(func: Callable, args: tuple, kwargs: dict) -> torch.device:
     """Under ``set_default_device('cuda')`` torch finds the index by making ``torch.tensor([])``
     there: an upload; the current device says it without one."""
@@ -479,6 +529,9 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
     (torch._VF, "dropout", _dropout),  # what F.dropout calls
     (torch, "dropout", _dropout),
+    (torch.nn.functional, "one_hot", _one_hot),
+    (torch.autograd, "_engine_run_backward", _engine_run_backward),  # what backward() and grad() call
+    (torch._C._nn, "one_hot", _one_hot),
     (torch, "get_default_device", _get_default_device),
     (torch.export, "export", _export),
     (torch.export, "draft_export", _export),

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import ROOT
 
@@ -74,6 +75,50 @@ def test_linalg_errors_are_linalg_errors_raised_at_the_call(remote):
         assert str(info.value) == str(local) and not getattr(info.value, "__notes__", None)
     a = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
     assert torch.equal(torch.linalg.cholesky(a.cuda()).cpu(), torch.linalg.cholesky(a))  # the session goes on
+
+
+def test_one_hot_of_a_class_out_of_range_is_an_error_not_zeros(remote):
+    """F.one_hot of a label -1 (an ignore index) or one past num_classes gave a row of zeros on
+    'cuda', silently; CUDA's kernel (a scatter) refuses it, as the CPU's checks do."""
+    for labels, n in (([-1, 2], -1), ([0, 3], 3)):
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            F.one_hot(torch.tensor(labels, device="cuda"), n).sum().item()
+    with pytest.raises(RuntimeError, match="num_classes should be positive"):  # CUDA's words
+        F.one_hot(torch.tensor([0, 1], device="cuda"), 0)
+    empty = torch.zeros(0, dtype=torch.long)
+    assert str(_raised(F.one_hot, empty)) == str(_raised(F.one_hot, empty.cuda()))
+    for labels, n in (([[0, 2], [1, 1]], -1), ([0, 2, 1], 5), ([], 4)):
+        t = torch.tensor(labels, dtype=torch.long)
+        assert torch.equal(F.one_hot(t.cuda(), n).cpu(), F.one_hot(t, n))
+
+
+def test_autograd_errors_name_cuda_tensors_as_a_gpu_does(remote):
+    """A tensor saved for backward, then modified in place: the engine's message named the
+    wrapper's C++ type, "[MetaFloatType [3]]"."""
+    def modified_after_saved(dev):
+        x = torch.randn(3, device=dev, requires_grad=True)
+        y = x.exp()
+        y.add_(1)
+        y.sum().backward()
+    local = str(_raised(modified_after_saved, "cpu"))
+    assert "[torch.FloatTensor [3]]" in local
+    assert str(_raised(modified_after_saved, "cuda")) == local.replace("torch.FloatTensor", "torch.cuda.FloatTensor")
+    with pytest.raises(RuntimeError, match="^Only Tensors of floating point and complex dtype can require gradients$"):
+        torch.tensor([1, 2], device="cuda", requires_grad=True)
+
+
+def test_a_gradient_on_another_device_is_refused(remote):
+    """``y.backward(torch.ones(3))`` for a 'cuda' ``y``: C++ skips its device check for tensor
+    subclasses, and the leaf's ``.grad`` came out a CPU tensor; a GPU refuses the gradient."""
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    msg = "^invalid gradient at index 0 - expected device cuda:0 but got cpu$"
+    with pytest.raises(RuntimeError, match=msg):
+        (x * 2).backward(torch.ones(3))
+    with pytest.raises(RuntimeError, match=msg):
+        torch.autograd.grad(x * 2, x, torch.ones(3))
+    (x * 2).sum().backward(torch.tensor(1.0))  # a 0-d one is moved, as C++ does
+    (x * 2).backward(torch.ones(3, device="cuda"))
+    assert x.grad.device.type == "cuda" and x.grad.cpu().tolist() == [4.0] * 3
 
 
 def test_device_index_errors_are_torch_cudas(remote):
