@@ -484,6 +484,24 @@ def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
         raise RuntimeError(_META_TYPE.sub(r"torch.cuda.\1Tensor", str(e))) from None
 
 
+def _first_step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
+    """An optimizer's first step on 'cuda' parameters waits for the work queued before it. A GPU
+    raises an error at the failing line: out of memory in the forward pass, caught to retry with
+    a smaller batch (``except torch.cuda.OutOfMemoryError``). Here it came at a later sync, and the
+    step between made the optimizer's state (``exp_avg``...) from ops skipped after the failure:
+    the retry's step then failed on tensors "never computed". Raised here, before the state is
+    made; later steps do not wait."""
+    rt = runtime.current()
+    if opt in rt.stepped or not _active_here():
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if isinstance(p, RemoteTensor) and p.grad is not None:
+                torch.cuda.synchronize(p.device)
+                rt.stepped.add(opt)
+                return
+
+
 def _get_default_device(func: Callable, args: tuple, kwargs: dict) -> torch.device:
     """Under ``set_default_device('cuda')`` torch finds the index by making ``torch.tensor([])``
     there: an upload; the current device says it without one."""
@@ -999,6 +1017,7 @@ def install(rt: Runtime) -> Interception:
     from torch.utils import _foreach_utils as foreach_utils
     # the C++ function itself: every Python binding of it (clip_grad, the optimizers, swa_utils)
     # calls through torch._C
+    p.set_item(optimizer._global_optimizer_pre_hooks, "remotecuda", _first_step_waits)
     p.set(torch._C, "_group_tensors_by_device_and_dtype", _group_by_device(torch._C._group_tensors_by_device_and_dtype))
     data_parallel.install(p)
     serialization.install(p)
