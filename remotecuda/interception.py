@@ -470,10 +470,11 @@ def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
     left a CPU ``x.grad``, where a GPU refuses the gradient. And its errors name a 'cuda' tensor by
     its wrapper's C++ type: a tensor modified in place after it was saved is "[MetaFloatType [3]]",
     not "[torch.cuda.FloatTensor [3]]"."""
-    outputs, grads = args[0], args[1]
+    outputs, grads = (args[0], args[1]) if len(args) > 1 else (args[0] if args else (), ())
     for i, (out, grad) in enumerate(zip(outputs, grads)):
-        if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and isinstance(grad, torch.Tensor) \
-                and grad.dim() > 0 and grad.device != out.device:  # (a 0-d one is moved, as C++ does)
+        if not (isinstance(out, torch.Tensor) and isinstance(grad, torch.Tensor)) or grad.dim() == 0:
+            continue  # (a GradientEdge; a 0-d gradient, which C++ moves)
+        if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and grad.device != out.device:
             raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} but got {grad.device}")
     try:
         return func(*args, **kwargs)
