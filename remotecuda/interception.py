@@ -35,6 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._ops import HigherOrderOperator
 from torch.jit import _builtins as jit_builtins
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _device as device_context
@@ -119,6 +120,8 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
             memory_format: Any = None) -> torch.Tensor:
     """``t.to('cuda:index')`` for a CPU tensor (a RemoteTensor), through aten so autograd records the
     copy (past any function mode: ``with torch.device('cuda')`` would hand it to the patched ``to``)."""
+    if is_lazy(t):
+        raise _lazy_refused()
     local = runtime.current().dispatcher.local
     prev = local.target
     local.target = index
@@ -132,6 +135,24 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
             return _TO(t, torch.device("meta"), **kw)
     finally:
         local.target = prev
+
+
+def _lazy_refused() -> NotImplementedError:
+    return NotImplementedError(
+        "remotecuda: a lazy module's parameters (nn.LazyLinear, nn.LazyConv2d...) cannot be on 'cuda' before "
+        "they are initialized: run one forward pass on the CPU first (model(example_batch)), or give the "
+        "layer its input size (nn.Linear(in_features, out_features)), then move the model to 'cuda'")
+
+
+def _uninitialized_new(original: Callable) -> Callable:
+    """``UninitializedParameter``/``UninitializedBuffer`` (``nn.LazyLinear(..., device='cuda')``):
+    refused plainly for 'cuda', where torch's own error is about a raw tensor's Python object."""
+    def new(cls: type, *args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if device is not None and _active_here() and torch.device(device).type == "cuda":
+            raise _lazy_refused()
+        return original(cls, *args, **kwargs)
+    return staticmethod(new)
 
 
 def _made_here(func: Callable, args: tuple, kwargs: dict, meta: bool) -> Any:
@@ -943,7 +964,8 @@ def _module_apply(original: Callable) -> Callable:
 
 def _footprint(module: torch.nn.Module) -> tuple[int, set[str]]:
     """The bytes and dtypes of a module's local parameters and buffers (those a move to 'cuda' uploads)."""
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, RemoteTensor)]
+    tensors = [t for t in (*module.parameters(), *module.buffers())
+               if not isinstance(t, RemoteTensor) and not is_lazy(t)]  # (a lazy module's has no shape yet)
     return sum(t.nelement() * t.element_size() for t in tensors), {str(t.dtype) for t in tensors}
 
 
@@ -1045,6 +1067,13 @@ def install(rt: Runtime) -> Interception:
     for name in ("device", "is_cuda", "is_meta"):
         p.set(torch.Tensor, name, _identity_property(name))
     p.set(torch.Tensor, "get_device", _get_device)
+    # a lazy module's methods allowed before it materializes: the patched ones too
+    lazy = vars(torch.nn.parameter)["UninitializedTensorMixin"]  # (not in its stub)
+    p.set(lazy, "_allowed_methods", [*lazy._allowed_methods, *(getattr(torch.Tensor, f.__name__)
+                                                                for f in lazy._allowed_methods
+                                                                if getattr(torch.Tensor, f.__name__, f) is not f)])
+    for cls in (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer):
+        p.set(cls, "__new__", _uninitialized_new(cls.__new__))
     profile = torch.autograd.profiler.profile
     p.set(profile, "__init__", _profile_init(profile.__init__))
     p.set(torch.autograd.profiler.emit_nvtx, "__enter__", _emit_nvtx_enter)
