@@ -2,6 +2,7 @@
 and tracebacks that end at the user's line with no remotecuda frame (scripts and IPython)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -144,6 +145,29 @@ def test_lazy_modules_move_or_say_why_they_cannot(remote):
             make()
     m.cuda()  # initialized: it moves
     assert torch.equal(m(torch.ones(2, 4, device="cuda")).cpu(), m.cpu()(torch.ones(2, 4)))
+
+
+def _read_in_child(rows, conn):
+    try:
+        conn.send(repr(rows[0]))
+    except RuntimeError as e:
+        conn.send(str(e))
+
+
+def test_a_forked_worker_using_cuda_tensors_says_what_a_gpu_says(remote):
+    """A dataset holding 'cuda' tensors, read in a forked worker (a DataLoader's): the error said
+    the session was closed by ``remotecuda.deactivate()``, which the user never called; a GPU's
+    torch refuses CUDA in a forked subprocess."""
+    rows = torch.arange(4.0, device="cuda")
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_read_in_child, args=(rows, send))
+    child.start()
+    got = receive.recv() if receive.poll(60) else "no answer"
+    child.join(30)
+    assert got.startswith("Cannot re-initialize CUDA in forked subprocess (remotecuda: ") and \
+        "move each batch to 'cuda' in the main process" in got, got
+    assert rows[3].item() == 3.0
 
 
 def test_meta_refusal_costs_one_round_trip(remote):
