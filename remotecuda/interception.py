@@ -514,8 +514,8 @@ def _first_step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
     the retry's step then failed on tensors "never computed". Raised here, before the state is
     made; later steps do not wait."""
     rt = runtime.current()
-    if opt in rt.stepped or not _active_here():
-        return
+    if opt in rt.stepped or rt.capturing is not None or not _active_here():
+        return  # (nothing may wait while a CUDA graph is captured)
     for group in opt.param_groups:
         for p in group["params"]:
             if isinstance(p, RemoteTensor) and p.grad is not None:
