@@ -51,6 +51,8 @@ _TYPES: dict[str, type[BaseException]] = {
 #: device-side assert), found in ``torch._C`` when raised: this module does not import torch, so a kernel
 #: starts without it
 _TORCH_TYPES = ("OutOfMemoryError", "_LinAlgError", "AcceleratorError")
+
+
 def accelerator_error(msg: str) -> RuntimeError:
     """The error a CUDA call's failure raises (``torch.AcceleratorError``, a RuntimeError: an
     invalid device ordinal), made without importing torch before it is needed."""
