@@ -506,6 +506,32 @@ def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
         raise RuntimeError(_META_TYPE.sub(r"torch.cuda.\1Tensor", str(e))) from None
 
 
+def _checked_function_backward(original: Callable) -> Callable:
+    """A custom ``autograd.Function``'s backward whose gradient for a 'cuda' input is on another
+    device (``torch.ones(n)`` where ``torch.ones_like(g)`` was meant) is refused as a GPU refuses
+    it: C++ skips that check for tensor subclasses, and the input's ``.grad`` came out on the CPU."""
+    @functools.wraps(original)
+    def apply(self: Any, *args: Any) -> Any:
+        grads = original(self, *args)
+        remote = next((a.device for a in args if isinstance(a, RemoteTensor)), None)
+        for i, (grad, (node, nr)) in enumerate(zip(grads if isinstance(grads, tuple) else (grads,),
+                                                   self.next_functions)):
+            if node is None or not isinstance(grad, torch.Tensor) or grad.dim() == 0:
+                continue
+            leaf = getattr(node, "variable", None)
+            if leaf is not None:
+                expected = leaf.device
+            else:  # (a wrapper's C++ device is 'meta': it was a 'cuda' tensor, of the gradient's device)
+                expected = node._input_metadata[nr].device
+                expected = remote if expected.type == "meta" else expected
+            if expected is not None and grad.device != expected and \
+                    (isinstance(grad, RemoteTensor) or expected.type == "cuda"):
+                raise RuntimeError(f"Function {type(self).__name__} returned an invalid gradient at index {i} - "
+                                   f"expected device {expected} but got {grad.device}")
+        return grads
+    return apply
+
+
 def _first_step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
     """An optimizer's first step on 'cuda' parameters waits for the work queued before it. A GPU
     raises an error at the failing line: out of memory in the forward pass, caught to retry with
@@ -1041,6 +1067,8 @@ def install(rt: Runtime) -> Interception:
     # the C++ function itself: every Python binding of it (clip_grad, the optimizers, swa_utils)
     # calls through torch._C
     p.set_item(optimizer._global_optimizer_pre_hooks, "remotecuda", _first_step_waits)
+    backward_node = torch.autograd.function.BackwardCFunction
+    p.set(backward_node, "apply", _checked_function_backward(backward_node.apply))
     p.set(torch._C, "_group_tensors_by_device_and_dtype", _group_by_device(torch._C._group_tensors_by_device_and_dtype))
     data_parallel.install(p)
     serialization.install(p)

@@ -122,6 +122,34 @@ def test_a_gradient_on_another_device_is_refused(remote):
     assert x.grad.device.type == "cuda" and x.grad.cpu().tolist() == [4.0] * 3
 
 
+class _OnesOn(torch.autograd.Function):
+    """Its backward returns a gradient of ones on a given device (``torch.ones(n)``, a slip for
+    ``torch.ones_like(g)``)."""
+
+    @staticmethod
+    def forward(ctx, x, dev):
+        ctx.dev = dev
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.ones(g.shape, device=ctx.dev), None
+
+
+def test_a_custom_functions_gradient_on_another_device_is_refused(remote):
+    """C++ skips the check for tensor subclasses: a 'cuda' leaf's ``.grad`` came out on the CPU."""
+    for x_dev, g_dev in (("cuda:0", "cpu"), ("cpu", "cuda:0")):
+        x = torch.ones(3, device=x_dev, requires_grad=True)
+        for inp in (x, x * 1):  # a leaf (AccumulateGrad) and a computed input
+            msg = (f"^Function _OnesOnBackward returned an invalid gradient at index 0 - expected device {x_dev} "
+                   f"but got {g_dev}$")
+            with pytest.raises(RuntimeError, match=msg):
+                _OnesOn.apply(inp, g_dev).sum().backward()
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    _OnesOn.apply(x * 1, "cuda").sum().backward()
+    assert x.grad.device.type == "cuda" and x.grad.cpu().tolist() == [1.0] * 3
+
+
 def test_device_index_errors_are_torch_cudas(remote):
     with pytest.raises(torch.AcceleratorError, match="^CUDA error: invalid device ordinal"):
         torch.ones(2).to("cuda:7")
