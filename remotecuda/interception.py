@@ -521,11 +521,13 @@ def _checked_function_backward(original: Callable) -> Callable:
             leaf = getattr(node, "variable", None)
             if leaf is not None:
                 expected = leaf.device
-            else:  # (a wrapper's C++ device is 'meta': it was a 'cuda' tensor, of the gradient's device)
+                bad = grad.device != expected and (isinstance(grad, RemoteTensor) or isinstance(leaf, RemoteTensor))
+            else:  # (a wrapper's C++ device is 'meta': a 'cuda' tensor, on which device it does not say)
                 expected = node._input_metadata[nr].device
-                expected = remote if expected.type == "meta" else expected
-            if expected is not None and grad.device != expected and \
-                    (isinstance(grad, RemoteTensor) or expected.type == "cuda"):
+                bad = isinstance(grad, RemoteTensor) != (expected.type == "meta") and grad.device.type != "meta"
+                if expected.type == "meta":
+                    expected = remote or torch.device("cuda", torch.cuda.current_device())
+            if bad:
                 raise RuntimeError(f"Function {type(self).__name__} returned an invalid gradient at index {i} - "
                                    f"expected device {expected} but got {grad.device}")
         return grads
