@@ -106,17 +106,25 @@ def set_device(device: Any) -> None:
         rt.current_device = i
 
 
+def _described(device: Any) -> VirtualDevice:
+    """The device whose properties are asked for: torch.cuda asserts on an index past the last."""
+    i = device_index(device)
+    if not 0 <= i < device_count():
+        raise AssertionError("Invalid device id")
+    return _device(i)
+
+
 def get_device_name(device: Any = None) -> str:
-    return _device(device).props["name"]
+    return _described(device).props["name"]
 
 
 def get_device_capability(device: Any = None) -> tuple[int, int]:
-    major, minor = _device(device).props["capability"]
+    major, minor = _described(device).props["capability"]
     return (major, minor)
 
 
 def get_device_properties(device: Any = None) -> DeviceProperties:
-    d = _device(device)
+    d = _described(device)
     p = d.props
     more = dict(p.get("more") or {})
     return DeviceProperties(p["name"], p["capability"][0], p["capability"][1], p["total_memory"],
@@ -148,9 +156,11 @@ def can_device_access_peer(device: Any, peer_device: Any) -> bool:
     """Copies between two devices go gateway to gateway (remotecuda_server/peer.py), never through
     this process; a device is not its own peer (CUDA's answer)."""
     a, b = device_index(device), device_index(peer_device)
-    rt = _rt()
-    rt.pool.check(a)
-    rt.pool.check(b)
+    n = device_count()
+    if not 0 <= a < n:
+        raise AssertionError("Invalid device id")
+    if not 0 <= b < n:
+        raise AssertionError("Invalid peer device id")
     return a != b
 
 

@@ -39,6 +39,9 @@ NO_META_KERNEL = "no meta kernel"
 META_NEEDS_DATA = "meta kernel needs data"
 #: the meta kernel refused the arguments and the device accepted them: the device has the last word
 META_REFUSED = "meta kernel refused"
+#: an op that reads its result on a GPU to raise at the call (``_linalg_check_errors``: ``except
+#: torch.linalg.LinAlgError`` around ``cholesky`` expects the error there, not at a later sync)
+CHECKS_AT_CALL = "checks at the call"
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,8 +47,21 @@ _TYPES: dict[str, type[BaseException]] = {
     "TypeError": TypeError, "NotImplementedError": NotImplementedError,
     "UnknownOpError": NotImplementedError, "ZeroDivisionError": ZeroDivisionError,
     "OverflowError": OverflowError, "KeyError": KeyError, "AssertionError": AssertionError,
-    "ProtocolError": GatewayProtocolError, "AcceleratorError": RuntimeError, "TransferError": TransferError,
-}  # (and torch.OutOfMemoryError: this module does not import torch, so a kernel starts without it)
+    "ProtocolError": GatewayProtocolError, "TransferError": TransferError,
+}
+#: torch's own exception types (``except torch.linalg.LinAlgError``, ``torch.AcceleratorError``: a GPU's
+#: device-side assert), found in ``torch._C`` when raised: this module does not import torch, so a kernel
+#: starts without it
+_TORCH_TYPES = ("OutOfMemoryError", "_LinAlgError", "AcceleratorError")
+
+
+def accelerator_error(msg: str) -> RuntimeError:
+    """The error a CUDA call's failure raises (``torch.AcceleratorError``, a RuntimeError: an
+    invalid device ordinal), made without importing torch before it is needed."""
+    import torch
+    return torch.AcceleratorError(msg)
+
+
 #: what the gateway says of a tensor whose op an interrupt cancelled (remotecuda_server/executor.py)
 _CANCELLED = "cancelled by an interrupt"
 
@@ -64,11 +77,12 @@ def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
     that caused it: an op that failed asynchronously (raised at a later sync point), or a
     tensor whose op an interrupt cancelled (raised where the tensor is next used).
     """
-    if info.get("type") == "OutOfMemoryError":
+    name = info.get("type", "")
+    if name in _TORCH_TYPES:
         import torch
-        cls: type[BaseException] = torch.OutOfMemoryError
+        cls: type[BaseException] = getattr(torch._C, name, RuntimeError)
     else:
-        cls = _TYPES.get(info.get("type", ""), RuntimeError)
+        cls = _TYPES.get(name, RuntimeError)
     msg = str(info.get("msg", ""))
     e = (RuntimeError if cls is KeyError else cls)(msg)  # KeyError would quote the message
     setattr(e, _REMOTE, True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import re
 import threading
 import types
 import warnings
@@ -34,6 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._ops import HigherOrderOperator
 from torch.jit import _builtins as jit_builtins
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _device as device_context
@@ -118,6 +120,8 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
             memory_format: Any = None) -> torch.Tensor:
     """``t.to('cuda:index')`` for a CPU tensor (a RemoteTensor), through aten so autograd records the
     copy (past any function mode: ``with torch.device('cuda')`` would hand it to the patched ``to``)."""
+    if is_lazy(t):
+        raise _lazy_refused()
     local = runtime.current().dispatcher.local
     prev = local.target
     local.target = index
@@ -131,6 +135,24 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
             return _TO(t, torch.device("meta"), **kw)
     finally:
         local.target = prev
+
+
+def _lazy_refused() -> NotImplementedError:
+    return NotImplementedError(
+        "remotecuda: a lazy module's parameters (nn.LazyLinear, nn.LazyConv2d...) cannot be on 'cuda' before "
+        "they are initialized: run one forward pass on the CPU first (model(example_batch)), or give the "
+        "layer its input size (nn.Linear(in_features, out_features)), then move the model to 'cuda'")
+
+
+def _uninitialized_new(original: Callable) -> Callable:
+    """``UninitializedParameter``/``UninitializedBuffer`` (``nn.LazyLinear(..., device='cuda')``):
+    refused plainly for 'cuda', where torch's own error is about a raw tensor's Python object."""
+    def new(cls: type, *args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if device is not None and _active_here() and torch.device(device).type == "cuda":
+            raise _lazy_refused()
+        return original(cls, *args, **kwargs)
+    return staticmethod(new)
 
 
 def _made_here(func: Callable, args: tuple, kwargs: dict, meta: bool) -> Any:
@@ -277,6 +299,8 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     else:
         out = to_cuda(func(*args, **kw), _cuda_index(d))
     if requires_grad:
+        if not (out.is_floating_point() or out.is_complex()):  # (requires_grad_'s words differ)
+            raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
         out.requires_grad_(True)
     return out
 
@@ -434,6 +458,100 @@ def _dropout_args(input: Any, p: float, train: bool) -> tuple:
     return input, p, train
 
 
+def _one_hot(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``F.one_hot`` as CUDA's kernel computes it: C++ takes a meta-keyed tensor's traceable path,
+    which compares with ``arange(num_classes)`` and so gave a row of zeros for a class out of range
+    (a label of -1, or one past ``num_classes``), silently; CUDA's scatter refuses it (a
+    device-side assert), as the gateway's scatter does."""
+    x, n = _one_hot_args(*args, **kwargs)
+    if not isinstance(x, RemoteTensor) or x.dtype != torch.int64:
+        return func(*args, **kwargs)
+    if x.numel() == 0:
+        if n <= 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        return x.new_empty((*x.shape, n))
+    if n == -1:
+        n = int(x.max().item()) + 1
+    elif n < 1:
+        raise RuntimeError("num_classes should be positive")
+    return x.new_zeros((*x.shape, n)).scatter_(-1, x.unsqueeze(-1), 1)
+
+
+def _one_hot_args(tensor: Any, num_classes: int = -1) -> tuple:
+    return tensor, num_classes
+
+
+#: how C++ names a wrapper's type ("MetaFloatType"), where a GPU's torch says "torch.cuda.FloatTensor"
+_META_TYPE = re.compile(r"\bMeta(\w+)Type\b")
+
+
+def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """The autograd engine (``backward()``, ``autograd.grad``) as a GPU's. It skips its check of a
+    given gradient's device for tensor subclasses: ``y.backward(torch.ones(3))`` for a 'cuda' ``y``
+    left a CPU ``x.grad``, where a GPU refuses the gradient. And its errors name a 'cuda' tensor by
+    its wrapper's C++ type: a tensor modified in place after it was saved is "[MetaFloatType [3]]",
+    not "[torch.cuda.FloatTensor [3]]"."""
+    outputs, grads = (args[0], args[1]) if len(args) > 1 else (args[0] if args else (), ())
+    for i, (out, grad) in enumerate(zip(outputs, grads)):
+        if not (isinstance(out, torch.Tensor) and isinstance(grad, torch.Tensor)) or grad.dim() == 0:
+            continue  # (a GradientEdge; a 0-d gradient, which C++ moves)
+        if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and grad.device != out.device:
+            raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} but got {grad.device}")
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:
+        if type(e) is not RuntimeError or not any(isinstance(t, RemoteTensor) for t in outputs) or \
+                not _META_TYPE.search(str(e)):
+            raise
+        raise RuntimeError(_META_TYPE.sub(r"torch.cuda.\1Tensor", str(e))) from None
+
+
+def _checked_function_backward(original: Callable) -> Callable:
+    """A custom ``autograd.Function``'s backward whose gradient for a 'cuda' input is on another
+    device (``torch.ones(n)`` where ``torch.ones_like(g)`` was meant) is refused as a GPU refuses
+    it: C++ skips that check for tensor subclasses, and the input's ``.grad`` came out on the CPU."""
+    @functools.wraps(original)
+    def apply(self: Any, *args: Any) -> Any:
+        grads = original(self, *args)
+        remote = next((a.device for a in args if isinstance(a, RemoteTensor)), None)
+        for i, (grad, (node, nr)) in enumerate(zip(grads if isinstance(grads, tuple) else (grads,),
+                                                   self.next_functions)):
+            if node is None or not isinstance(grad, torch.Tensor) or grad.dim() == 0:
+                continue
+            leaf = getattr(node, "variable", None)
+            if leaf is not None:
+                expected = leaf.device
+                bad = grad.device != expected and (isinstance(grad, RemoteTensor) or isinstance(leaf, RemoteTensor))
+            else:  # (a wrapper's C++ device is 'meta': a 'cuda' tensor, on which device it does not say)
+                expected = node._input_metadata[nr].device
+                bad = isinstance(grad, RemoteTensor) != (expected.type == "meta") and grad.device.type != "meta"
+                if expected.type == "meta":
+                    expected = remote or torch.device("cuda", torch.cuda.current_device())
+            if bad:
+                raise RuntimeError(f"Function {type(self).__name__} returned an invalid gradient at index {i} - "
+                                   f"expected device {expected} but got {grad.device}")
+        return grads
+    return apply
+
+
+def _first_step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
+    """An optimizer's first step on 'cuda' parameters waits for the work queued before it. A GPU
+    raises an error at the failing line: out of memory in the forward pass, caught to retry with
+    a smaller batch (``except torch.cuda.OutOfMemoryError``). Here it came at a later sync, and the
+    step between made the optimizer's state (``exp_avg``...) from ops skipped after the failure:
+    the retry's step then failed on tensors "never computed". Raised here, before the state is
+    made; later steps do not wait."""
+    rt = runtime.current()
+    if opt in rt.stepped or rt.capturing is not None or not _active_here():
+        return  # (nothing may wait while a CUDA graph is captured)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if isinstance(p, RemoteTensor) and p.grad is not None:
+                torch.cuda.synchronize(p.device)
+                rt.stepped.add(opt)
+                return
+
+
 def _get_default_device(func: Callable, args: tuple, kwargs: dict) -> torch.device:
     """Under ``set_default_device('cuda')`` torch finds the index by making ``torch.tensor([])``
     there: an upload; the current device says it without one."""
@@ -479,6 +597,9 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
     (torch._VF, "dropout", _dropout),  # what F.dropout calls
     (torch, "dropout", _dropout),
+    (torch.nn.functional, "one_hot", _one_hot),
+    (torch.autograd, "_engine_run_backward", _engine_run_backward),  # what backward() and grad() call
+    (torch._C._nn, "one_hot", _one_hot),
     (torch, "get_default_device", _get_default_device),
     (torch.export, "export", _export),
     (torch.export, "draft_export", _export),
@@ -876,7 +997,8 @@ def _module_apply(original: Callable) -> Callable:
 
 def _footprint(module: torch.nn.Module) -> tuple[int, set[str]]:
     """The bytes and dtypes of a module's local parameters and buffers (those a move to 'cuda' uploads)."""
-    tensors = [t for t in (*module.parameters(), *module.buffers()) if not isinstance(t, RemoteTensor)]
+    tensors = [t for t in (*module.parameters(), *module.buffers())
+               if not isinstance(t, RemoteTensor) and not is_lazy(t)]  # (a lazy module's has no shape yet)
     return sum(t.nelement() * t.element_size() for t in tensors), {str(t.dtype) for t in tensors}
 
 
@@ -965,6 +1087,9 @@ def install(rt: Runtime) -> Interception:
     from torch.utils import _foreach_utils as foreach_utils
     # the C++ function itself: every Python binding of it (clip_grad, the optimizers, swa_utils)
     # calls through torch._C
+    p.set_item(optimizer._global_optimizer_pre_hooks, "remotecuda", _first_step_waits)
+    backward_node = torch.autograd.function.BackwardCFunction
+    p.set(backward_node, "apply", _checked_function_backward(backward_node.apply))
     p.set(torch._C, "_group_tensors_by_device_and_dtype", _group_by_device(torch._C._group_tensors_by_device_and_dtype))
     data_parallel.install(p)
     serialization.install(p)
@@ -991,6 +1116,13 @@ def install(rt: Runtime) -> Interception:
     for name in ("device", "is_cuda", "is_meta"):
         p.set(torch.Tensor, name, _identity_property(name))
     p.set(torch.Tensor, "get_device", _get_device)
+    # a lazy module's methods allowed before it materializes: the patched ones too
+    lazy = vars(torch.nn.parameter)["UninitializedTensorMixin"]  # (not in its stub)
+    p.set(lazy, "_allowed_methods", [*lazy._allowed_methods, *(getattr(torch.Tensor, f.__name__)
+                                                                for f in lazy._allowed_methods
+                                                                if getattr(torch.Tensor, f.__name__, f) is not f)])
+    for cls in (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer):
+        p.set(cls, "__new__", _uninitialized_new(cls.__new__))
     profile = torch.autograd.profiler.profile
     p.set(profile, "__init__", _profile_init(profile.__init__))
     p.set(torch.autograd.profiler.emit_nvtx, "__enter__", _emit_nvtx_enter)

@@ -55,7 +55,7 @@ from remotecuda_wire.limits import env_number
 
 from . import visible_devices
 from .discovery import Answer, Discovery, MulticastSource, ask
-from .errors import GatewayAuthError, GatewayUnavailableError, RemoteCUDAError
+from .errors import GatewayAuthError, GatewayUnavailableError, RemoteCUDAError, accelerator_error
 from .failover import Failover
 from .failover import enabled as failover_enabled
 from .liveness import Liveness
@@ -323,8 +323,8 @@ class Pool:
             raise RuntimeError(f"No CUDA GPUs are available ({visible_devices.VAR}={self.hidden[1]!r} hides all "
                                f"{self.hidden[0]} of remotecuda's virtual devices)")
         if not 0 <= index < len(self.devices):
-            raise RuntimeError(f"CUDA error: invalid device ordinal (cuda:{index}; remotecuda has "
-                               f"{len(self.devices)} device(s))")
+            raise accelerator_error(f"CUDA error: invalid device ordinal (cuda:{index}; remotecuda has "
+                                    f"{len(self.devices)} device(s))")
         return self.devices[index]
 
     def device(self, index: int, why: str = "properties") -> VirtualDevice:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -76,6 +77,8 @@ class Runtime:
         self.default_type_cuda = False
         #: (device kind, input layouts and options) → the attention backend the gateway picked
         self.sdpa_choices: dict[tuple, int] = {}
+        #: the optimizers whose first step on 'cuda' parameters waited for the work before it (interception)
+        self.stepped: weakref.WeakSet = weakref.WeakSet()
         self.codecs = protocol.enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))
         check = os.environ.get("REMOTECUDA_CHECK_CACHE", "") not in ("", "0")
         self.dispatcher = Dispatcher(self.session, DispatchCache(check=check))

@@ -12,6 +12,7 @@ weakref finalizer: ``torch.utils.swap_tensors`` (which keeps Parameter identity 
 from __future__ import annotations
 
 import functools
+import multiprocessing
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -58,6 +59,10 @@ def is_pinned(t: torch.Tensor, device: Any = None) -> bool:
 
 
 def _not_active(func: Any, args: tuple, kwargs: dict) -> Any:
+    if multiprocessing.parent_process() is not None:  # a forked child: a GPU's torch refuses it so
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess (remotecuda: a forked process, a "
+                           "DataLoader's worker among them, cannot use the parent's 'cuda' tensors; keep a "
+                           f"dataset's tensors on the CPU and move each batch to 'cuda' in the main process) ({func})")
     raise GatewayLostError(f"remotecuda is not active: this 'cuda' tensor's session was closed "
                            f"(remotecuda.deactivate()) and its data is gone ({func})")
 

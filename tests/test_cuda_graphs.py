@@ -3,6 +3,8 @@
 and static tensors keep their identity across replays, as on a GPU."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -146,3 +148,20 @@ def test_reset_graph_cannot_replay(remote):
     g.reset()
     with pytest.raises(RuntimeError, match="not been captured"):
         g.replay()
+
+
+def test_an_optimizers_first_step_may_be_captured(remote):
+    """The first step of an optimizer waits for the work before it (an OOM is raised before it
+    makes state), but not inside a capture, where a GPU's torch could not wait either."""
+    torch.manual_seed(0)
+    model, x = nn.Linear(2, 2), torch.ones(1, 2)
+    local = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.cuda().parameters(), lr=0.1)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        model(x.cuda()).sum().backward()
+        opt.step()
+    g.replay()
+    local(x).sum().backward()
+    torch.optim.SGD(local.parameters(), lr=0.1).step()
+    assert torch.equal(model.weight.detach().cpu(), local.weight.detach())

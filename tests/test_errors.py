@@ -2,6 +2,7 @@
 and tracebacks that end at the user's line with no remotecuda frame (scripts and IPython)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import ROOT
 
@@ -60,6 +62,140 @@ def test_dim_out_of_range_is_raised_at_the_call(remote, mistake):
         mistake(torch.randn(2, 3, device="cuda"))
     assert str(info.value) == str(local) and not getattr(info.value, "__notes__", None)  # not asynchronous
     torch.cuda.synchronize()  # nothing left pending
+
+
+def test_linalg_errors_are_linalg_errors_raised_at_the_call(remote):
+    """``except torch.linalg.LinAlgError`` around a factorization (add jitter and retry): a GPU
+    raises it at the call (its error check reads the result), as that type; it came as a plain
+    RuntimeError, at the next sync."""
+    for fn in (torch.linalg.cholesky, torch.linalg.inv):
+        bad = -torch.eye(3) if fn is torch.linalg.cholesky else torch.zeros(3, 3)
+        local = _raised(fn, bad)
+        with pytest.raises(torch.linalg.LinAlgError) as info:
+            fn(bad.cuda())
+        assert str(info.value) == str(local) and not getattr(info.value, "__notes__", None)
+    a = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
+    assert torch.equal(torch.linalg.cholesky(a.cuda()).cpu(), torch.linalg.cholesky(a))  # the session goes on
+
+
+def test_one_hot_of_a_class_out_of_range_is_an_error_not_zeros(remote):
+    """F.one_hot of a label -1 (an ignore index) or one past num_classes gave a row of zeros on
+    'cuda', silently; CUDA's kernel (a scatter) refuses it, as the CPU's checks do."""
+    for labels, n in (([-1, 2], -1), ([0, 3], 3)):
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            F.one_hot(torch.tensor(labels, device="cuda"), n).sum().item()
+    with pytest.raises(RuntimeError, match="num_classes should be positive"):  # CUDA's words
+        F.one_hot(torch.tensor([0, 1], device="cuda"), 0)
+    empty = torch.zeros(0, dtype=torch.long)
+    assert str(_raised(F.one_hot, empty)) == str(_raised(F.one_hot, empty.cuda()))
+    for labels, n in (([[0, 2], [1, 1]], -1), ([0, 2, 1], 5), ([], 4)):
+        t = torch.tensor(labels, dtype=torch.long)
+        assert torch.equal(F.one_hot(t.cuda(), n).cpu(), F.one_hot(t, n))
+
+
+def test_autograd_errors_name_cuda_tensors_as_a_gpu_does(remote):
+    """A tensor saved for backward, then modified in place: the engine's message named the
+    wrapper's C++ type, "[MetaFloatType [3]]"."""
+    def modified_after_saved(dev):
+        x = torch.randn(3, device=dev, requires_grad=True)
+        y = x.exp()
+        y.add_(1)
+        y.sum().backward()
+    local = str(_raised(modified_after_saved, "cpu"))
+    assert "[torch.FloatTensor [3]]" in local
+    assert str(_raised(modified_after_saved, "cuda")) == local.replace("torch.FloatTensor", "torch.cuda.FloatTensor")
+    with pytest.raises(RuntimeError, match="^Only Tensors of floating point and complex dtype can require gradients$"):
+        torch.tensor([1, 2], device="cuda", requires_grad=True)
+
+
+def test_a_gradient_on_another_device_is_refused(remote):
+    """``y.backward(torch.ones(3))`` for a 'cuda' ``y``: C++ skips its device check for tensor
+    subclasses, and the leaf's ``.grad`` came out a CPU tensor; a GPU refuses the gradient."""
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    msg = "^invalid gradient at index 0 - expected device cuda:0 but got cpu$"
+    with pytest.raises(RuntimeError, match=msg):
+        (x * 2).backward(torch.ones(3))
+    with pytest.raises(RuntimeError, match=msg):
+        torch.autograd.grad(x * 2, x, torch.ones(3))
+    (x * 2).sum().backward(torch.tensor(1.0))  # a 0-d one is moved, as C++ does
+    (x * 2).backward(torch.ones(3, device="cuda"))
+    assert x.grad.device.type == "cuda" and x.grad.cpu().tolist() == [4.0] * 3
+
+
+class _OnesOn(torch.autograd.Function):
+    """Its backward returns a gradient of ones on a given device (``torch.ones(n)``, a slip for
+    ``torch.ones_like(g)``)."""
+
+    @staticmethod
+    def forward(ctx, x, dev):
+        ctx.dev = dev
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.ones(g.shape, device=ctx.dev), None
+
+
+def test_a_custom_functions_gradient_on_another_device_is_refused(remote):
+    """C++ skips the check for tensor subclasses: a 'cuda' leaf's ``.grad`` came out on the CPU."""
+    for x_dev, g_dev in (("cuda:0", "cpu"), ("cpu", "cuda:0")):
+        x = torch.ones(3, device=x_dev, requires_grad=True)
+        for inp in (x, x * 1):  # a leaf (AccumulateGrad) and a computed input
+            msg = (f"^Function _OnesOnBackward returned an invalid gradient at index 0 - expected device {x_dev} "
+                   f"but got {g_dev}$")
+            with pytest.raises(RuntimeError, match=msg):
+                _OnesOn.apply(inp, g_dev).sum().backward()
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    _OnesOn.apply(x * 1, "cuda").sum().backward()
+    assert x.grad.device.type == "cuda" and x.grad.cpu().tolist() == [1.0] * 3
+
+
+def test_device_index_errors_are_torch_cudas(remote):
+    with pytest.raises(torch.AcceleratorError, match="^CUDA error: invalid device ordinal"):
+        torch.ones(2).to("cuda:7")
+    with pytest.raises(torch.AcceleratorError, match="^CUDA error: invalid device ordinal"):
+        torch.cuda.set_device(9)
+    for fn in (torch.cuda.get_device_properties, torch.cuda.get_device_name, torch.cuda.get_device_capability):
+        with pytest.raises(AssertionError, match="^Invalid device id$"):
+            fn(9)
+    assert torch.ones(2, device="cuda").sum().item() == 2.0
+
+
+def test_lazy_modules_move_or_say_why_they_cannot(remote):
+    """``.to('cpu')`` of a lazy module raised "Attempted to use an uninitialized parameter" (the
+    patched ``Tensor.to`` was not among the methods it allows); on 'cuda' before the first forward,
+    a remote tensor cannot be an UninitializedParameter: refused saying what to do."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.LazyLinear(3)).to("cpu")
+    assert m(torch.ones(2, 4)).shape == (2, 3)
+    for make in (lambda: torch.nn.LazyLinear(3).cuda(), lambda: torch.nn.LazyLinear(3, device="cuda")):
+        with pytest.raises(NotImplementedError, match="remotecuda: a lazy module's parameters .* run one forward"):
+            make()
+    m.cuda()  # initialized: it moves
+    assert torch.equal(m(torch.ones(2, 4, device="cuda")).cpu(), m.cpu()(torch.ones(2, 4)))
+
+
+def _read_in_child(rows, conn):
+    try:
+        conn.send(repr(rows[0]))
+    except RuntimeError as e:
+        conn.send(str(e))
+
+
+def test_a_forked_worker_using_cuda_tensors_says_what_a_gpu_says(remote):
+    """A dataset holding 'cuda' tensors, read in a forked worker (a DataLoader's): the error said
+    the session was closed by ``remotecuda.deactivate()``, which the user never called; a GPU's
+    torch refuses CUDA in a forked subprocess."""
+    rows = torch.arange(4.0, device="cuda")
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_read_in_child, args=(rows, send))
+    child.start()
+    got = receive.recv() if receive.poll(60) else "no answer"
+    child.join(30)
+    assert got.startswith("Cannot re-initialize CUDA in forked subprocess (remotecuda: ") and \
+        "move each batch to 'cuda' in the main process" in got, got
+    assert rows[3].item() == 3.0
 
 
 def test_meta_refusal_costs_one_round_trip(remote):

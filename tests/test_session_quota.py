@@ -3,6 +3,8 @@ two client processes. Past the quota an op or an upload is a torch.cuda.OutOfMem
 it, in that session alone, which goes on; another session on the same gateway is unaffected."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -115,3 +117,37 @@ def test_an_upload_past_the_quota_is_refused_before_it_is_decompressed(quota_gw)
         c.send(protocol.BYE, {})
     finally:
         c.close()
+
+
+RETRY = r'''
+import torch, torch.nn as nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 64)).to("{dev}")
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+for bs in {sizes}:  # 32768: 128 MiB of activations, past the 64 MiB quota; 256 fits
+    try:
+        opt.zero_grad()
+        loss = model(torch.ones(bs, 64, device="{dev}")).pow(2).mean()
+        loss.backward()
+        opt.step()
+        print("STEP", bs, loss.item(), model[0].weight.sum().item())
+        break
+    except torch.cuda.OutOfMemoryError:
+        print("OOM", bs)
+'''
+
+
+def test_out_of_memory_then_a_smaller_batch_trains(quota_gw):
+    """The idiom: catch the OOM, retry with a smaller batch. The error came at loss.item(), after
+    the first step had made AdamW's state from ops skipped after the failure, and the retry died
+    on tensors "never computed"; now the first step waits, and the retry trains as on the CPU."""
+    remote = run_python("import remotecuda; remotecuda.activate(fallback='error')\n" +
+                        RETRY.format(dev="cuda", sizes=(32768, 256)), env={"REMOTECUDA_SERVERS": quota_gw.address})
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    oom, step = remote.stdout.splitlines()
+    assert oom == "OOM 32768" and step.startswith("STEP 256 "), remote.stdout
+    local = io.StringIO()
+    with contextlib.redirect_stdout(local):
+        exec(RETRY.format(dev="cpu", sizes=(256,)), {})
+    got, want = (list(map(float, line.split()[2:])) for line in (step, local.getvalue().strip()))
+    assert got == pytest.approx(want, rel=1e-5)
