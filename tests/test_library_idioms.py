@@ -302,6 +302,17 @@ def cross_entropy_ignore_index_label_smoothing(dev):
     return torch.cat([loss.reshape(1), logits.grad.flatten()])
 
 
+@case
+def per_sample_grads_expanded_weights(dev):
+    # Opacus' grad_sample_mode="ew": each parameter becomes an ExpandedWeight of itself
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    m = nn.Sequential(nn.Conv2d(2, 3, 3), nn.GroupNorm(1, 3), nn.Flatten(), nn.Linear(12, 4), nn.LayerNorm(4)).to(dev)
+    x = _seeded((5, 2, 4, 4), 102).to(dev)
+    call_for_per_sample_grads(m)(x).pow(2).sum().backward()
+    return torch.cat([p.grad_sample.flatten() for p in m.parameters()])
+
+
 def _value(fn: Callable, dev: str) -> torch.Tensor:
     torch.manual_seed(0)
     r = fn(dev)
