@@ -236,18 +236,6 @@ def _arg_at(args: tuple, kwargs: dict, pos: int | None, name: str) -> Any:
     return kwargs.get(name)
 
 
-def _takes_dtype(func: Any) -> bool:
-    return any(a.name == "dtype" and a.kwarg_only for a in func._schema.arguments)
-
-
-def _local_dtype(func: Any, args: tuple, kwargs: dict) -> torch.dtype:
-    """The dtype a factory given no dtype makes here, under ``torch.set_default_dtype``: the
-    gateway's default is its own (float32), so the wire names it (``torch.ones(n, device='cuda')``
-    in Lightning's "bf16-true" was float32 there, bfloat16 here)."""
-    with _DisableTorchDispatch():
-        return func(*_stand_ins(args), **dict(kwargs, device="meta")).dtype
-
-
 def meta_stand_in(a: RemoteTensor) -> torch.Tensor:
     """A meta tensor with ``a``'s dtype, shape, strides and offset."""
     dtype, shape, stride, offset = a._k
@@ -352,8 +340,6 @@ class Dispatcher:
             like = self.run(self.op_meta(aten.empty_strided.default), (list(src.shape), list(src.stride())),
                             {"dtype": src.dtype, "device": _CUDA}, s, factory=True)
             args = (like, *args[1:])
-        if kwargs.get("dtype") is None and torch.get_default_dtype() is not torch.float32 and _takes_dtype(func):
-            kwargs = dict(kwargs, dtype=_local_dtype(func, args, kwargs))
         return self.run(m, args, kwargs, s, factory=True)
 
     # ------------------------------------------------------------------ the common path
