@@ -79,8 +79,8 @@ def changed() -> None:
     if not delta:
         return
     rt.flags.update(delta)
-    if "default_dtype" in delta:  # the metadata of type promotions made under the old one
-        rt.dispatcher.cache.clear()
+    if "default_dtype" in delta:
+        rt.dispatcher.default_dtype_set(torch.get_default_dtype())
     for s in list(rt.pool.sessions.values()):
         if not s.closed:
             s.enqueue("rc::set_flags", [delta], None, None)
