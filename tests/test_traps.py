@@ -533,3 +533,19 @@ def test_factories_follow_set_default_dtype(default):
     for g, w in zip(got, want):
         assert g.dtype == w.dtype
         torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
+
+
+def test_set_default_tensor_type_reaches_the_gateway():
+    """``set_default_tensor_type(torch.DoubleTensor)`` sets the default dtype in C++, past
+    ``torch.set_default_dtype``: ``arange(4) / 3`` was float32 on the gateway."""
+    old = torch.get_default_dtype()
+    with pytest.warns(UserWarning):
+        torch.set_default_tensor_type(torch.DoubleTensor)
+    try:
+        got = torch.arange(4, device="cuda") / 3
+        got = (got.reshape(4, 1) @ torch.ones(1, 1, dtype=got.dtype, device="cuda")).cpu().flatten()
+        want = torch.arange(4) / 3
+    finally:
+        torch.set_default_dtype(old)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
