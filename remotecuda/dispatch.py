@@ -288,12 +288,23 @@ class Dispatcher:
         self.session_of = session_of
         self.ops: dict[int, OpMeta] = {}
         self.cache = cache
+        #: the metadata cache kept for each default dtype (``torch.set_default_dtype``): type
+        #: promotions to a float (``int_tensor / 3``) depend on it, and Lightning's "bf16-true"
+        #: switches it around every step
+        self.caches: dict[torch.dtype, DispatchCache] = {torch.float32: cache}
         self.local = ThreadState()
         #: inside a decode (decode.py): ops on known values are computed on the client too (known.py)
         self.propagate = False
         #: ``fn()`` as user code runs (interception sets it: with its dispatch mode on, which torch
         #: takes off while the mode handles an op): for a library op's kernel, which makes tensors
         self.as_user: Callable[[Callable[[], Any]], Any] = lambda fn: fn()
+
+    def default_dtype_set(self, dtype: torch.dtype) -> None:
+        """Use the metadata cache of ``dtype``, the new default dtype."""
+        cache = self.caches.get(dtype)
+        if cache is None:
+            cache = self.caches[dtype] = DispatchCache(self.cache.check)
+        self.cache = cache
 
     # ------------------------------------------------------------------ entry points
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:

@@ -1,5 +1,5 @@
-"""Backend flags a script sets (cuDNN, TF32, matmul precision, deterministic algorithms)
-reach the gateways, where the work they govern runs.
+"""Backend flags a script sets (cuDNN, TF32, matmul precision, deterministic algorithms,
+``torch.set_default_dtype``) reach the gateways, where the work they govern runs.
 
 Every Python-level way of setting them (``torch.backends.cudnn.benchmark = True``,
 ``cudnn.flags(...)``, ``torch.backends.cuda.matmul.allow_tf32``,
@@ -37,6 +37,8 @@ _READ: dict[str, Callable[[], Any]] = {
         lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
     "float32_matmul_precision": torch.get_float32_matmul_precision,
     "deterministic_algorithms": _deterministic,
+    # what a factory given no dtype makes, and what integer tensors promote to (``arange(4) / 3``)
+    "default_dtype": lambda: str(torch.get_default_dtype()).removeprefix("torch."),
 }
 
 #: a fresh process's values: what a gateway's worker starts with
@@ -44,14 +46,14 @@ DEFAULTS: dict[str, Any] = {
     "cudnn.enabled": True, "cudnn.benchmark": False, "cudnn.deterministic": False, "cudnn.allow_tf32": True,
     "matmul.allow_tf32": False, "matmul.allow_fp16_reduced_precision_reduction": True,
     "matmul.allow_bf16_reduced_precision_reduction": True, "float32_matmul_precision": "highest",
-    "deterministic_algorithms": [False, False],
+    "deterministic_algorithms": [False, False], "default_dtype": "float32",
 }
 
 #: the torch._C setters every route above ends in
 _SETTERS = ("_set_cudnn_enabled", "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_allow_tf32",
             "_set_cublas_allow_tf32", "_set_cublas_allow_fp16_reduced_precision_reduction",
             "_set_cublas_allow_bf16_reduced_precision_reduction", "_set_float32_matmul_precision",
-            "_set_deterministic_algorithms")
+            "_set_deterministic_algorithms", "_set_default_dtype")
 #: cudnn's properties hold their setter, not torch._C's attribute: re-pointed while active
 _CUDNN_PROPS = {"enabled": "_set_cudnn_enabled", "benchmark": "_set_cudnn_benchmark",
                 "deterministic": "_set_cudnn_deterministic", "allow_tf32": "_set_cudnn_allow_tf32"}
@@ -77,6 +79,8 @@ def changed() -> None:
     if not delta:
         return
     rt.flags.update(delta)
+    if "default_dtype" in delta:
+        rt.dispatcher.default_dtype_set(torch.get_default_dtype())
     for s in list(rt.pool.sessions.values()):
         if not s.closed:
             s.enqueue("rc::set_flags", [delta], None, None)

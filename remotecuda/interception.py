@@ -52,6 +52,7 @@ from . import (
     decode,
     device_type,
     downloads,
+    expanded_weights,
     flags,
     flex_attention,
     hub_kernels,
@@ -1100,6 +1101,7 @@ def install(rt: Runtime) -> Interception:
     downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
     device_type.install(p)
     hub_kernels.install(p)
+    expanded_weights.install(p)
     foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)
                if RemoteTensor not in lst]
     for lst in foreach:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import runtime
+from . import flags, runtime
 from .tensor import LEGACY_TYPES, RemoteTensor
 
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: remotecuda's mode is on this thread's stack
@@ -104,10 +104,12 @@ def set_default_tensor_type(func: Callable, args: tuple, kwargs: dict) -> None:
     rt = runtime.current()
     if name.startswith("torch.cuda.") and name.removeprefix("torch.cuda.") in LEGACY_TYPES:
         func(getattr(torch, name.removeprefix("torch.cuda.")))
+        flags.changed()  # the default dtype, which C++ set without torch.set_default_dtype
         torch.set_default_device("cuda")
         rt.default_type_cuda = True
         return
     func(t)
+    flags.changed()
     if rt.default_type_cuda:
         torch.set_default_device(None)
         rt.default_type_cuda = False

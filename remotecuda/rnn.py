@@ -130,6 +130,10 @@ def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
         # CUDA autocast runs cuDNN's RNN in the autocast dtype (``_cudnn_rnn_cast_reflatten``)
         args = autocast.lowered(args)
     call = _Call(func.__name__, args)
+    if torch.overrides.has_torch_function(tuple(call.tensors)):
+        # a subclass with its own __torch_function__ (per-sample grads' ExpandedWeight) decomposes
+        # the call, as it does on a GPU: torch's own path
+        return func(*args, **kwargs)
     s = getattr(call.tensors[0], "_s", None)
     _check_devices(call)
     if s is None or call.tensors[0].dim() != (2 if call.packed else 3) or \

@@ -1125,6 +1125,10 @@ class CountedHandles(dict):
         self.peak = self.allocated
 
 
+#: what ``torch.set_default_dtype`` takes, by name
+_DEFAULT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                   "float64": torch.float64}
+
 _FLAGS = {
     "matmul.allow_tf32": lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", bool(v)),
     "cudnn.allow_tf32": lambda v: setattr(torch.backends.cudnn, "allow_tf32", bool(v)),
@@ -1137,6 +1141,7 @@ _FLAGS = {
     "matmul.allow_bf16_reduced_precision_reduction":
         lambda v: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", _reduction(v)),
     "deterministic_algorithms": lambda v: torch.use_deterministic_algorithms(bool(v[0]), warn_only=bool(v[1])),
+    "default_dtype": lambda v: torch.set_default_dtype(_DEFAULT_DTYPES[str(v)]),
 }
 
 

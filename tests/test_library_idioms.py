@@ -302,6 +302,17 @@ def cross_entropy_ignore_index_label_smoothing(dev):
     return torch.cat([loss.reshape(1), logits.grad.flatten()])
 
 
+@case
+def per_sample_grads_expanded_weights(dev):
+    # Opacus' grad_sample_mode="ew": each parameter becomes an ExpandedWeight of itself
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    m = nn.Sequential(nn.Conv2d(2, 3, 3), nn.GroupNorm(1, 3), nn.Flatten(), nn.Linear(12, 4), nn.LayerNorm(4)).to(dev)
+    x = _seeded((5, 2, 4, 4), 102).to(dev)
+    call_for_per_sample_grads(m)(x).pow(2).sum().backward()
+    return torch.cat([p.grad_sample.flatten() for p in m.parameters()])
+
+
 def _value(fn: Callable, dev: str) -> torch.Tensor:
     torch.manual_seed(0)
     r = fn(dev)
@@ -312,3 +323,24 @@ def _value(fn: Callable, dev: str) -> torch.Tensor:
 def test_library_idiom_matches_local(remote, name):
     fn = CASES[name]
     torch.testing.assert_close(_value(fn, "cuda"), _value(fn, "cpu"), rtol=1e-4, atol=1e-5)
+
+
+def test_per_sample_grads_of_an_lstm(remote):
+    """ExpandedWeight decomposes ``_VF.lstm`` by its ``__torch_function__`` (as on a GPU), not
+    through the one-op cuDNN route, which refused its weights as on another device. (The local
+    CPU path cannot: its decomposition meets mkldnn; the reference is one backward per sample.)"""
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    m = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
+    x = _seeded((5, 2, 3), 103)
+    want: dict[str, list[torch.Tensor]] = {}
+    for i in range(2):
+        m.zero_grad()
+        m(x[:, i:i + 1])[0].sum().backward()
+        for k, p in m.named_parameters():
+            want.setdefault(k, []).append(p.grad.clone())
+    m.zero_grad()
+    m.cuda()
+    call_for_per_sample_grads(m, batch_size=2)(x.cuda())[0].sum().backward()
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(p.grad_sample.cpu(), torch.stack(want[k]), rtol=1e-4, atol=1e-5)

@@ -504,3 +504,48 @@ def test_optimizer_implementations_match_local(make_opt):
             o.step()
     for p_ref, p in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(p.cpu(), p_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16])
+def test_factories_follow_set_default_dtype(default):
+    """``torch.ones(n, device='cuda')`` and ``int_tensor / 3`` under ``set_default_dtype``
+    (Lightning's "bf16-true", float64 science code) were made in the gateway's default, float32,
+    while the client said ``default``: float32 arithmetic, and ``mm`` with a ``default`` weight
+    refused. The same ops run first under float32, whose metadata must not be reused."""
+    def made(dev):
+        return [torch.ones(2, 4, device=dev) / 3, torch.zeros(2, 4, device=dev) + 0.1,
+                torch.full((2, 4), 0.7, device=dev), torch.empty(2, 4, device=dev).fill_(1 / 3),
+                torch.arange(0, 1, 0.125, device=dev).reshape(2, 4),
+                torch.eye(2, 4, device=dev) / 3, torch.full((2, 4), 3, device=dev),
+                torch.arange(8, device=dev).reshape(2, 4) / 3, torch.tensor([[1, 2, 3, 4]]).to(dev).sqrt()]
+
+    def run(dev):
+        w = torch.linspace(-1, 1, 12, dtype=default).reshape(3, 4).to(dev)
+        return [m @ w.t() if m.is_floating_point() else m for m in made(dev)]
+
+    [m.cpu() for m in made("cuda")]
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        want, got = run("cpu"), run("cuda")
+    finally:
+        torch.set_default_dtype(old)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
+
+
+def test_set_default_tensor_type_reaches_the_gateway():
+    """``set_default_tensor_type(torch.DoubleTensor)`` sets the default dtype in C++, past
+    ``torch.set_default_dtype``: ``arange(4) / 3`` was float32 on the gateway."""
+    old = torch.get_default_dtype()
+    with pytest.warns(UserWarning):
+        torch.set_default_tensor_type(torch.DoubleTensor)
+    try:
+        got = torch.arange(4, device="cuda") / 3
+        got = (got.reshape(4, 1) @ torch.ones(1, 1, dtype=got.dtype, device="cuda")).cpu().flatten()
+        want = torch.arange(4) / 3
+    finally:
+        torch.set_default_dtype(old)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
