@@ -132,9 +132,12 @@ def test_a_cuda_machine_by_every_sign_libraries_read(sim):
     transformers = pytest.importorskip("transformers")
     from transformers.utils import import_utils
     import_utils.is_torch_tf32_available.cache_clear()  # (cached by whatever test asked first)
-    args = transformers.TrainingArguments(output_dir="unused", tf32=True, report_to=[])
-    assert args.tf32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    try:
+        args = transformers.TrainingArguments(output_dir="unused", tf32=True, report_to=[])
+        assert args.tf32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:  # (set through the new API, the legacy getters refuse to answer until it says none)
+        torch.backends.fp32_precision = "none"
+        import_utils.enable_tf32.cache_clear()
 
 
 def test_a_cpu_gateway_is_no_cuda_runtime(gateway):

@@ -293,7 +293,8 @@ def test_op_empty(gw, op, dtype):
 
 
 def _grads(op: Any, case: _Case, remote: bool, grad_outputs: list | None) -> tuple[list, list] | None:
-    """(grads of the outputs w.r.t. the inputs that require grad, grad_outputs used)."""
+    """(grads of the outputs w.r.t. the inputs that require grad, grad_outputs used). A gradient
+    goes where its output is (``to``'s output is on the CPU: the engine refuses another device's)."""
     arguments = case.arguments(remote)
     out = _call(op, case, arguments)
     outs = [t for t in _tensors(out) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
@@ -303,7 +304,8 @@ def _grads(op: Any, case: _Case, remote: bool, grad_outputs: list | None) -> tup
     if grad_outputs is None:
         torch.manual_seed(0)
         grad_outputs = [torch.randn_like(t) for t in outs]
-    grads = torch.autograd.grad(outs, inputs, [_upload(g) if remote else g for g in grad_outputs], allow_unused=True)
+    grad_outputs_here = [_upload(g) if remote and t.is_cuda else g for g, t in zip(grad_outputs, outs)]
+    grads = torch.autograd.grad(outs, inputs, grad_outputs_here, allow_unused=True)
     return list(grads), grad_outputs
 
 

@@ -69,7 +69,9 @@ def test_codec_choice():
 
 def test_codec_settings():
     assert protocol.enabled_codecs(None) == tuple(protocol.CODEC_IMPLS)
-    assert protocol.enabled_codecs("zstd, LZ4,brotli") == tuple(protocol.CODEC_IMPLS)  # fastest first
+    assert protocol.enabled_codecs("zstd, LZ4") == tuple(protocol.CODEC_IMPLS)  # fastest first
+    with pytest.raises(ValueError, match="REMOTECUDA_CODECS='zstd,brotli'"):  # (misspelt: not raw in silence)
+        protocol.enabled_codecs("zstd,brotli")
     assert protocol.enabled_codecs("none") == protocol.enabled_codecs("") == ()
     assert protocol.common_codecs(None) == ("zstd",), "a peer from before negotiation decodes zstd only"
     assert protocol.common_codecs(["zstd", "lz4", "brotli"]) == protocol.CODECS
