@@ -3,7 +3,8 @@
 
 Every Python-level way of setting them (``torch.backends.cudnn.benchmark = True``,
 ``cudnn.flags(...)``, ``torch.backends.cuda.matmul.allow_tf32``,
-``torch.set_float32_matmul_precision``, ``torch.use_deterministic_algorithms``) ends in
+``torch.set_float32_matmul_precision``, ``torch.backends.fp32_precision``,
+``torch.use_deterministic_algorithms``) ends in
 one of a few ``torch._C`` setters; while active those are wrapped to queue an
 ``rc::set_flags`` op with what changed. It travels with the next batch of ops: no
 round trip, and nothing at all when a flag is set to the value the gateway already has.
@@ -40,6 +41,17 @@ _READ: dict[str, Callable[[], Any]] = {
     # what a factory given no dtype makes, and what integer tensors promote to (``arange(4) / 3``)
     "default_dtype": lambda: str(torch.get_default_dtype()).removeprefix("torch."),
 }
+#: torch's newer TF32 API (``torch.backends.fp32_precision = "tf32"``, as transformers' ``tf32=True``
+#: sets it; ``torch.backends.cuda.matmul.fp32_precision``, ``cudnn.conv``...): one value per
+#: (backend, op), parents first (setting one sets its children; each child is then told its own)
+FP32_PRECISION = (("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"))
+
+
+def _fp32_precision(backend: str, op: str) -> Callable[[], str]:
+    return lambda: torch._C._get_fp32_precision_getter(backend, op)
+
+
+_READ.update({f"fp32_precision.{b}.{o}": _fp32_precision(b, o) for b, o in FP32_PRECISION})
 
 #: a fresh process's values: what a gateway's worker starts with
 DEFAULTS: dict[str, Any] = {
@@ -47,13 +59,15 @@ DEFAULTS: dict[str, Any] = {
     "matmul.allow_tf32": False, "matmul.allow_fp16_reduced_precision_reduction": True,
     "matmul.allow_bf16_reduced_precision_reduction": True, "float32_matmul_precision": "highest",
     "deterministic_algorithms": [False, False], "default_dtype": "float32",
+    "fp32_precision.generic.all": "none", "fp32_precision.cuda.all": "none", "fp32_precision.cuda.matmul": "none",
+    "fp32_precision.cuda.conv": "tf32", "fp32_precision.cuda.rnn": "tf32",
 }
 
 #: the torch._C setters every route above ends in
 _SETTERS = ("_set_cudnn_enabled", "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_allow_tf32",
             "_set_cublas_allow_tf32", "_set_cublas_allow_fp16_reduced_precision_reduction",
             "_set_cublas_allow_bf16_reduced_precision_reduction", "_set_float32_matmul_precision",
-            "_set_deterministic_algorithms", "_set_default_dtype")
+            "_set_deterministic_algorithms", "_set_default_dtype", "_set_fp32_precision_setter")
 #: cudnn's properties hold their setter, not torch._C's attribute: re-pointed while active
 _CUDNN_PROPS = {"enabled": "_set_cudnn_enabled", "benchmark": "_set_cudnn_benchmark",
                 "deterministic": "_set_cudnn_deterministic", "allow_tf32": "_set_cudnn_allow_tf32"}

@@ -1150,7 +1150,16 @@ def _reduction(v: Any) -> bool | tuple:
     return tuple(bool(x) for x in v) if isinstance(v, (list, tuple)) else bool(v)
 
 
+#: the (backend, op) pairs of torch's fp32_precision API a client sets (remotecuda/flags.py)
+_FP32_PRECISION = {"generic.all", "cuda.all", "cuda.matmul", "cuda.conv", "cuda.rnn"}
+
+
 def _set_backend_flag(key: str, value: Any) -> None:
+    kind, _, pair = key.partition(".")
+    if kind == "fp32_precision" and pair in _FP32_PRECISION:
+        backend, op = pair.split(".")
+        torch._C._set_fp32_precision_setter(backend, op, str(value))  # type: ignore[call-arg]  # (stub: 2)
+        return
     setter = _FLAGS.get(key)
     if setter is None:
         raise UnknownOpError(f"unknown backend flag {key!r}")

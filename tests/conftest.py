@@ -84,6 +84,14 @@ def remote(_activation, gateway):
     return remotecuda.runtime.active() or remotecuda.activate(gateway.address, fallback="error")
 
 
+def reset_fp32_precision() -> None:
+    """torch's TF32 settings (its newer API) as a fresh process has them: a test that set them
+    leaves the next one a state the legacy getters may refuse to read."""
+    from remotecuda import flags
+    for backend, op in flags.FP32_PRECISION:
+        torch._C._set_fp32_precision_setter(backend, op, flags.DEFAULTS[f"fp32_precision.{backend}.{op}"])
+
+
 @contextmanager
 def interception_removed():
     """torch as deactivate() leaves it, for the block, with the active runtime's sessions kept

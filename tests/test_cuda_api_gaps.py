@@ -14,7 +14,7 @@ import torch
 import remotecuda
 from remotecuda import cuda_api, visible_devices
 
-from conftest import GatewayProcess, run_python
+from conftest import GatewayProcess, reset_fp32_precision, run_python
 
 MiB = 2**20
 
@@ -132,11 +132,12 @@ def test_a_cuda_machine_by_every_sign_libraries_read(sim):
     transformers = pytest.importorskip("transformers")
     from transformers.utils import import_utils
     import_utils.is_torch_tf32_available.cache_clear()  # (cached by whatever test asked first)
+    reset_fp32_precision()
     try:
         args = transformers.TrainingArguments(output_dir="unused", tf32=True, report_to=[])
         assert args.tf32 and torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:  # (set through the new API, the legacy getters refuse to answer until it says none)
-        torch.backends.fp32_precision = "none"
+        reset_fp32_precision()
         import_utils.enable_tf32.cache_clear()
 
 

@@ -82,6 +82,25 @@ def test_executor_serves_internal_ops_from_prepared_uploads():
     assert ex.stats["uploads"] == 1 and ex.stats["downloads"] == 2
 
 
+def test_executor_sets_the_fp32_precision_a_client_set():
+    """(The newer TF32 API's flags: remotecuda/flags.py; applied here in this process, then undone.)"""
+    ex = Executor(torch.device("cpu"))
+    try:
+        _, err, _ = ex.run({"ops": [["rc::set_flags", [{"fp32_precision.generic.all": "tf32",
+                                                         "fp32_precision.cuda.matmul": "ieee"}], None, None]],
+                            "n0": 0, "req": 1})
+        assert err is None
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("ieee", "tf32")
+    finally:
+        torch.backends.fp32_precision = "none"
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        torch.backends.cudnn.rnn.fp32_precision = "tf32"
+    bad = ["rc::set_flags", [{"fp32_precision.cpu.all": "tf32"}], None, None]
+    _, err, _ = ex.run({"ops": [bad], "n0": 1, "req": 2})
+    assert err["type"] == "UnknownOpError" and "fp32_precision.cpu.all" in err["msg"]
+
+
 def test_executor_reports_unknown_internal_op_and_missing_upload():
     ex = Executor(torch.device("cpu"))
     _, err, _ = ex.run({"ops": [["rc::no_such_op", [], None, [1]]], "n0": 0, "req": 1})

@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 import remotecuda
-from remotecuda import accelerator_api
+from remotecuda import accelerator_api, flags
 from remotecuda.tensor import RemoteTensor
 
-from conftest import interception_removed, run_python, wait_for
+from conftest import interception_removed, reset_fp32_precision, run_python, wait_for
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -223,7 +223,8 @@ def test_backend_flags_reach_the_gateway_once_when_changed(monkeypatch):
         torch.set_float32_matmul_precision("high")
         assert sent == [{"cudnn.benchmark": True}, {"cudnn.deterministic": True},
                         {"matmul.allow_fp16_reduced_precision_reduction": False},
-                        {"matmul.allow_tf32": True, "float32_matmul_precision": "high"}]
+                        {"matmul.allow_tf32": True, "float32_matmul_precision": "high",
+                         "fp32_precision.cuda.matmul": "tf32"}]  # (the newer API's view of it)
         n = len(sent)
         with cudnn.flags(enabled=False, benchmark=True, deterministic=True):
             assert {k: v for d in sent[n:] for k, v in d.items()} == {"cudnn.enabled": False}
@@ -234,6 +235,27 @@ def test_backend_flags_reach_the_gateway_once_when_changed(monkeypatch):
         cudnn.benchmark, cudnn.deterministic, matmul.allow_tf32 = saved[:3]
         matmul.allow_fp16_reduced_precision_reduction = True
         torch.set_float32_matmul_precision(saved[3])
+
+
+def test_tf32_set_through_the_newer_api_reaches_the_gateway(monkeypatch):
+    """``torch.backends.fp32_precision = "tf32"`` (transformers' ``TrainingArguments(tf32=True)``)
+    and its per-backend forms end in one setter the legacy flags do not see."""
+    torch.ones(1, device="cuda")
+    sent = _sent_flags(monkeypatch)
+    told = remotecuda.runtime.current().flags  # (what the gateways were told, sessions opened later too)
+
+    def agree() -> bool:
+        return all(told.get(f"fp32_precision.{b}.{o}", flags.DEFAULTS[f"fp32_precision.{b}.{o}"])
+                   == torch._C._get_fp32_precision_getter(b, o) for b, o in flags.FP32_PRECISION)
+    try:
+        torch.backends.fp32_precision = "tf32"
+        assert sent[0]["fp32_precision.generic.all"] == "tf32" and agree(), sent
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        assert sent[-1] == {"fp32_precision.cuda.conv": "ieee"} and agree(), sent
+        torch.cuda.synchronize()  # (the gateway applied them: an error in rc::set_flags is raised here)
+    finally:
+        reset_fp32_precision()
+    assert agree()
 
 
 def test_deterministic_algorithms_apply_on_the_gateway():
