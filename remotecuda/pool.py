@@ -516,13 +516,14 @@ class Pool:
     def synchronize(self) -> None:
         """Wait for every session's queued work; raise the first pending remote error."""
         for s in list(self.sessions.values()):
-            if not s.connected and not s.closed:
-                if not s.queued:
-                    continue  # never placed, nothing asked of it
-                with s.lock:
-                    s.open("synchronize")  # (placed for its queued work: not a value read)
-            if not s.closed or s.lost is not None:  # (a gateway found down: its error, as CUDA's sticky one)
-                s.synchronize()
+            _synchronize(s)
+
+    def finish(self) -> None:
+        """Wait for the work no reply has answered yet, raising the first pending remote error
+        (the interpreter's exit, runtime.py: a CUDA program's end waits for its kernels)."""
+        for s in list(self.sessions.values()):
+            if s.unfinished:
+                _synchronize(s)
 
     def cancel(self) -> None:
         """Drop every session's queued work (an interrupted cell's), as an interrupt does."""
@@ -569,6 +570,17 @@ class Pool:
         """In a forked child: forget the parent's sessions without touching their sockets."""
         atexit.unregister(self.close)
         self.sessions = {}
+
+
+def _synchronize(s: Session) -> None:
+    """Wait for session ``s``'s queued work, placing it for that if it has some."""
+    if not s.connected and not s.closed:
+        if not s.queued:
+            return  # never placed, nothing asked of it
+        with s.lock:
+            s.open("synchronize")  # (placed for its queued work: not a value read)
+    if not s.closed or s.lost is not None:  # (a gateway found down: its error, as CUDA's sticky one)
+        s.synchronize()
 
 
 def _inventory(status: dict) -> dict:

@@ -28,6 +28,7 @@ the runtime's ``Dispatcher.dispatch`` while it is installed.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -152,6 +153,27 @@ class Runtime:
         for s in list(self.pool.sessions.values()):
             s.snapshot()
 
+    def at_exit(self) -> None:
+        """The interpreter's end (an atexit handler, run before the pool's ``close``): wait for the
+        work still queued or running, as a CUDA program's end waits for its kernels, so that an
+        error in it (the last op's, never read) is not lost. It is printed as an uncaught exception
+        is, and the process exits with status 1 once the other exit handlers have run (an exit
+        handler's own exception changes no exit status). A gateway found down ends the wait (its
+        sessions are lost: liveness.py)."""
+        try:
+            self.pool.finish()
+            return
+        except Exception as e:  # noqa: BLE001 - shown as Python shows an uncaught one
+            sys.excepthook(type(e), e.with_traceback(None), None)
+        atexit.unregister(self.at_exit)
+        atexit._run_exitfuncs()  # the others (the pool's close among them), as the exit would
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
+
     def close(self) -> None:
         """Undo interception, then close every session (gateway memory is freed)."""
         if self.interception is not None:
@@ -228,6 +250,7 @@ def start(servers: list[str], install: Callable[[Runtime], Installed], *, fallba
         _current = None
         rt.close()
         raise
+    atexit.register(rt.at_exit)  # (after the pool's close, so run before it)
     return rt
 
 
@@ -236,6 +259,7 @@ def stop() -> None:
     global _current
     rt, _current = _current, None
     if rt is not None:
+        atexit.unregister(rt.at_exit)
         rt.close()
 
 
@@ -245,6 +269,7 @@ def release_in_forked_child() -> None:
     global _current
     rt, _current = _current, None
     if rt is not None:
+        atexit.unregister(rt.at_exit)
         if rt.interception is not None:
             rt.interception.remove()
         rt.pool.abandon()

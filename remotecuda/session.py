@@ -222,6 +222,12 @@ class Session:
         return len(self._ops)
 
     @property
+    def unfinished(self) -> bool:
+        """Whether work was queued or sent that no reply has answered yet (read without the lock):
+        what the interpreter's exit waits for (``Pool.finish``)."""
+        return bool(self._ops) or not self._settled or bool(self._abandoned)
+
+    @property
     def direct(self) -> bool:
         """Whether the op stream goes straight to the session's worker (else through the gateway's port)."""
         return self.connected and self.sock is not self.front
@@ -742,6 +748,7 @@ class Session:
                 if self._abandoned:
                     self._abandoned_errors(waiting=rid)
                 if self.lost is not None:  # liveness.py found the gateway down, or restarted
+                    self._settled = True  # (nothing will answer what was sent: the error says so once)
                     raise GatewayDownError(self.lost)
                 now = time.monotonic()
                 if now - last_heard > LIVENESS:

@@ -281,6 +281,32 @@ def test_script_traceback_ends_at_the_users_line(gateway, tmp_path, how):
     assert "remotecuda" + os.sep not in r.stderr and "torch" + os.sep not in r.stderr, r.stderr
 
 
+LAST_OP_FAILS = """
+import sys, torch
+{activate}
+x = torch.ones(3, device="cuda")
+x.index_add_(0, torch.tensor([7], device="cuda"), torch.ones(1, device="cuda"))  # (found on the gateway)
+print("the end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["remotecuda run", "python + activate()"])
+def test_an_error_in_the_last_queued_work_is_shown_at_exit(gateway, tmp_path, how):
+    """A CUDA program's end waits for its kernels: an error in work never read back is not lost
+    (a plain script that activated itself exited 0, silent)."""
+    path = tmp_path / "last_op.py"
+    path.write_text(LAST_OP_FAILS.format(activate="import remotecuda; remotecuda.activate()"
+                                         if how != "remotecuda run" else ""))
+    cmd = [BIN, "run", "python", str(path)] if how == "remotecuda run" else [sys.executable, str(path)]
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert (r.returncode, r.stdout) == (1, "the end\n"), r.stderr
+    assert r.stderr.startswith("IndexError: index out of range in self"), r.stderr
+    ok = subprocess.run([sys.executable, "-c", LAST_OP_FAILS.format(activate="import remotecuda; remotecuda.activate()")
+                         .replace("[7]", "[2]")], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "the end\n", ""), ok.stderr
+
+
 def test_generated_code_below_remotecuda_is_hidden():
     """An interrupt landing in a dataclass's generated ``__eq__`` (file ``<string>``) called by
     remotecuda: the traceback ends at the user's line, not at "Could not get source"."""
