@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+from remotecuda_wire import limits
 from remotecuda_wire._version import __version__ as __version__  # the one definition (pyproject.toml reads it)
 
 from .errors import (
@@ -82,7 +83,7 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
     if fallback not in ("cpu", "error"):
         raise ValueError(f"REMOTECUDA_FALLBACK must be 'cpu' or 'error', not {fallback!r}")
     if sync is None:
-        sync = os.environ.get("REMOTECUDA_SYNC", "") not in ("", "0")
+        sync = limits.switch("REMOTECUDA_SYNC", os.environ.get("REMOTECUDA_SYNC"), False)
     strategy = strategy_from_env() if strategy is None else check_strategy(strategy)
     pins = devices_from_env() if devices is None else parse_devices(devices, "devices")
     progress.after()  # a malformed REMOTECUDA_PROGRESS is refused now, not at the first long transfer

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from remotecuda_wire import protocol
-from remotecuda_wire.limits import env_number
+from remotecuda_wire.limits import env_number, switch
 
 from .errors import GatewayDownError
 
@@ -63,8 +63,8 @@ Relocate = Callable[["Session", int], tuple[str, int, str]]
 
 
 def enabled() -> bool:
-    """Whether failover is on (``REMOTECUDA_FAILOVER``, on unless "off", "0" or "false")."""
-    return os.environ.get("REMOTECUDA_FAILOVER", "on").strip().lower() not in ("off", "0", "false", "no")
+    """Whether failover is on (``REMOTECUDA_FAILOVER``: on unless off, 0, false or no)."""
+    return switch("REMOTECUDA_FAILOVER", os.environ.get("REMOTECUDA_FAILOVER"), True)
 
 
 def retries() -> int:

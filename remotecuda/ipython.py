@@ -35,7 +35,7 @@ from typing import Any
 from traitlets import Bool, CaselessStrEnum, Int, Unicode
 from traitlets.config import Configurable
 
-from remotecuda_wire.limits import CACHE_BYTES
+from remotecuda_wire.limits import CACHE_BYTES, switch
 
 from .scheduler import STRATEGIES, check_strategy, parse_devices
 
@@ -83,7 +83,7 @@ class RemoteCUDA(Configurable):
                 "REMOTECUDA_STRATEGY": ("strategy", lambda v: v.strip().lower()),
                 "REMOTECUDA_CACHE_BYTES": ("cache_bytes", lambda v: int(v.strip())),
                 "REMOTECUDA_FALLBACK": ("fallback", lambda v: v.strip().lower()),
-                "REMOTECUDA_SYNC": ("sync", lambda v: v.strip() not in ("", "0"))}
+                "REMOTECUDA_SYNC": ("sync", lambda v: switch("REMOTECUDA_SYNC", v, False))}
         bad, ignored = [], []
         for var, (trait, f) in conv.items():
             value = env.get(var)

@@ -11,6 +11,21 @@ CACHE_BYTES = 512 << 20
 MAX_QUEUED = 100_000
 
 
+#: how a yes/no variable may be spelt (REMOTECUDA_SYNC, REMOTECUDA_FAILOVER)
+SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def switch(name: str, text: str | None, default: bool) -> bool:
+    """A yes/no setting (``default`` when unset or empty); any other spelling is a ValueError naming
+    the variable: ``REMOTECUDA_SYNC=false`` turned synchronous mode on when any value but 0 did."""
+    text = (text or "").strip().lower()
+    if not text:
+        return default
+    if text not in SWITCH:
+        raise ValueError(f"{name}={text!r}: one of 1/true/yes/on or 0/false/no/off")
+    return SWITCH[text]
+
+
 def env_number(name: str, default: float, least: float = 0) -> float:
     """The number in environment variable ``name`` (``default`` when unset or empty); a value that is
     not one, or below ``least``, is a ValueError naming the variable, not int()'s bare message."""

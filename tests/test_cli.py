@@ -452,7 +452,9 @@ def test_run_says_no_gateway_in_one_line_with_fallback_error():
                                           ("REMOTECUDA_CACHE_BYTES=1G", "REMOTECUDA_CACHE_BYTES='1G' is not a number"),
                                           ("REMOTECUDA_RETRIES=x", "REMOTECUDA_RETRIES='x' is not a number"),
                                           ("REMOTECUDA_CODECS=lz5", "REMOTECUDA_CODECS='lz5': a comma-separated"),
-                                          ("REMOTECUDA_PROGRESS=soon", "REMOTECUDA_PROGRESS='soon': seconds")])
+                                          ("REMOTECUDA_PROGRESS=soon", "REMOTECUDA_PROGRESS='soon': seconds"),
+                                          ("REMOTECUDA_SYNC=ture", "REMOTECUDA_SYNC='ture': one of 1/true"),
+                                          ("REMOTECUDA_FAILOVER=of", "REMOTECUDA_FAILOVER='of': one of 1/true")])
 def test_a_malformed_variable_is_named(gateway, setting, says):
     """A value README's table does not allow is a ValueError naming the variable (an unknown cache
     policy or codec was taken silently, a codec as raw; a malformed number was int()'s bare message; a
@@ -461,6 +463,14 @@ def test_a_malformed_variable_is_named(gateway, setting, says):
     r = run_python("import torch, remotecuda; remotecuda.activate(); print(torch.ones(1, device='cuda').item())",
                    env={"REMOTECUDA_SERVERS": gateway.address, name: value})
     assert r.returncode == 1 and f"ValueError: {says}" in r.stderr, r.stderr
+
+
+def test_yes_and_no_are_spelt_as_usual():
+    """``REMOTECUDA_SYNC=false`` turned synchronous mode on (any value but 0 did)."""
+    from remotecuda_wire.limits import switch
+    assert [switch("V", v, True) for v in ("0", "false", "No", " off ")] == [False] * 4
+    assert [switch("V", v, False) for v in ("1", "TRUE", "yes", "on")] == [True] * 4
+    assert switch("V", None, True) and not switch("V", "", False)
 
 
 def test_one_version():
