@@ -260,6 +260,10 @@ def _run(a: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, [sys.executable, *options, "-m", "remotecuda", "run", *again, "python", *rest])
+    if a.trace and not _writable(a.trace):  # known before the program runs, not after
+        print(f"remotecuda run: --trace {a.trace}: cannot write there (no such directory, or not writable)",
+              file=sys.stderr)
+        return 2
     atexit.register(_exit_by_sigint)  # first registered, so it runs last, as Python's own does
     if a.server is not None:  # the processes the program starts find the same gateways (activate() there)
         os.environ["REMOTECUDA_SERVERS"] = a.server
@@ -298,6 +302,16 @@ def _run(a: argparse.Namespace) -> int:
     finally:
         if a.trace:
             _save_trace(a.trace)
+
+
+def _writable(path: str) -> bool:
+    """Whether a file can be written at ``path`` (its directory exists and takes files)."""
+    if os.path.isdir(path):
+        return False
+    if os.path.exists(path):
+        return os.access(path, os.W_OK)
+    folder = os.path.dirname(os.path.abspath(path))
+    return os.path.isdir(folder) and os.access(folder, os.W_OK | os.X_OK)
 
 
 def _save_trace(path: str) -> None:

@@ -112,6 +112,14 @@ def test_run_trace_end_to_end(gateway, tmp_path):
                for e in by_cat["waits"])
 
 
+def test_run_trace_to_a_place_it_cannot_write_is_refused_before_the_program_runs(tmp_path):
+    """(It ran the program, then said it could not write the trace, and exited 0.)"""
+    for place in (tmp_path / "no" / "such" / "t.json", tmp_path):
+        r = run_python("", args=["-m", "remotecuda", "run", "--trace", str(place), "python", "-c", "print('ran')"])
+        assert (r.returncode, r.stdout) == (2, ""), r.stderr
+        assert r.stderr == f"remotecuda run: --trace {place}: cannot write there (no such directory, or not writable)\n"
+
+
 def test_trace_magic(gateway, tmp_path):
     code = textwrap.dedent(f"""
         import json
