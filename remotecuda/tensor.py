@@ -74,9 +74,6 @@ LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "Ha
                  "BoolTensor": torch.bool}
 
 
-#: a signed dtype of the same size, for copying the unsigned ones' bits
-_SAME_BITS = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
-
 
 class RemoteTensor(torch.Tensor):
     # Set by wrap(), and read by the dispatcher, downloads, rnn, attention and transfer: the
@@ -205,38 +202,37 @@ class RemoteTensor(torch.Tensor):
         return object.__format__(self, spec)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # (torch's stub)
-        from torch._tensor_str import _str, _tensor_str
+        from torch._tensor_str import _str
         if tensor_contents is None:
             with torch.no_grad():
-                tensor_contents = _tensor_str(self._printable(), 7)
+                tensor_contents = self._contents()
         text = _str(self, tensor_contents=tensor_contents).replace("Tensor(", "tensor(", 1)
         if isinstance(self, torch.nn.Parameter):  # torch writes "Parameter(...)" for a subclass
             return "Parameter containing:\n" + text.removeprefix("Parameter(").removesuffix(")")
         return text
 
-    def _printable(self) -> torch.Tensor:
-        """A CPU tensor that prints as this one, fetched in one round trip. A tensor too large to
-        print whole shows only its edge items, so only those cross the network (printing a 1 GB
-        activation must not download it): they go into their places in an uninitialised CPU
-        tensor of the same shape, whose other elements torch's printing never reads."""
-        from torch._tensor_str import PRINT_OPTS
+    def _contents(self) -> str:
+        """What torch prints inside ``tensor(...)``, fetched in one round trip. A tensor too large
+        to print whole shows only its edge items, so only those cross the network, and no CPU
+        tensor of its size is made (printing a 1 GB activation must not download it, nor a view
+        larger than this machine's memory allocate it): each dimension longer than 2 × edgeitems
+        comes as its first edgeitems + 1 and last edgeitems elements, summarised as the whole
+        (the one element between is elided)."""
+        from torch._tensor_str import PRINT_OPTS, _tensor_str
         e = PRINT_OPTS.edgeitems
         t = self.detach()
         if self.numel() <= PRINT_OPTS.threshold or self.dim() == 0 or e == 0:
-            return t.cpu()
-        places = []
+            return _tensor_str(t.cpu(), 7)
         for d, n in enumerate(self.shape):
             if n > 2 * e:
-                t = torch.cat((t.narrow(d, 0, e), t.narrow(d, n - e, e)), d)
-                places.append(torch.cat((torch.arange(e), torch.arange(n - e, n))))
-            else:
-                places.append(torch.arange(n))
-        out = torch.empty(self.shape, dtype=self.dtype)
-        nd = self.dim()
-        bits = _SAME_BITS.get(self.dtype, self.dtype)  # (the CPU's index_put_ takes no uint16/32/64)
-        out.view(bits).index_put_(tuple(i.view([-1 if k == d else 1 for k in range(nd)]) for d, i in enumerate(places)),
-                                  t.cpu().view(bits))
-        return out
+                t = torch.cat((t.narrow(d, 0, e + 1), t.narrow(d, n - e, e)), d)
+        compact = t.cpu()
+        threshold = PRINT_OPTS.threshold
+        PRINT_OPTS.threshold = min(threshold, compact.numel() - 1)  # (summarised, as the whole is)
+        try:
+            return _tensor_str(compact, 7)
+        finally:
+            PRINT_OPTS.threshold = threshold
 
     # ---------------------------------------------------------------- copies and pickling
     def __deepcopy__(self, memo: dict) -> RemoteTensor:

@@ -140,6 +140,10 @@ def test_printing_a_large_tensor_fetches_only_what_is_shown():
     finally:
         torch.set_printoptions(profile="default")
     assert "device='cuda:0'" in str(big[:2].cuda()) and f"{big[:3, 0].cuda()}" == str(big[:3, 0].cuda())
+    # a view far larger than this machine's memory (4 TB) prints as the CPU's does, without a CPU copy of it
+    huge, view = torch.arange(1000.), (10**9, 1000)
+    r = huge.cuda().expand(view)
+    assert repr(r) == _str(r, tensor_contents=_tensor_str(huge.expand(view), 7)).replace("Tensor(", "tensor(", 1)
 
 
 def test_views_and_inplace_on_views_match_local():
