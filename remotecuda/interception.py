@@ -498,6 +498,7 @@ def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
             continue  # (a GradientEdge; a 0-d gradient, which C++ moves)
         if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and grad.device != out.device:
             raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} but got {grad.device}")
+    _first_backward_waits(outputs)
     try:
         return func(*args, **kwargs)
     except RuntimeError as e:
@@ -535,6 +536,21 @@ def _checked_function_backward(original: Callable) -> Callable:
     return apply
 
 
+def _first_backward_waits(outputs: Any) -> None:
+    """The first backward pass on 'cuda' tensors waits for its forward pass's work, until one has
+    succeeded. A GPU raises an out-of-memory error at the forward's failing line, inside the
+    ``try: loss = model(batch); loss.backward() except torch.cuda.OutOfMemoryError:`` that
+    retries with a smaller batch; here it came at a later read, outside it. Raised here, before the
+    backward runs (so no gradient is made from skipped ops); later passes do not wait."""
+    rt = runtime.current()
+    if rt.backward_waited or rt.capturing is not None or not _active_here():
+        return
+    out = next((o for o in outputs if isinstance(o, RemoteTensor)), None)
+    if out is not None:
+        torch.cuda.synchronize(out.device)
+        rt.backward_waited = True
+
+
 def _first_step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
     """An optimizer's first step on 'cuda' parameters waits for the work queued before it. A GPU
     raises an error at the failing line: out of memory in the forward pass, caught to retry with
@@ -548,9 +564,30 @@ def _first_step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             if isinstance(p, RemoteTensor) and p.grad is not None:
-                torch.cuda.synchronize(p.device)
+                try:
+                    torch.cuda.synchronize(p.device)
+                except Exception:
+                    _forget_uncomputed_grads(opt)
+                    raise
                 rt.stepped.add(opt)
                 return
+
+
+def _forget_uncomputed_grads(opt: Any) -> None:
+    """After a failure before an optimizer's step, the gradients made from ops skipped after it
+    are None, as on a GPU where that backward pass never ran (the forward's OOM stopped it): the
+    common loop ``backward(); step(); zero_grad()`` never reaches its ``zero_grad``, and the
+    retry's backward accumulated into them, failing again. One question per gateway."""
+    held: dict[Any, list] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if isinstance(p, RemoteTensor) and isinstance(p.grad, RemoteTensor) and not p.grad._s.closed:
+                held.setdefault(p.grad._s, []).append(p)
+    for session, params in held.items():
+        computed = session.request("rc::computed", [p.grad._h for p in params])
+        for p, ok in zip(params, computed):
+            if not ok:
+                p.grad = None
 
 
 def _get_default_device(func: Callable, args: tuple, kwargs: dict) -> torch.device:

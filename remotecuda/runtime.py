@@ -80,6 +80,8 @@ class Runtime:
         self.sdpa_choices: dict[tuple, int] = {}
         #: the optimizers whose first step on 'cuda' parameters waited for the work before it (interception)
         self.stepped: weakref.WeakSet = weakref.WeakSet()
+        #: whether a backward pass on 'cuda' tensors waited for its forward pass's work (interception)
+        self.backward_waited = False
         self.codecs = protocol.enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))
         check = os.environ.get("REMOTECUDA_CHECK_CACHE", "") not in ("", "0")
         self.dispatcher = Dispatcher(self.session, DispatchCache(check=check))

@@ -582,6 +582,11 @@ class Executor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @internal_op("computed", "[handle, ...]")
+    def _computed(self, args: list) -> list[bool]:
+        """Which of these tensors hold values: not those "never computed" (an op before them failed)."""
+        return [h not in self.invalid and (h in self.handles or h in self.pending) for h in args]
+
     @internal_op("seed", "[seed]")
     def _seed(self, args: list) -> None:
         (seed,) = args

@@ -151,3 +151,43 @@ def test_out_of_memory_then_a_smaller_batch_trains(quota_gw):
         exec(RETRY.format(dev="cpu", sizes=(256,)), {})
     got, want = (list(map(float, line.split()[2:])) for line in (step, local.getvalue().strip()))
     assert got == pytest.approx(want, rel=1e-5)
+
+
+LOOP_RETRY = r'''
+import torch, torch.nn as nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 64)).to("{dev}")
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for bs in {sizes}:
+    try:
+        for step in range(2):  # (accelerate's find_executable_batch_size runs such a function again)
+            loss = model(torch.ones(bs, 64, device="{dev}")).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        print("STEP", bs, loss.item(), model[0].weight.sum().item())
+        break
+    except torch.cuda.OutOfMemoryError:
+        print("OOM", bs)
+'''
+
+
+@pytest.mark.parametrize("big", [32768, 6144])  # past the quota in the forward pass; in the backward pass
+def test_out_of_memory_in_a_loop_that_zeroes_gradients_last_then_a_smaller_batch_trains(quota_gw, big):
+    """``backward(); step(); zero_grad()``: the forward's failure, raised at the first step, left the
+    gradients made from skipped ops in ``.grad`` (zero_grad never ran), and every retry accumulated
+    into them and failed again ("never computed") down to batch size 1. Now the first backward
+    waits for its forward (on a GPU that backward never ran), and a failure in the backward pass
+    drops the gradients it did not make."""
+    remote = run_python("import remotecuda; remotecuda.activate(fallback='error')\n" +
+                        LOOP_RETRY.format(dev="cuda", sizes=(big, 256)), env={"REMOTECUDA_SERVERS": quota_gw.address})
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    oom, step = remote.stdout.splitlines()
+    assert oom == f"OOM {big}" and step.startswith("STEP 256 "), remote.stdout
+    if big == 6144:  # (the gradients the failed backward pass made before it failed stay, as on a GPU)
+        return
+    local = io.StringIO()
+    with contextlib.redirect_stdout(local):
+        exec(LOOP_RETRY.format(dev="cpu", sizes=(256,)), {})
+    got, want = (list(map(float, line.split()[2:])) for line in (step, local.getvalue().strip()))
+    assert got == pytest.approx(want, rel=1e-5)
