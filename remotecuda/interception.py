@@ -494,8 +494,9 @@ def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
     not "[torch.cuda.FloatTensor [3]]"."""
     outputs, grads = (args[0], args[1]) if len(args) > 1 else (args[0] if args else (), ())
     for i, (out, grad) in enumerate(zip(outputs, grads)):
-        if not (isinstance(out, torch.Tensor) and isinstance(grad, torch.Tensor)) or grad.dim() == 0:
-            continue  # (a GradientEdge; a 0-d gradient, which C++ moves)
+        if not (isinstance(out, torch.Tensor) and isinstance(grad, torch.Tensor)) or grad.dim() == 0 \
+                or grad.device.type == "meta":
+            continue  # (a GradientEdge; a 0-d gradient, which C++ moves; vmap's batched 'cuda' gradient)
         if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and grad.device != out.device:
             raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} but got {grad.device}")
     _first_backward_waits(outputs)

@@ -122,6 +122,22 @@ def test_a_gradient_on_another_device_is_refused(remote):
     assert x.grad.device.type == "cuda" and x.grad.cpu().tolist() == [4.0] * 3
 
 
+
+def test_vectorized_jacobians_pass_the_gradient_device_check(remote):
+    """``jacobian``/``hessian(vectorize=True)`` and ``is_grads_batched`` give the engine vmap's
+    batched 'cuda' gradients, whose device C++ reports as meta: they were refused."""
+    from torch.autograd.functional import hessian, jacobian
+    got, want = [], []
+    for dev, out in (("cuda", got), ("cpu", want)):
+        x = torch.arange(3., device=dev)
+        y = x.clone().requires_grad_()
+        out += [jacobian(lambda x: x ** 2 * x.sum(), x, vectorize=True).cpu(),
+                hessian(lambda x: (x ** 3).sum(), x, vectorize=True).cpu(),
+                torch.autograd.grad(y ** 2, y, torch.eye(3, device=dev), is_grads_batched=True)[0].cpu()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
 class _OnesOn(torch.autograd.Function):
     """Its backward returns a gradient of ones on a given device (``torch.ones(n)``, a slip for
     ``torch.ones_like(g)``)."""
