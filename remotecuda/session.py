@@ -35,6 +35,7 @@ from .errors import (
     GatewayLostError,
     GatewayProtocolError,
     GatewayUnavailableError,
+    TransferError,
     remote_exception,
 )
 from .progress import Progress
@@ -124,6 +125,9 @@ class Session:
         #: whether every OPS message sent has been answered by an error-free reply since (the
         #: gateway then has nothing of ours left to run): a sync needs no round trip
         self._settled = True
+        #: sessions a copy queued here pulls from (transfer.py), until a reply: one whose gateway is
+        #: found down ends a wait at once, as its copy cannot come (a failover moves the source, not its offer)
+        self.sources: list[Session] = []
         self._op_index = 0
         self._last_send = time.monotonic()
         self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)  # counts, and wait_seconds (counters())
@@ -742,6 +746,7 @@ class Session:
                         raise
                     last_heard = time.monotonic()
                     if reply is not None:
+                        self.sources.clear()  # (the copies queued before it ran, or failed in it)
                         if self._abandoned:
                             self._abandoned_errors()
                         return reply, downloads
@@ -750,6 +755,11 @@ class Session:
                 if self.lost is not None:  # liveness.py found the gateway down, or restarted
                     self._settled = True  # (nothing will answer what was sent: the error says so once)
                     raise GatewayDownError(self.lost)
+                gone = next((src for src in self.sources if src.lost is not None), None)
+                if gone is not None:  # (the reply, an error after the worker's own pull timeout, is not waited for)
+                    self.sources.clear()
+                    raise TransferError(f"remotecuda: the copy of this tensor from another device failed: the "
+                                        f"gateway holding the source tensor ({gone.endpoint}) is down: {gone.lost}")
                 now = time.monotonic()
                 if now - last_heard > LIVENESS:
                     self.closed = True

@@ -44,6 +44,8 @@ def move(src: RemoteTensor, dst: Any) -> torch.Tensor | None:
     h = dst.new_handle()
     shape = list(base.shape)
     dst.enqueue("rc::receive", [h, token, peer, base.dtype, shape], None, None)
+    if src._s not in dst.sources:
+        dst.sources.append(src._s)
     out = make(dst, h, shape, contiguous_strides(tuple(shape)), 0, base.dtype)
     return out.permute([order.index(d) for d in range(len(order))]) if order is not None else out
 
