@@ -280,14 +280,20 @@ step()
 """
 
 
-@pytest.mark.parametrize("how", ["remotecuda run", "python + activate()"])
-def test_script_traceback_ends_at_the_users_line(gateway, tmp_path, how):
-    path = tmp_path / "bad_matmul.py"
-    path.write_text(SCRIPT.format(activate="import remotecuda; remotecuda.activate()"
+def _run_script(gateway, path, source: str, how: str) -> subprocess.CompletedProcess:
+    """``source`` (its ``{activate}`` filled in) as a script at ``path``, run ``how``: through
+    ``remotecuda run``, or by python with an ``activate()`` line of its own."""
+    path.write_text(source.format(activate="import remotecuda; remotecuda.activate()"
                                   if how != "remotecuda run" else ""))
     cmd = [BIN, "run", "python", str(path)] if how == "remotecuda run" else [sys.executable, str(path)]
     env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("how", ["remotecuda run", "python + activate()"])
+def test_script_traceback_ends_at_the_users_line(gateway, tmp_path, how):
+    path = tmp_path / "bad_matmul.py"
+    r = _run_script(gateway, path, SCRIPT, how)
     assert r.returncode == 1, r.stderr
     lines = r.stderr.splitlines()
     assert lines[0] == "Traceback (most recent call last):", r.stderr
@@ -310,16 +316,10 @@ print("the end", flush=True)
 def test_an_error_in_the_last_queued_work_is_shown_at_exit(gateway, tmp_path, how):
     """A CUDA program's end waits for its kernels: an error in work never read back is not lost
     (a plain script that activated itself exited 0, silent)."""
-    path = tmp_path / "last_op.py"
-    path.write_text(LAST_OP_FAILS.format(activate="import remotecuda; remotecuda.activate()"
-                                         if how != "remotecuda run" else ""))
-    cmd = [BIN, "run", "python", str(path)] if how == "remotecuda run" else [sys.executable, str(path)]
-    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, REMOTECUDA_FALLBACK="error")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    r = _run_script(gateway, tmp_path / "last_op.py", LAST_OP_FAILS, how)
     assert (r.returncode, r.stdout) == (1, "the end\n"), r.stderr
     assert r.stderr.startswith("IndexError: index out of range in self"), r.stderr
-    ok = subprocess.run([sys.executable, "-c", LAST_OP_FAILS.format(activate="import remotecuda; remotecuda.activate()")
-                         .replace("[7]", "[2]")], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    ok = _run_script(gateway, tmp_path / "fine.py", LAST_OP_FAILS.replace("[7]", "[2]"), how)
     assert (ok.returncode, ok.stdout, ok.stderr) == (0, "the end\n", ""), ok.stderr
 
 

@@ -13,35 +13,18 @@ import copy
 import random
 import warnings
 from collections import deque
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from local_parity import assert_matches_local, registry
+from local_parity import data as _data
 from torch import nn
 from torch.distributions import Categorical, MultivariateNormal, Normal
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 pytestmark = pytest.mark.usefixtures("remote")
-CASES: dict[str, Callable[[str], Any]] = {}
-
-
-def case(fn: Callable[[str], Any]) -> Callable:
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def _data(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _cpu(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu()
-    if isinstance(x, (list, tuple)):
-        return [_cpu(v) for v in x]
-    return x
+CASES, case = registry()
 
 
 @case
@@ -542,6 +525,4 @@ def pinned_loader_non_blocking_channels_last(dev):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_example_matches_local(name):
-    fn = CASES[name]
-    got, want = _cpu(fn("cuda")), _cpu(fn("cpu"))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert_matches_local(CASES[name])

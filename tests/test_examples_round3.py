@@ -17,37 +17,20 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.nn.utils.prune as prune
+from local_parity import assert_matches_local, registry
+from local_parity import data as D
 from torch import nn
 from torch.func import functional_call
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from torch.nn.utils.rnn import pack_padded_sequence, pack_sequence, pad_packed_sequence, pad_sequence
 
 pytestmark = pytest.mark.usefixtures("remote")
-CASES: dict[str, Callable[[str], Any]] = {}
-
-
-def case(fn: Callable[[str], Any]) -> Callable:
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def D(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _cpu(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu()
-    if isinstance(x, (list, tuple)):
-        return [_cpu(v) for v in x]
-    return x
+CASES, case = registry()
 
 
 @case
@@ -1352,6 +1335,4 @@ def trpo_cg(dev):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_program_matches_local(name):
-    fn = CASES[name]
-    got, want = _cpu(fn("cuda")), _cpu(fn("cpu"))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert_matches_local(CASES[name])

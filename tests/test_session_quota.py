@@ -141,16 +141,27 @@ def test_out_of_memory_then_a_smaller_batch_trains(quota_gw):
     """The idiom: catch the OOM, retry with a smaller batch. The error came at loss.item(), after
     the first step had made AdamW's state from ops skipped after the failure, and the retry died
     on tensors "never computed"; now the first step waits, and the retry trains as on the CPU."""
+    step = _oom_then_256(quota_gw, RETRY, 32768)
+    assert step == pytest.approx(_local_256(RETRY), rel=1e-5)
+
+
+def _oom_then_256(quota_gw, program: str, big: int) -> list[float]:
+    """Run ``program`` on 'cuda' with batch sizes ``big`` (past the quota), then 256: it must say
+    OOM once, then train; the loss and weight sum it printed."""
     remote = run_python("import remotecuda; remotecuda.activate(fallback='error')\n" +
-                        RETRY.format(dev="cuda", sizes=(32768, 256)), env={"REMOTECUDA_SERVERS": quota_gw.address})
+                        program.format(dev="cuda", sizes=(big, 256)), env={"REMOTECUDA_SERVERS": quota_gw.address})
     assert remote.returncode == 0, remote.stderr[-3000:]
     oom, step = remote.stdout.splitlines()
-    assert oom == "OOM 32768" and step.startswith("STEP 256 "), remote.stdout
+    assert oom == f"OOM {big}" and step.startswith("STEP 256 "), remote.stdout
+    return list(map(float, step.split()[2:]))
+
+
+def _local_256(program: str) -> list[float]:
+    """What ``program`` prints on the local CPU with batch size 256 alone."""
     local = io.StringIO()
     with contextlib.redirect_stdout(local):
-        exec(RETRY.format(dev="cpu", sizes=(256,)), {})
-    got, want = (list(map(float, line.split()[2:])) for line in (step, local.getvalue().strip()))
-    assert got == pytest.approx(want, rel=1e-5)
+        exec(program.format(dev="cpu", sizes=(256,)), {})
+    return list(map(float, local.getvalue().split()[2:]))
 
 
 LOOP_RETRY = r'''
@@ -179,15 +190,7 @@ def test_out_of_memory_in_a_loop_that_zeroes_gradients_last_then_a_smaller_batch
     into them and failed again ("never computed") down to batch size 1. Now the first backward
     waits for its forward (on a GPU that backward never ran), and a failure in the backward pass
     drops the gradients it did not make."""
-    remote = run_python("import remotecuda; remotecuda.activate(fallback='error')\n" +
-                        LOOP_RETRY.format(dev="cuda", sizes=(big, 256)), env={"REMOTECUDA_SERVERS": quota_gw.address})
-    assert remote.returncode == 0, remote.stderr[-3000:]
-    oom, step = remote.stdout.splitlines()
-    assert oom == f"OOM {big}" and step.startswith("STEP 256 "), remote.stdout
+    step = _oom_then_256(quota_gw, LOOP_RETRY, big)
     if big == 6144:  # (the gradients the failed backward pass made before it failed stay, as on a GPU)
         return
-    local = io.StringIO()
-    with contextlib.redirect_stdout(local):
-        exec(LOOP_RETRY.format(dev="cpu", sizes=(256,)), {})
-    got, want = (list(map(float, line.split()[2:])) for line in (step, local.getvalue().strip()))
-    assert got == pytest.approx(want, rel=1e-5)
+    assert step == pytest.approx(_local_256(LOOP_RETRY), rel=1e-5)

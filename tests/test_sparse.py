@@ -5,27 +5,17 @@ supported."""
 from __future__ import annotations
 
 import io
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from local_parity import data as _data
+from local_parity import to_cpu as _cpu
 from torch import nn
 
 pytestmark = pytest.mark.usefixtures("remote")
 
-
-def _data(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _cpu(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu()
-    if isinstance(x, (list, tuple)):
-        return [_cpu(v) for v in x]
-    return x
 
 
 def _adjacency(n: int = 12) -> torch.Tensor:

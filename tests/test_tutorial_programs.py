@@ -15,35 +15,18 @@ from __future__ import annotations
 import io
 import math
 import random
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from local_parity import assert_matches_local, registry
+from local_parity import data as D
 from torch import nn
 from torch.distributions import Categorical
 
 pytestmark = pytest.mark.usefixtures("remote")
-CASES: dict[str, Callable[[str], Any]] = {}
-
-
-def case(fn: Callable[[str], Any]) -> Callable:
-    CASES[fn.__name__] = fn
-    return fn
-
-
-def D(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _cpu(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu()
-    if isinstance(x, (list, tuple)):
-        return [_cpu(v) for v in x]
-    return x
+CASES, case = registry()
 
 
 @case
@@ -385,6 +368,4 @@ def resume_training_state(dev):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tutorial_program_matches_local(name):
-    fn = CASES[name]
-    got, want = _cpu(fn("cuda")), _cpu(fn("cpu"))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True)
+    assert_matches_local(CASES[name])
