@@ -179,6 +179,10 @@ class PartedUploads:
             if h not in self.abandoned:
                 self.failed.setdefault(h, e)
 
+    def has_failed(self, h: int) -> bool:
+        with self.cv:
+            return h in self.failed
+
     def abandon(self, h: Any, last: Any) -> None:
         """The client stopped sending h's parts (an interrupt): drop those that came, and those
         still on their way, up to PART number ``last``."""
@@ -967,10 +971,21 @@ class Executor:
             raise RuntimeError("remotecuda: interrupted while this tensor's upload was on its way")
 
     def _resolve_arrived(self) -> None:
-        """Land the pending uploads whose parts are all in (at the start of each message)."""
+        """Land the pending uploads whose parts are all in (at the start of each message). One
+        whose parts failed (past the memory quota) is left to the first op that uses it: the error
+        is that op's (raised here, it was the whole message's, a protocol error, when the parts
+        happened to be in before the next message came); one released meanwhile goes with it."""
         for h, (last, *_) in list(self.pending.items()):
-            if self.parts.received >= last:
+            if self.parts.received < last:
+                continue
+            released = h in self.dropped
+            if self.parts.has_failed(h) and not released:
+                continue
+            try:
                 self._resolve(h)
+            except Exception:
+                if not released:
+                    raise
 
     def _land(self, h: int, up: Upload, key: bytes | None) -> None:
         if up.ready is not None:  # copied on the worker's copy stream

@@ -101,6 +101,21 @@ def test_executor_sets_the_fp32_precision_a_client_set():
     assert err["type"] == "UnknownOpError" and "fp32_precision.cpu.all" in err["msg"]
 
 
+def test_an_upload_whose_parts_failed_is_the_error_of_the_op_that_uses_it():
+    """Parts past the session's quota fail the upload; landed at the next message's start, it
+    was the whole message's error (the worker's "malformed OPS message"), by the timing of the
+    parts; it is the first op using the tensor's, an OutOfMemoryError, whenever they came."""
+    ex = Executor(torch.device("cpu"))
+    _, err, _ = ex.run({"ops": [["rc::upload", [1, None, torch.float32, [4], None, 0], None, None]], "n0": 0})
+    assert err is None
+    ex.parts.fail(1, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16 bytes."))
+    ops = [["aten::ones", [[2]], {"device": torch.device("cpu")}, [2]],
+           ["aten::mul.Tensor", [protocol.Handle(1), protocol.Handle(1)], None, [3]]]
+    _, err, _ = ex.run({"ops": ops, "n0": 1, "req": 1})
+    assert (err["type"], err["index"]) == ("OutOfMemoryError", 2), err
+    assert "Tried to allocate 16 bytes" in err["msg"]
+
+
 def test_executor_reports_unknown_internal_op_and_missing_upload():
     ex = Executor(torch.device("cpu"))
     _, err, _ = ex.run({"ops": [["rc::no_such_op", [], None, [1]]], "n0": 0, "req": 1})
