@@ -125,6 +125,7 @@ class Session:
         #: whether every OPS message sent has been answered by an error-free reply since (the
         #: gateway then has nothing of ours left to run): a sync needs no round trip
         self._settled = True
+        self._loss_told = False  # see ``loss_told``
         #: sessions a copy queued here pulls from (transfer.py), until a reply: one whose gateway is
         #: found down ends a wait at once, as its copy cannot come (a failover moves the source, not its offer)
         self.sources: list[Session] = []
@@ -229,6 +230,8 @@ class Session:
     def unfinished(self) -> bool:
         """Whether work was queued or sent that no reply has answered yet (read without the lock):
         what the interpreter's exit waits for (``Pool.finish``)."""
+        if self._loss_told and self.failover is None:
+            return False  # (the program heard of the loss already, perhaps before liveness.py did)
         return bool(self._ops) or not self._settled or bool(self._abandoned)
 
     @property
@@ -475,7 +478,7 @@ class Session:
             for tr, size in parts:
                 while tr is not None and not tr.done:  # (a gateway that stops reading never lets go: liveness)
                     if self.lost is not None:
-                        raise GatewayDownError(self.lost)
+                        raise self._loss_error()
                     try:
                         tr.wait(0.1)
                     except zmq.NotDone:
@@ -541,7 +544,7 @@ class Session:
         """Send without copying; the MessageTracker when ``track``. A send that waited out
         SEND_TIMEOUT means the gateway is gone."""
         if self.lost is not None:  # nothing more goes to a gateway found down
-            raise GatewayDownError(self.lost)
+            raise self._loss_error()
         try:  # (callers hold interrupts: half a message must never stay queued)
             return wire.send(sock, frames, copy=False, track=track)
         except zmq.Again:
@@ -586,7 +589,7 @@ class Session:
         with self.lock:
             if self.closed:
                 if self.lost is not None:
-                    raise GatewayDownError(self.lost)
+                    raise self._loss_error()
                 raise GatewayLostError(f"this remotecuda session is closed{self.closed_why}")
             self.open(name)
             index = self._op_index + len(self._ops)  # this op's number in the session's stream
@@ -746,6 +749,7 @@ class Session:
                         raise
                     last_heard = time.monotonic()
                     if reply is not None:
+                        self._copies_failed(reply)
                         self.sources.clear()  # (the copies queued before it ran, or failed in it)
                         if self._abandoned:
                             self._abandoned_errors()
@@ -754,10 +758,11 @@ class Session:
                     self._abandoned_errors(waiting=rid)
                 if self.lost is not None:  # liveness.py found the gateway down, or restarted
                     self._settled = True  # (nothing will answer what was sent: the error says so once)
-                    raise GatewayDownError(self.lost)
+                    raise self._loss_error()
                 gone = next((src for src in self.sources if src.lost is not None), None)
                 if gone is not None:  # (the reply, an error after the worker's own pull timeout, is not waited for)
                     self.sources.clear()
+                    gone.loss_told()
                     raise TransferError(f"remotecuda: the copy of this tensor from another device failed: the "
                                         f"gateway holding the source tensor ({gone.endpoint}) is down: {gone.lost}")
                 now = time.monotonic()
@@ -983,6 +988,29 @@ class Session:
         self.lost = why
         if self.failover is None:
             self.closed = True
+
+    def loss_told(self) -> None:
+        """An error saying this session's gateway is down reached the program (another session's
+        copy from it failed, perhaps before liveness.py found it down): without failover, what it
+        never answered does not count as unfinished, so the interpreter's exit does not wait for
+        it and report the loss a second time. (Without the lock: the caller waits holding another's.)"""
+        self._loss_told = True
+
+    def _loss_error(self) -> GatewayDownError:
+        """The error that tells the program this session's gateway is down (``loss_told``)."""
+        assert self.lost is not None
+        self._loss_told = True
+        return GatewayDownError(self.lost)
+
+    def _copies_failed(self, reply: protocol.Message) -> None:
+        """A reply whose error is a copy that failed because its source's worker stopped: that
+        source's loss is told (``loss_told``)."""
+        err = reply.body.get("err")
+        msg = err.get("msg") if isinstance(err, dict) else None
+        if isinstance(msg, str) and "holding the source tensor" in msg:
+            for src in self.sources:
+                if src.data_endpoint is not None and f"({src.data_endpoint})" in msg:
+                    src.loss_told()
 
     def close(self) -> None:
         with self.lock:

@@ -273,7 +273,8 @@ class Receipts:
         r.parts += 1
 
     def fail_peer(self, peer: str, why: str) -> None:
-        """The source at ``peer`` refused our PULLs as a whole (an ERROR: not a PULL it knows)."""
+        """The source at ``peer`` refused our PULLs as a whole (an ERROR: not a PULL it knows), or
+        the connection to it closed."""
         with self.cv:
             for r in self.by_rid.values():
                 if r.peer == peer and not r.done and r.error is None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from remotecuda_wire import auth, curve, protocol
 from remotecuda_wire import frames as wire
@@ -190,6 +191,7 @@ class Worker:
         self.poller = zmq.Poller()
         self.max_frame = max_frame
         self.peers: dict[str, zmq.Socket] = {}  # source workers this session pulls copies from, by endpoint
+        self.peer_monitors: dict[zmq.Socket, str] = {}  # each one's connection news → its endpoint
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.client: bytes | None = None
         self.cancel_upto = -1  # messages with seq <= this are dropped
@@ -223,12 +225,17 @@ class Worker:
                 self.sock.send_multipart([internal.CLOSED])
                 if self.data is not None:
                     self.data.disable_monitor()
+                for sock in self.peers.values():
+                    sock.disable_monitor()
                 return
             if self.executor.offers.busy():
                 self._serve_pulls()
             for endpoint, sock in self.peers.items():
                 if sock in events:
                     self._on_peer(endpoint, sock)
+            for mon, endpoint in self.peer_monitors.items():
+                if mon in events:
+                    self._on_peer_monitor(endpoint, mon)
             if self.data in events:
                 if self.conns is not None and self.conns.monitor in events:
                     self.conns.events()  # (news of a connection before its messages)
@@ -423,6 +430,9 @@ class Worker:
                 return
             self.peers[r.peer] = sock
             self.poller.register(sock, zmq.POLLIN)
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            self.peer_monitors[mon] = r.peer
+            self.poller.register(mon, zmq.POLLIN)
         sock.send_multipart(protocol.encode(protocol.PULL, {"token": token, "rid": r.rid,
                                                             "codecs": list(protocol.CODECS)}))
 
@@ -443,6 +453,22 @@ class Worker:
                 continue
             with self._on_copy_stream():
                 self.executor.receipts.on_message(msg)
+
+    def _on_peer_monitor(self, endpoint: str, mon: zmq.Socket) -> None:
+        """The connection to a source worker closed, or was refused: its process stopped or was
+        killed (a worker never closes a puller's connection itself). What it was sending us is lost
+        with the connection, so the copies pulled from it fail now, not after PEER_LIVENESS of
+        silence (which still covers a host that vanished without closing anything)."""
+        while True:
+            try:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
+                how = "closed" if ev["event"] == zmq.EVENT_DISCONNECTED else "was refused"
+                self.executor.receipts.fail_peer(
+                    endpoint, f"the connection to the gateway worker holding the source tensor ({endpoint}) "
+                              f"{how}: it stopped")
 
     def _greet(self, ident: bytes, head: protocol.Header, frames: list) -> None:
         """A HELLO from a new connection: it becomes the session's op stream or its bulk connection

@@ -21,7 +21,7 @@ import remotecuda
 from remotecuda.tensor import make
 from remotecuda_wire import protocol
 
-from conftest import GatewayProcess, wait_for
+from conftest import GatewayProcess, run_python, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -284,15 +284,50 @@ def test_a_token_serves_one_copy_and_a_wrong_one_is_refused(pool):
 
 
 def test_a_dead_source_gateway_is_a_clear_error(pool):
-    """Gateway c is killed holding cuda:3's tensor: the copy fails on cuda:1 as soon as liveness
-    finds c down (3 s; it waited for the destination worker's own pull timeout, 10 s, before), and
-    cuda:1's session goes on. (Last: cuda:3 is gone for good after it.)"""
+    """Gateway c is killed holding cuda:3's tensor: the copy fails on cuda:1 at once (the
+    destination worker's connection to c is refused; with no news from it, liveness finds c down in
+    3 s; it waited for the worker's own pull timeout, 10 s, before), and cuda:1's session goes on.
+    The loss, told by that error, is not pending work for the interpreter's exit to report again.
+    (Last: cuda:3 is gone for good after it.)"""
     _, _, c = pool
     x3 = torch.ones(100, device="cuda:3")
     assert x3.sum().item() == 100
     os.kill(c.proc.pid, signal.SIGKILL)
     c.proc.wait()
     y = x3.to("cuda:1")
-    with pytest.raises(remotecuda.TransferError, match=r"holding the source tensor \(tcp://[0-9.:]+\) is down"):
+    with pytest.raises(remotecuda.TransferError,
+                       match=r"holding the source tensor \(tcp://[0-9.:]+\) (is down|closed|was refused)"):
         y.cpu()
     assert (torch.ones(3, device="cuda:1") * 2).sum().item() == 6
+
+
+_CAUGHT_COPY = """
+import os, signal, sys
+import torch, remotecuda
+remotecuda.activate(sys.argv[1:3], fallback="error")
+x = torch.ones(100, device="cuda:1")
+assert x.sum().item() + torch.zeros(1, device="cuda:0").item() == 100  # (both placed)
+os.kill(int(sys.argv[3]), signal.SIGKILL)
+try:
+    x.to("cuda:0").cpu()
+except remotecuda.TransferError as e:
+    print("caught:", e)
+print((torch.ones(3, device="cuda:0") * 2).sum().item())
+"""
+
+
+def test_a_caught_copy_error_is_not_reported_again_at_exit(pool):
+    """A script (failover off) copies from a gateway that was killed, and catches the error: its
+    exit waits for no more of that gateway's work and reports nothing again (it said
+    GatewayDownError and exited 1: the dead gateway's copy step counted as pending)."""
+    a = pool[0]
+    victim = GatewayProcess("--spare", "0")
+    try:
+        r = run_python("", env={"REMOTECUDA_FAILOVER": "off"}, timeout=300,
+                       args=["-c", _CAUGHT_COPY, a.address, victim.address, str(victim.proc.pid)])
+    finally:
+        victim.stop()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "caught: remotecuda: the copy of this tensor from another device failed" in r.stdout
+    assert r.stdout.strip().endswith("6.0")
+    assert "Error" not in r.stderr, r.stderr
