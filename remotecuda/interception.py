@@ -57,6 +57,7 @@ from . import (
     flex_attention,
     hub_kernels,
     indexing,
+    lazy_modules,
     legacy_types,
     rnn,
     runtime,
@@ -122,7 +123,7 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
     """``t.to('cuda:index')`` for a CPU tensor (a RemoteTensor), through aten so autograd records the
     copy (past any function mode: ``with torch.device('cuda')`` would hand it to the patched ``to``)."""
     if is_lazy(t):
-        raise _lazy_refused()
+        return lazy_modules.to_cuda(t, index)
     local = runtime.current().dispatcher.local
     prev = local.target
     local.target = index
@@ -136,24 +137,6 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
             return _TO(t, torch.device("meta"), **kw)
     finally:
         local.target = prev
-
-
-def _lazy_refused() -> NotImplementedError:
-    return NotImplementedError(
-        "remotecuda: a lazy module's parameters (nn.LazyLinear, nn.LazyConv2d...) cannot be on 'cuda' before "
-        "they are initialized: run one forward pass on the CPU first (model(example_batch)), or give the "
-        "layer its input size (nn.Linear(in_features, out_features)), then move the model to 'cuda'")
-
-
-def _uninitialized_new(original: Callable) -> Callable:
-    """``UninitializedParameter``/``UninitializedBuffer`` (``nn.LazyLinear(..., device='cuda')``):
-    refused plainly for 'cuda', where torch's own error is about a raw tensor's Python object."""
-    def new(cls: type, *args: Any, **kwargs: Any) -> Any:
-        device = kwargs.get("device")
-        if device is not None and _active_here() and torch.device(device).type == "cuda":
-            raise _lazy_refused()
-        return original(cls, *args, **kwargs)
-    return staticmethod(new)
 
 
 def _made_here(func: Callable, args: tuple, kwargs: dict, meta: bool) -> Any:
@@ -188,6 +171,8 @@ def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
     if device is not None and device.type == "meta":  # (a remote tensor's C++ device is meta already)
         return _made_here(func, args, kwargs, meta=True)
     if device is None or device.type != "cuda":
+        if device is not None and is_lazy(self):
+            lazy_modules.to_local(self)
         return func(*args, **kwargs)
     index = _cuda_index(device)
     if isinstance(self, RemoteTensor):
@@ -1156,13 +1141,7 @@ def install(rt: Runtime) -> Interception:
     for name in ("device", "is_cuda", "is_meta"):
         p.set(torch.Tensor, name, _identity_property(name))
     p.set(torch.Tensor, "get_device", _get_device)
-    # a lazy module's methods allowed before it materializes: the patched ones too
-    lazy = vars(torch.nn.parameter)["UninitializedTensorMixin"]  # (not in its stub)
-    p.set(lazy, "_allowed_methods", [*lazy._allowed_methods, *(getattr(torch.Tensor, f.__name__)
-                                                                for f in lazy._allowed_methods
-                                                                if getattr(torch.Tensor, f.__name__, f) is not f)])
-    for cls in (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer):
-        p.set(cls, "__new__", _uninitialized_new(cls.__new__))
+    lazy_modules.install(p)
     profile = torch.autograd.profiler.profile
     p.set(profile, "__init__", _profile_init(profile.__init__))
     p.set(torch.autograd.profiler.emit_nvtx, "__enter__", _emit_nvtx_enter)

@@ -422,6 +422,13 @@ def _zeros_like(s: RemoteSparse, *, dtype: Any = None, layout: Any = None, devic
     return make(s._i.new_zeros((k, 0)), values, s.shape, True)
 
 
+def _mark_coalesced(s: RemoteSparse, coalesced: bool) -> RemoteSparse:
+    """``s._coalesced_(flag)``: the caller vouches that the indices are (or are not) coalesced,
+    as PyG's ``to_torch_coo_tensor`` does for the sorted edge index it built."""
+    s._c = coalesced
+    return s
+
+
 _OPS: dict[Any, Any] = {
     aten.mm.default: _mm,
     aten._sparse_mm.default: _mm,
@@ -445,6 +452,7 @@ _OPS: dict[Any, Any] = {
     aten.sparse_dim.default: lambda s: s._i.shape[0],
     aten.dense_dim.default: lambda s: s._v.dim() - 1,
     aten.is_coalesced.default: lambda s: s._c,
+    aten._coalesced_.default: _mark_coalesced,
     aten.detach.default: lambda s: make(s._i, s._v, s.shape, s._c),
     aten.alias.default: lambda s: make(s._i, s._v, s.shape, s._c),
     aten.clone.default: lambda s, memory_format=None: make(s._i.clone(), s._v.clone(), s.shape, s._c),

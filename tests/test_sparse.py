@@ -166,6 +166,17 @@ def test_sparse_softmax_is_the_cpus():
     torch.testing.assert_close(_cpu(run("cuda")), _cpu(run("cpu")), rtol=1e-6, atol=1e-7)
 
 
+def test_a_coo_tensor_marked_coalesced_is_the_cpus():
+    """PyG's ``to_torch_coo_tensor`` (and ``to_edge_index``) mark the sorted edge index they built
+    with ``_coalesced_(True)``: was refused on 'cuda'."""
+    def run(dev: str) -> list:
+        edges = torch.tensor([[0, 0, 1, 2], [1, 2, 2, 0]], device=dev)
+        adj = torch.sparse_coo_tensor(edges, torch.ones(4, device=dev), (3, 3))._coalesced_(True)
+        marked = [adj.is_coalesced(), adj._coalesced_(False).is_coalesced(), adj._coalesced_(True).is_coalesced()]
+        return [*marked, adj.indices(), adj.values(), torch.sparse.mm(adj, _data(3, 2).to(dev))]
+    torch.testing.assert_close(_cpu(run("cuda")), _cpu(run("cpu")), rtol=0, atol=0)
+
+
 def test_the_legacy_sparse_types_build_on_cuda_and_match_its_tensors():
     s = torch.cuda.sparse.FloatTensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]))
     assert s.is_cuda and s.is_sparse and s.shape == (2, 2) and s.type() == "torch.cuda.sparse.FloatTensor"
