@@ -514,8 +514,9 @@ class Session:
                 self.trace.sending(self, body)
             try:
                 with HeldInterrupts():  # the queue is cleared and sent as one step
-                    self._seq += 1
-                    frames = self._seal(protocol.encode(protocol.OPS, body, self._payloads, self._seq), self.sock)
+                    frames = protocol.encode(protocol.OPS, body, self._payloads, self._seq + 1)
+                    self._seq += 1  # (after the encoding: one that raises sends nothing, skips no number)
+                    frames = self._seal(frames, self.sock)
                     self._settled = False
                     try:  # sent first, the books after: a value read waits for no bookkeeping
                         self._send_frames(self.sock, frames)
