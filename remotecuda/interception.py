@@ -58,6 +58,7 @@ from . import (
     hub_kernels,
     indexing,
     legacy_types,
+    nested,
     rnn,
     runtime,
     serialization,
@@ -68,7 +69,7 @@ from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
-from .tensor import RemoteTensor, dlpack_error, follow, is_pinned
+from .tensor import RemoteTensor, dlpack_error, follow, is_pinned, wrapper_type
 
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
@@ -700,10 +701,13 @@ _functorch = torch._C._functorch
 
 
 def _remote_under_transform(t: torch.Tensor) -> RemoteTensor | None:
-    """The remote tensor that torch.func's wrappers (vmap, grad, jvp, functionalize) hold, or None.
-    A wrapper is a C++ tensor on its inner tensor's C++ device: meta, for a remote one."""
-    if not _IS_META(t) or not _functorch.is_functorch_wrapped_tensor(t):
+    """The remote tensor that torch.func's wrappers (vmap, grad, jvp, functionalize) hold, or a
+    jagged nested tensor's remote values (nested.py), or None. A wrapper is a C++ tensor on its
+    inner tensor's C++ device: meta, for a remote one."""
+    if not _IS_META(t):
         return None
+    if not _functorch.is_functorch_wrapped_tensor(t):
+        return nested.inner_remote(t)
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
     return t if isinstance(t, RemoteTensor) else None
@@ -810,9 +814,14 @@ class RemoteDispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if RemoteTensor in types:
+            if len(types) > 1 and wrapper_type(types) is not None:
+                return NotImplemented  # the wrapper's own dispatch unwraps it and comes back
             return self.dispatch(func, args, kwargs)
         d = kwargs.get("device")
         if d is not None:
+            wrapper = wrapper_type(types)
+            if wrapper is not None:  # a nested tensor moved or made like another: its parts, with this mode on
+                return self.again(lambda: wrapper.__torch_dispatch__(func, types, args, kwargs))
             if d.type == "cuda":
                 return self.dispatcher.factory(func, args, kwargs, d.index)
             local = self.dispatcher.local
@@ -1140,6 +1149,7 @@ def install(rt: Runtime) -> Interception:
     device_type.install(p)
     hub_kernels.install(p)
     expanded_weights.install(p)
+    nested.install(p)
     foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)
                if RemoteTensor not in lst]
     for lst in foreach:
