@@ -11,6 +11,7 @@ its values' device (``inner_remote``), as a GPU's does.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -50,3 +51,20 @@ def inner_remote(t: torch.Tensor) -> RemoteTensor | None:
     """The remote values of a jagged nested tensor built on their stand-in, else None."""
     values = t.__dict__.get("_values")
     return values if isinstance(values, RemoteTensor) and t.layout is torch.jagged else None
+
+
+def sdpa(dense: Callable, q: Any, k: Any, v: Any, mask: Any, p: float, causal: bool, scale: float | None,
+         gqa: bool) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of jagged (batch, heads, ragged, dim) tensors: each
+    sequence's attention by ``dense``, as one dense (1, heads, length, dim) batch. torch's own
+    jagged path runs the math backend on strided nested tensors, which have no remote form (a GPU
+    runs flash or memory-efficient attention on the packed values instead, where it can)."""
+    if mask is not None or q._lengths is not None:
+        raise NotImplementedError("remotecuda: scaled_dot_product_attention of jagged nested tensors on 'cuda' "
+                                  "takes no attn_mask and no query made by torch.nested.narrow; pad them "
+                                  "(to_padded_tensor) and pass a mask instead")
+    outs = [dense(qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), dropout_p=p, is_causal=causal, scale=scale,
+                  enable_gqa=gqa)[0].transpose(0, 1) for qi, ki, vi in zip(q.unbind(), k.unbind(), v.unbind())]
+    module = sys.modules[MODULE]
+    return module.nested_view_from_values_offsets(  # the query's offsets: its ragged size, as torch's path keeps
+        torch.cat(outs), q.offsets(), min_seqlen=q._maybe_min_seqlen, max_seqlen=q._maybe_max_seqlen).transpose(1, 2)

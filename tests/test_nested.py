@@ -1,6 +1,6 @@
 """Jagged nested tensors (``torch.nested``, ``layout=torch.jagged``) on 'cuda' against the local
-CPU: built from 'cuda' parts or moved there, pointwise ops, layers, reductions, gradients, and
-what a GPU's answers about their device."""
+CPU: built from 'cuda' parts or moved there, pointwise ops, layers, reductions, attention,
+gradients, and what a GPU answers about their device."""
 from __future__ import annotations
 
 import pytest
@@ -55,6 +55,38 @@ def moved_to_the_device_and_back(dev):
     return [*(moved * 3).unbind(), *back.unbind(), back.offsets()]
 
 
+class _PackedAttention(nn.Module):
+    """The nested-tensor transformer tutorial's attention: one packed projection, heads split off
+    the jagged (batch, ragged, embed) input, SDPA on (batch, heads, ragged, dim)."""
+
+    def __init__(self, embed: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(embed, 3 * embed), nn.Linear(embed, embed)
+
+    def split(self, t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().unflatten(-1, [self.heads, -1]).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if memory is not None:
+            _, k, v = self.qkv(memory).chunk(3, dim=-1)
+        attended = F.scaled_dot_product_attention(self.split(q), self.split(k), self.split(v))
+        return self.out(attended.transpose(1, 2).flatten(-2))
+
+
+@case
+def attention_over_jagged_sequences(dev):
+    torch.manual_seed(0)
+    attention = _PackedAttention(8, 2).to(dev)
+    x = torch.nested.nested_tensor([_data(3, 8), _data(5, 8, seed=1), _data(1, 8, seed=2)], layout=torch.jagged,
+                                   device=dev, requires_grad=True)
+    memory = torch.nested.nested_tensor([_data(2, 8, seed=3), _data(4, 8, seed=4), _data(6, 8, seed=5)],
+                                        layout=torch.jagged, device=dev)
+    out = x + attention(x)  # (a residual: the output keeps the query's ragged size)
+    out.values().pow(2).sum().backward()
+    return [*out.unbind(), *attention(x, memory).unbind(), x.grad.values(), *(p.grad for p in attention.parameters())]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_jagged_program_matches_local(name):
     assert_matches_local(CASES[name])
@@ -67,3 +99,9 @@ def test_a_jagged_tensor_says_it_is_on_cuda():
     for t in (nt, moved, F.relu(nt), nt.transpose(1, 2)):
         assert t.is_nested and t.layout is torch.jagged
         assert t.device == torch.device("cuda", 0) and t.is_cuda and t.get_device() == 0
+
+
+def test_jagged_attention_with_a_mask_says_what_to_do():
+    q = _jagged("cuda").unflatten(-1, [2, 2]).transpose(1, 2)
+    with pytest.raises(NotImplementedError, match="remotecuda: .*attn_mask.*to_padded_tensor"):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(2, 2, device="cuda", dtype=torch.bool))
