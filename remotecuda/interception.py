@@ -813,15 +813,16 @@ class RemoteDispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if RemoteTensor in types:
-            if len(types) > 1 and wrapper_type(types) is not None:
-                return NotImplemented  # the wrapper's own dispatch unwraps it and comes back
+        if RemoteTensor in types and len(types) == 1:
             return self.dispatch(func, args, kwargs)
+        if types:
+            wrapper = wrapper_type(types)
+            if wrapper is not None:  # (a nested tensor: its ops on its parts, and the factories it calls, come here)
+                return self.again(lambda: wrapper.__torch_dispatch__(func, types, args, kwargs))
+            if RemoteTensor in types:
+                return self.dispatch(func, args, kwargs)
         d = kwargs.get("device")
         if d is not None:
-            wrapper = wrapper_type(types)
-            if wrapper is not None:  # a nested tensor moved or made like another: its parts, with this mode on
-                return self.again(lambda: wrapper.__torch_dispatch__(func, types, args, kwargs))
             if d.type == "cuda":
                 return self.dispatcher.factory(func, args, kwargs, d.index)
             local = self.dispatcher.local

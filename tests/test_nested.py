@@ -44,7 +44,9 @@ def built_from_values_and_offsets(dev):
     narrowed = torch.nested.narrow(_data(3, 6).to(dev), 1, torch.tensor([0, 1, 2], device=dev),
                                    torch.tensor([3, 2, 4], device=dev), layout=torch.jagged)
     cpu_parts = torch.nested.nested_tensor([_data(2, 4), _data(1, 4, seed=2)], layout=torch.jagged, device=dev)
-    return [*nt.unbind(), nt.to_padded_tensor(-1.0), *narrowed.unbind(), *cpu_parts.unbind()]
+    packed = narrowed.contiguous()  # (torch builds new offsets with torch.zeros(device=values.device))
+    return [*nt.unbind(), nt.to_padded_tensor(-1.0), *narrowed.unbind(), *packed.unbind(), packed.offsets(),
+            *cpu_parts.unbind()]
 
 
 @case
