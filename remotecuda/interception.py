@@ -444,6 +444,17 @@ def _factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
+def _range(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """The deprecated ``torch.range`` on 'cuda': made on the CPU and uploaded (its C++ binding
+    takes a guard of the device before dispatch, which a CPU-only build refuses)."""
+    d = _device(kwargs.get("device")) or _context_device()
+    if d is None or d.type != "cuda":
+        return _factory(func, args, kwargs)
+    kw = dict(_unpinned(kwargs), device="cpu")
+    requires_grad = kw.pop("requires_grad", False)
+    return to_cuda(func(*args, **kw), _cuda_index(d)).requires_grad_(requires_grad)
+
+
 def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``dropout`` as a GPU runs it: C++ picks the fused ``native_dropout`` kernel by the input's
     device, which on the client is meta, so it would take the CPU's ``bernoulli_`` path. A GPU
@@ -602,7 +613,7 @@ def _get_default_device(func: Callable, args: tuple, kwargs: dict) -> torch.devi
 
 
 #: factories taking a ``device=``, in ``torch`` and as ``Tensor.new_*``
-_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "range",
+_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange",
               "linspace", "logspace", "eye", "empty_strided", "empty_permuted", "normal", "scalar_tensor",
               "tril_indices", "triu_indices", "zeros_like", "ones_like", "empty_like", "full_like",
               "rand_like", "randn_like", "randint_like", "hann_window", "hamming_window", "bartlett_window",
@@ -614,6 +625,7 @@ _NEW_FACTORIES = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new
 _ROUTES: list[tuple[Any, str, Callable]] = [
     *((torch, name, _factory) for name in _FACTORIES),
     *((torch.Tensor, name, _factory) for name in _NEW_FACTORIES),
+    (torch, "range", _range),
     (torch.fft, "fftfreq", _factory),
     (torch.fft, "rfftfreq", _factory),
     (torch.Tensor, "to", _tensor_to),

@@ -280,3 +280,18 @@ def test_a_gradient_from_another_device_is_refused_naming_cuda():
     assert w.grad.tolist() == [1.0, 1.0]
     del w.grad
     assert w.grad is None
+
+
+def test_the_deprecated_torch_range_makes_cuda_tensors():
+    """Old code's ``torch.range(..., device='cuda')`` (end included) warns as on a GPU and makes the
+    same values; it raised 'PyTorch is not linked with support for cuda devices'."""
+    with pytest.warns(UserWarning, match="torch.range is deprecated"):
+        made = [torch.range(0, 3, device="cuda"), torch.range(1, 2, 0.25, device=0, dtype=torch.float64),
+                torch.range(0, 1, 0.5, device="cuda", requires_grad=True)]
+    with torch.device("cuda"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made.append(torch.range(-2, 2, 2))
+    assert all(t.is_cuda for t in made) and made[2].is_leaf and made[2].requires_grad
+    assert [t.tolist() for t in made] == [[0.0, 1.0, 2.0, 3.0], [1.0, 1.25, 1.5, 1.75, 2.0], [0.0, 0.5, 1.0],
+                                          [-2.0, 0.0, 2.0]]
+    assert made[1].dtype == torch.float64
