@@ -216,7 +216,10 @@ def _wire_other(a: Any, t: type, key: list) -> Any:
         return _CUDA if a.type in ("cuda", "meta") else a
     if t is torch.dtype:
         key.append(a)
-        return DTYPE_EXT[a]
+        ext = DTYPE_EXT.get(a)
+        if ext is None:
+            raise unsendable_dtype(a)
+        return ext
     if t is torch.memory_format or t is torch.layout:
         key.append(a)
         return a
@@ -553,6 +556,8 @@ class Dispatcher:
                                       "dense, strided tensors cross the wire); move "
                                       "torch.nested.to_padded_tensor(t, 0.0) instead")
         kwargs = kwargs or {}
+        if cpu.dtype not in DTYPE_EXT:
+            raise unsendable_dtype(cpu.dtype)
         if cpu.layout is torch.sparse_coo:
             return sparse.upload(cpu, lambda t: self.upload(t, s) if not isinstance(t, RemoteTensor) else
                                  t if t._s is s else self.between(t, s.vdev, {}), kwargs.get("dtype"))
@@ -633,6 +638,17 @@ _IN_PLACE = dc.InPlace()
 _NO_META_KERNEL = Bypass(dc.NO_META_KERNEL)
 _META_NEEDS_DATA = Bypass(dc.META_NEEDS_DATA)
 _META_REFUSED = Bypass(dc.META_REFUSED)
+
+
+def unsendable_dtype(dtype: torch.dtype) -> NotImplementedError:
+    """The error for a dtype the protocol has no code for (quantized ones, the float8 variants a
+    GPU does not compute in): it cannot be sent, so no remote tensor holds it."""
+    hint = "dequantize() it first" if dtype in _QUANTIZED else "convert it to a supported dtype first"
+    return NotImplementedError(f"remotecuda: tensors of dtype {dtype} cannot live on a remote 'cuda' device "
+                               f"(the protocol does not carry it); {hint}, or keep it on the CPU")
+
+
+_QUANTIZED = {torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 
 
 def not_dense(lay: torch.layout, doing: str) -> NotImplementedError:
