@@ -455,6 +455,16 @@ def _range(func: Callable, args: tuple, kwargs: dict) -> Any:
     return to_cuda(func(*args, **kw), _cuda_index(d)).requires_grad_(requires_grad)
 
 
+def _cpu_only(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``Tensor.apply_``/``map_``/``map2_`` (a Python function per element) of a 'cuda' tensor: the
+    TypeError a GPU's torch raises; C++ skips a meta tensor's ``apply_`` silently (the values stayed
+    as they were) and refuses ``map_`` of a subclass in words of its own."""
+    name = func.__name__
+    if isinstance(args[0], RemoteTensor) and not (name == "apply_" and args[0].requires_grad):
+        raise TypeError(f"{name} is only implemented on CPU tensors")
+    return func(*args, **kwargs)
+
+
 def _dropout(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``dropout`` as a GPU runs it: C++ picks the fused ``native_dropout`` kernel by the input's
     device, which on the client is meta, so it would take the CPU's ``bernoulli_`` path. A GPU
@@ -626,6 +636,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     *((torch, name, _factory) for name in _FACTORIES),
     *((torch.Tensor, name, _factory) for name in _NEW_FACTORIES),
     (torch, "range", _range),
+    *((torch.Tensor, name, _cpu_only) for name in ("apply_", "map_", "map2_")),
     (torch.fft, "fftfreq", _factory),
     (torch.fft, "rfftfreq", _factory),
     (torch.Tensor, "to", _tensor_to),

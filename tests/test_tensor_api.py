@@ -295,3 +295,14 @@ def test_the_deprecated_torch_range_makes_cuda_tensors():
     assert [t.tolist() for t in made] == [[0.0, 1.0, 2.0, 3.0], [1.0, 1.25, 1.5, 1.75, 2.0], [0.0, 0.5, 1.0],
                                           [-2.0, 0.0, 2.0]]
     assert made[1].dtype == torch.float64
+
+
+@pytest.mark.parametrize("call", [lambda t: t.apply_(lambda v: v * 2), lambda t: t.map_(t, lambda a, b: a + b),
+                                  lambda t: t.map2_(t, t, lambda a, b, c: a + b + c)])
+def test_python_functions_per_element_are_cpu_only_as_on_a_gpu(call):
+    """``apply_`` on a 'cuda' tensor raised nothing and left its values unchanged (C++ skips a meta
+    tensor); a GPU's torch raises TypeError, as it does for ``map_``/``map2_``."""
+    t = torch.ones(3, device="cuda")
+    with pytest.raises(TypeError, match=r"^(apply_|map_|map2_) is only implemented on CPU tensors$"):
+        call(t)
+    assert t.tolist() == [1.0, 1.0, 1.0] and call(torch.ones(3)).tolist() != [1.0, 1.0, 1.0]
