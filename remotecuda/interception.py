@@ -819,6 +819,9 @@ def _autocast_exit(original: Callable) -> Callable:
     return __exit__
 
 
+_REMOTE_ONLY = (RemoteTensor,)
+
+
 class RemoteDispatchMode(TorchDispatchMode):
     """Sends ops on remote tensors, and factories headed for 'cuda', to the runtime's dispatcher."""
 
@@ -836,7 +839,7 @@ class RemoteDispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if RemoteTensor in types and len(types) == 1:
+        if types == _REMOTE_ONLY:  # (one comparison on the common path)
             return self.dispatch(func, args, kwargs)
         if types:
             wrapper = wrapper_type(types)
