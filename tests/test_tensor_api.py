@@ -306,3 +306,15 @@ def test_python_functions_per_element_are_cpu_only_as_on_a_gpu(call):
     with pytest.raises(TypeError, match=r"^(apply_|map_|map2_) is only implemented on CPU tensors$"):
         call(t)
     assert t.tolist() == [1.0, 1.0, 1.0] and call(torch.ones(3)).tolist() != [1.0, 1.0, 1.0]
+
+
+def test_a_byte_mask_index_warns_as_torch_does():
+    """``x[mask]`` with a uint8 mask: torch's index kernel warns that it is deprecated, which on
+    'cuda' ran on the gateway and was not seen."""
+    x = torch.arange(4.0, device="cuda")
+    with pytest.warns(UserWarning, match="indexing with dtype torch.uint8 is now deprecated") as caught:
+        got = x[torch.tensor([1, 0, 1, 0], dtype=torch.uint8, device="cuda")]
+    assert caught[0].filename == __file__ and got.tolist() == [0.0, 2.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert x[x > 1].tolist() == [2.0, 3.0]
