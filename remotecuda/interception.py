@@ -66,7 +66,7 @@ from . import (
     transfer,
 )
 from .device_type import DEVICE
-from .dispatch import Dispatcher, meta_stand_in, not_dense
+from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
 from .tensor import RemoteTensor, dlpack_error, follow, is_pinned, wrapper_type
@@ -457,6 +457,15 @@ def _range(func: Callable, args: tuple, kwargs: dict) -> Any:
     return to_cuda(func(*args, **kw), _cuda_index(d)).requires_grad_(requires_grad)
 
 
+def _nested_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``torch.nested.nested_tensor(..., device='cuda')`` of the strided layout: say what to use
+    (C++ guards the device first and would say only that CUDA is absent)."""
+    d = _device(kwargs.get("device")) or _context_device()
+    if d is not None and d.type == "cuda" and kwargs.get("layout") in (None, torch.strided):
+        raise strided_nested()
+    return func(*args, **kwargs)
+
+
 def _cpu_only(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``Tensor.apply_``/``map_``/``map2_`` (a Python function per element) of a 'cuda' tensor: the
     TypeError a GPU's torch raises; C++ skips a meta tensor's ``apply_`` silently (the values stayed
@@ -638,6 +647,8 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     *((torch, name, _factory) for name in _FACTORIES),
     *((torch.Tensor, name, _factory) for name in _NEW_FACTORIES),
     (torch, "range", _range),
+    (torch.nested, "nested_tensor", _nested_factory),
+    (torch.nested, "as_nested_tensor", _nested_factory),
     *((torch.Tensor, name, _cpu_only) for name in ("apply_", "map_", "map2_")),
     (torch.fft, "fftfreq", _factory),
     (torch.fft, "rfftfreq", _factory),

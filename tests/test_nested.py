@@ -107,3 +107,14 @@ def test_jagged_attention_with_a_mask_says_what_to_do():
     q = _jagged("cuda").unflatten(-1, [2, 2]).transpose(1, 2)
     with pytest.raises(NotImplementedError, match="remotecuda: .*attn_mask.*to_padded_tensor"):
         F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(2, 2, device="cuda", dtype=torch.bool))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.nested.nested_tensor([_data(2, 3).cuda(), _data(1, 3).cuda()]),
+    lambda: torch.nested.nested_tensor([_data(2, 3), _data(1, 3)], device="cuda"),
+    lambda: torch.nested.nested_tensor([_data(2, 3), _data(1, 3)]).cuda()])
+def test_a_strided_nested_tensor_on_cuda_says_to_use_the_jagged_layout(make):
+    """torch.nested's default layout has no remote form: the refusal names remotecuda and the way
+    out (it said 'PyTorch is not linked with support for cuda devices', or came from the gateway)."""
+    with pytest.raises(NotImplementedError, match=r"remotecuda: .*strided layout.*layout=torch\.jagged"):
+        make()
