@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import runtime
+from . import nested, runtime
 from .tensor import RemoteTensor, contiguous_strides, layout, wrap
 
 aten = torch.ops.aten
@@ -74,6 +74,8 @@ def _dense(shape: tuple, dtype: torch.dtype) -> tuple:
 
 def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     q, k, v, mask, p, causal, scale, gqa = _bind(*args, **kwargs)
+    if type(q) is not RemoteTensor and nested.inner_remote(q) is not None and q.dim() == 4 and q._ragged_idx == 2:
+        return nested.sdpa(F.scaled_dot_product_attention, q, k, v, mask, p, causal, scale, gqa)
     if not all(isinstance(t, RemoteTensor) for t in (q, k, v)) or \
             (mask is not None and not isinstance(mask, RemoteTensor)):
         return func(*args, **kwargs)

@@ -216,7 +216,10 @@ def _wire_other(a: Any, t: type, key: list) -> Any:
         return _CUDA if a.type in ("cuda", "meta") else a
     if t is torch.dtype:
         key.append(a)
-        return DTYPE_EXT[a]
+        ext = DTYPE_EXT.get(a)
+        if ext is None:
+            raise unsendable_dtype(a)
+        return ext
     if t is torch.memory_format or t is torch.layout:
         key.append(a)
         return a
@@ -549,10 +552,10 @@ class Dispatcher:
     def upload(self, cpu: torch.Tensor, s: Any, kwargs: dict | None = None) -> torch.Tensor:
         """A CPU tensor copied to session ``s``'s device (``_to_copy`` semantics): a RemoteTensor."""
         if cpu.is_nested:
-            raise NotImplementedError("remotecuda: nested tensors cannot be moved to a remote 'cuda' device (only "
-                                      "dense, strided tensors cross the wire); move "
-                                      "torch.nested.to_padded_tensor(t, 0.0) instead")
+            raise strided_nested()  # (a jagged one moves as its parts: its own dispatch runs first)
         kwargs = kwargs or {}
+        if cpu.dtype not in DTYPE_EXT:
+            raise unsendable_dtype(cpu.dtype)
         if cpu.layout is torch.sparse_coo:
             return sparse.upload(cpu, lambda t: self.upload(t, s) if not isinstance(t, RemoteTensor) else
                                  t if t._s is s else self.between(t, s.vdev, {}), kwargs.get("dtype"))
@@ -633,6 +636,17 @@ _IN_PLACE = dc.InPlace()
 _NO_META_KERNEL = Bypass(dc.NO_META_KERNEL)
 _META_NEEDS_DATA = Bypass(dc.META_NEEDS_DATA)
 _META_REFUSED = Bypass(dc.META_REFUSED)
+
+
+def unsendable_dtype(dtype: torch.dtype) -> NotImplementedError:
+    """The error for a dtype the protocol has no code for (quantized ones, the float8 variants a
+    GPU does not compute in): it cannot be sent, so no remote tensor holds it."""
+    hint = "dequantize() it first" if dtype in _QUANTIZED else "convert it to a supported dtype first"
+    return NotImplementedError(f"remotecuda: tensors of dtype {dtype} cannot live on a remote 'cuda' device "
+                               f"(the protocol does not carry it); {hint}, or keep it on the CPU")
+
+
+_QUANTIZED = {torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 
 
 def not_dense(lay: torch.layout, doing: str) -> NotImplementedError:
@@ -916,6 +930,19 @@ def _not_left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bo
     return False
 
 
+def _strided_nested(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    raise strided_nested()
+
+
+def strided_nested() -> NotImplementedError:
+    """A nested tensor of torch's default (strided) layout is one C++ tensor of packed buffers; a
+    jagged one is a Python wrapper of dense values and offsets, which can be remote (nested.py)."""
+    return NotImplementedError(
+        "remotecuda: nested tensors of the strided layout (torch.nested's default) cannot live on a remote "
+        "'cuda' device; make them with layout=torch.jagged, whose values and offsets are dense tensors, or pad "
+        "them (torch.nested.to_padded_tensor(t, 0.0))")
+
+
 def _to_sparse(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     """``x.to_sparse()`` of a remote tensor: a sparse COO one on its device (sparse.py)."""
     return sparse.from_dense(*args, **kwargs)
@@ -947,6 +974,7 @@ _SPECIAL = {
     aten._conj.default: _materialized,
     aten._neg_view.default: _materialized,
     aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
+    aten._nested_tensor_from_tensor_list.default: _strided_nested,
     aten._to_sparse.default: _to_sparse,
     aten._to_sparse.sparse_dim: _to_sparse,
     aten._sparse_coo_tensor_with_dims_and_tensors.default: _sparse_from_parts,

@@ -59,6 +59,7 @@ from . import (
     indexing,
     lazy_modules,
     legacy_types,
+    nested,
     rnn,
     runtime,
     serialization,
@@ -66,10 +67,10 @@ from . import (
     transfer,
 )
 from .device_type import DEVICE
-from .dispatch import Dispatcher, meta_stand_in, not_dense
+from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
-from .tensor import RemoteTensor, dlpack_error, follow, is_pinned
+from .tensor import RemoteTensor, dlpack_error, follow, is_pinned, wrapper_type
 
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
@@ -356,7 +357,9 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
     if isinstance(args[0], RemoteTensor):
-        args = (args[0], indexing.index_parts(args[1]), *args[2:])
+        idx = indexing.index_parts(args[1])
+        indexing.warn_of_byte_masks(idx)
+        args = (args[0], idx, *args[2:])
     return func(*args, **kwargs)
 
 
@@ -425,6 +428,36 @@ def _factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     elif _is_meta(d if d is not None else _context_device()):
         with _UserMeta():
             return func(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
+def _range(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """The deprecated ``torch.range`` on 'cuda': made on the CPU and uploaded (its C++ binding
+    takes a guard of the device before dispatch, which a CPU-only build refuses)."""
+    d = _device(kwargs.get("device")) or _context_device()
+    if d is None or d.type != "cuda":
+        return _factory(func, args, kwargs)
+    kw = dict(_unpinned(kwargs), device="cpu")
+    requires_grad = kw.pop("requires_grad", False)
+    return to_cuda(func(*args, **kw), _cuda_index(d)).requires_grad_(requires_grad)
+
+
+def _nested_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``torch.nested.nested_tensor(..., device='cuda')`` of the strided layout: say what to use
+    (C++ guards the device first and would say only that CUDA is absent)."""
+    d = _device(kwargs.get("device")) or _context_device()
+    if d is not None and d.type == "cuda" and kwargs.get("layout") in (None, torch.strided):
+        raise strided_nested()
+    return func(*args, **kwargs)
+
+
+def _cpu_only(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``Tensor.apply_``/``map_``/``map2_`` (a Python function per element) of a 'cuda' tensor: the
+    TypeError a GPU's torch raises; C++ skips a meta tensor's ``apply_`` silently (the values stayed
+    as they were) and refuses ``map_`` of a subclass in words of its own."""
+    name = func.__name__
+    if isinstance(args[0], RemoteTensor) and not (name == "apply_" and args[0].requires_grad):
+        raise TypeError(f"{name} is only implemented on CPU tensors")
     return func(*args, **kwargs)
 
 
@@ -586,7 +619,7 @@ def _get_default_device(func: Callable, args: tuple, kwargs: dict) -> torch.devi
 
 
 #: factories taking a ``device=``, in ``torch`` and as ``Tensor.new_*``
-_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange", "range",
+_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm", "arange",
               "linspace", "logspace", "eye", "empty_strided", "empty_permuted", "normal", "scalar_tensor",
               "tril_indices", "triu_indices", "zeros_like", "ones_like", "empty_like", "full_like",
               "rand_like", "randn_like", "randint_like", "hann_window", "hamming_window", "bartlett_window",
@@ -598,6 +631,10 @@ _NEW_FACTORIES = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new
 _ROUTES: list[tuple[Any, str, Callable]] = [
     *((torch, name, _factory) for name in _FACTORIES),
     *((torch.Tensor, name, _factory) for name in _NEW_FACTORIES),
+    (torch, "range", _range),
+    (torch.nested, "nested_tensor", _nested_factory),
+    (torch.nested, "as_nested_tensor", _nested_factory),
+    *((torch.Tensor, name, _cpu_only) for name in ("apply_", "map_", "map2_")),
     (torch.fft, "fftfreq", _factory),
     (torch.fft, "rfftfreq", _factory),
     (torch.Tensor, "to", _tensor_to),
@@ -685,10 +722,13 @@ _functorch = torch._C._functorch
 
 
 def _remote_under_transform(t: torch.Tensor) -> RemoteTensor | None:
-    """The remote tensor that torch.func's wrappers (vmap, grad, jvp, functionalize) hold, or None.
-    A wrapper is a C++ tensor on its inner tensor's C++ device: meta, for a remote one."""
-    if not _IS_META(t) or not _functorch.is_functorch_wrapped_tensor(t):
+    """The remote tensor that torch.func's wrappers (vmap, grad, jvp, functionalize) hold, or a
+    jagged nested tensor's remote values (nested.py), or None. A wrapper is a C++ tensor on its
+    inner tensor's C++ device: meta, for a remote one."""
+    if not _IS_META(t):
         return None
+    if not _functorch.is_functorch_wrapped_tensor(t):
+        return nested.inner_remote(t)
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
     return t if isinstance(t, RemoteTensor) else None
@@ -777,6 +817,9 @@ def _autocast_exit(original: Callable) -> Callable:
     return __exit__
 
 
+_REMOTE_ONLY = (RemoteTensor,)
+
+
 class RemoteDispatchMode(TorchDispatchMode):
     """Sends ops on remote tensors, and factories headed for 'cuda', to the runtime's dispatcher."""
 
@@ -794,8 +837,14 @@ class RemoteDispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if RemoteTensor in types:
+        if types == _REMOTE_ONLY:  # (one comparison on the common path)
             return self.dispatch(func, args, kwargs)
+        if types:
+            wrapper = wrapper_type(types)
+            if wrapper is not None:  # (a nested tensor: its ops on its parts, and the factories it calls, come here)
+                return self.again(lambda: wrapper.__torch_dispatch__(func, types, args, kwargs))
+            if RemoteTensor in types:
+                return self.dispatch(func, args, kwargs)
         d = kwargs.get("device")
         if d is not None:
             if d.type == "cuda":
@@ -1125,6 +1174,7 @@ def install(rt: Runtime) -> Interception:
     device_type.install(p)
     hub_kernels.install(p)
     expanded_weights.install(p)
+    nested.install(p)
     foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)
                if RemoteTensor not in lst]
     for lst in foreach:

@@ -16,6 +16,7 @@ import multiprocessing
 from typing import Any, SupportsIndex, cast
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 
 from remotecuda_wire.protocol import handle_ext
 
@@ -75,6 +76,16 @@ LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "Ha
 
 
 
+def wrapper_type(types: Any) -> type | None:
+    """Another library's wrapper subclass among an op's tensor types (a jagged ``torch.nested``
+    tensor, whose values and offsets are RemoteTensors), or None: that wrapper's own
+    ``__torch_dispatch__`` must run first, to unwrap it into the ops on its parts that come here."""
+    for t in types:
+        if is_traceable_wrapper_subclass_type(t) and not issubclass(t, RemoteTensor):
+            return t
+    return None
+
+
 class RemoteTensor(torch.Tensor):
     # Set by wrap(), and read by the dispatcher, downloads, rnn, attention and transfer: the
     # wrapper's own fields, underscored to stay out of torch.Tensor's namespace; changed only here
@@ -101,6 +112,8 @@ class RemoteTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if len(types) > 1 and wrapper_type(types) is not None:
+            return NotImplemented
         return cls.dispatch(func, args, kwargs or {})
 
     # ---------------------------------------------------------------- identity

@@ -210,6 +210,19 @@ def test_a_forked_worker_using_cuda_tensors_says_what_a_gpu_says(remote):
     assert rows[3].item() == 3.0
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8).cuda(),
+    lambda: torch.quantize_per_tensor(torch.ones(2, device="cuda"), 0.1, 0, torch.qint8),
+    lambda: torch.ones(2, dtype=torch.float8_e4m3fnuz).to("cuda"),
+    lambda: torch.ones(2, device="cuda").to(torch.float8_e5m2fnuz)])
+def test_a_dtype_the_wire_lacks_is_refused_at_the_call(remote, make):
+    """A quantized (or other unsendable) dtype on 'cuda' says so at the call and leaves the session
+    working: a quantized upload raised KeyError in the flush thread, which died."""
+    with pytest.raises(NotImplementedError, match=r"remotecuda: tensors of dtype torch\.\w+ cannot live"):
+        make()
+    assert (torch.ones(3, device="cuda") * 2).sum().item() == 6.0
+
+
 def test_meta_refusal_costs_one_round_trip(remote):
     import remotecuda
     a, b = torch.randn(3, 4, device="cuda"), torch.randn(5, 6, device="cuda")

@@ -280,3 +280,41 @@ def test_a_gradient_from_another_device_is_refused_naming_cuda():
     assert w.grad.tolist() == [1.0, 1.0]
     del w.grad
     assert w.grad is None
+
+
+def test_the_deprecated_torch_range_makes_cuda_tensors():
+    """Old code's ``torch.range(..., device='cuda')`` (end included) warns as on a GPU and makes the
+    same values; it raised 'PyTorch is not linked with support for cuda devices'."""
+    with pytest.warns(UserWarning, match="torch.range is deprecated"):
+        made = [torch.range(0, 3, device="cuda"), torch.range(1, 2, 0.25, device=0, dtype=torch.float64),
+                torch.range(0, 1, 0.5, device="cuda", requires_grad=True)]
+    with torch.device("cuda"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made.append(torch.range(-2, 2, 2))
+    assert all(t.is_cuda for t in made) and made[2].is_leaf and made[2].requires_grad
+    assert [t.tolist() for t in made] == [[0.0, 1.0, 2.0, 3.0], [1.0, 1.25, 1.5, 1.75, 2.0], [0.0, 0.5, 1.0],
+                                          [-2.0, 0.0, 2.0]]
+    assert made[1].dtype == torch.float64
+
+
+@pytest.mark.parametrize("call", [lambda t: t.apply_(lambda v: v * 2), lambda t: t.map_(t, lambda a, b: a + b),
+                                  lambda t: t.map2_(t, t, lambda a, b, c: a + b + c)])
+def test_python_functions_per_element_are_cpu_only_as_on_a_gpu(call):
+    """``apply_`` on a 'cuda' tensor raised nothing and left its values unchanged (C++ skips a meta
+    tensor); a GPU's torch raises TypeError, as it does for ``map_``/``map2_``."""
+    t = torch.ones(3, device="cuda")
+    with pytest.raises(TypeError, match=r"^(apply_|map_|map2_) is only implemented on CPU tensors$"):
+        call(t)
+    assert t.tolist() == [1.0, 1.0, 1.0] and call(torch.ones(3)).tolist() != [1.0, 1.0, 1.0]
+
+
+def test_a_byte_mask_index_warns_as_torch_does():
+    """``x[mask]`` with a uint8 mask: torch's index kernel warns that it is deprecated, which on
+    'cuda' ran on the gateway and was not seen."""
+    x = torch.arange(4.0, device="cuda")
+    with pytest.warns(UserWarning, match="indexing with dtype torch.uint8 is now deprecated") as caught:
+        got = x[torch.tensor([1, 0, 1, 0], dtype=torch.uint8, device="cuda")]
+    assert caught[0].filename == __file__ and got.tolist() == [0.0, 2.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert x[x > 1].tolist() == [2.0, 3.0]
