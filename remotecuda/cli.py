@@ -150,26 +150,28 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
         raise SystemExit(f"remotecuda start: cannot listen on tcp://{a.host}:{a.port}: {e.strerror} "
                          "(another gateway there? pick another --port, or --port 0 for a free one; "
                          "--host must be an address of this machine)") from None
-    if not a.quiet:
-        print(f"RemoteCUDA gateway {VERSION}: {note}", flush=True)
-        for d in devices:
-            facts = f", capability {d.capability[0]}.{d.capability[1]}" if d.kind == "cuda" or d.simulated else ""
-            print(f"  device {d.index}: {d.name}, {d.total_memory / 2**30:.1f} GiB{facts}"
-                  + (" (simulated)" if d.simulated else ""), flush=True)
-        where = gw.announcer.describe() if gw.announcer is not None else "off (--no-discovery)"
-        print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {where}", flush=True)
-        print("  authentication: " + ("token (every message sealed)" if token is not None else "none")
-              + ("; STATUS rows to the admin token only" if admin is not None else ""), flush=True)
-        print("  encryption: " + (f"CURVE, public key {gw.curve.keys.public.decode()}, clients admitted from "
-                                  f"{a.curve_clients}" if gw.curve is not None else "none"), flush=True)
-        print("  status: ready (Ctrl-C to stop)", flush=True)
-    print(f"READY tcp://{gw.host}:{gw.port}", flush=True)
 
     def stop(*_: object) -> None:
         gw.running = False
+    # before the banner: a Ctrl-C as soon as "ready" shows stops the gateway cleanly (it was a
+    # KeyboardInterrupt traceback through the banner's print, the gateway not shut down)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
+        if not a.quiet:
+            print(f"RemoteCUDA gateway {VERSION}: {note}", flush=True)
+            for d in devices:
+                facts = f", capability {d.capability[0]}.{d.capability[1]}" if d.kind == "cuda" or d.simulated else ""
+                print(f"  device {d.index}: {d.name}, {d.total_memory / 2**30:.1f} GiB{facts}"
+                      + (" (simulated)" if d.simulated else ""), flush=True)
+            where = gw.announcer.describe() if gw.announcer is not None else "off (--no-discovery)"
+            print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {where}", flush=True)
+            print("  authentication: " + ("token (every message sealed)" if token is not None else "none")
+                  + ("; STATUS rows to the admin token only" if admin is not None else ""), flush=True)
+            print("  encryption: " + (f"CURVE, public key {gw.curve.keys.public.decode()}, clients admitted from "
+                                      f"{a.curve_clients}" if gw.curve is not None else "none"), flush=True)
+            print("  status: ready (Ctrl-C to stop)", flush=True)
+        print(f"READY tcp://{gw.host}:{gw.port}", flush=True)
         gw.serve()
     finally:
         gw.shutdown()

@@ -380,6 +380,33 @@ def test_start_banner():
     assert codes == [0, 0]
 
 
+def test_start_stops_cleanly_on_ctrl_c():
+    """Ctrl-C (SIGINT to the terminal's process group) as soon as the banner says ready stops the gateway
+    and its workers with exit 0 and nothing on stderr (a SIGINT just after READY was a KeyboardInterrupt
+    traceback through the banner's print: the handler was installed after it)."""
+    p = subprocess.Popen([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--port", "0",
+                          "--no-discovery", "--spare", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        while not p.stdout.readline().startswith("READY "):
+            assert p.poll() is None, p.stderr.read()
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert (p.returncode, err) == (0, ""), err
+    assert wait_for(lambda: not [q for q in psutil.process_iter(["pid"]) if _in_group(q, p.pid)], 20)
+
+
+def _in_group(q: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(q.pid) == pgid and q.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.Error):
+        return False
+
+
 def test_start_help_names_the_pool_options():
     """The discovery and GPU options are there and say what they do (none is a placebo)."""
     r = _run([BIN, "start", "--help"], timeout=60)
