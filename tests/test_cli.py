@@ -126,6 +126,25 @@ def test_run_rejects_a_non_python_command(gateway):
     assert r.returncode == 2 and "usage: remotecuda run" in r.stderr
 
 
+@pytest.mark.parametrize("args, says", [
+    (["start", "--bogus"], "usage: remotecuda start [-h]|remotecuda start: error: unrecognized arguments: --bogus"),
+    (["servers", "x"], "usage: remotecuda servers|remotecuda servers: error: unrecognized arguments: x"),
+    (["run", "bash", "-c", "true"], "usage: remotecuda run|remotecuda run: error: it runs a Python program; 'bash'"),
+    (["run", "python", "-m"], "remotecuda run: error: -m needs an argument"),
+    (["run"], "remotecuda run: error: no command given"),
+], ids=["start flag", "servers argument", "not python", "-m alone", "nothing"])
+def test_a_command_line_mistake_is_said_by_its_command(args, says):
+    """A mistake is a usage error (exit 2) with the command's own usage and a line saying what is wrong (a
+    bad flag of start showed the top level's usage; run's mistakes showed its usage alone)."""
+    r = _run([sys.executable, "-m", "remotecuda", *args], timeout=60)
+    assert r.returncode == 2 and all(part in r.stderr for part in says.split("|")), r.stderr
+
+
+def test_version_flag():
+    r = _run([sys.executable, "-m", "remotecuda", "--version"], timeout=60)
+    assert (r.returncode, r.stdout) == (0, f"remotecuda {remotecuda.__version__}\n"), r.stderr
+
+
 PROBE = r'''
 import pickle, sys
 import torch
