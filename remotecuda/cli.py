@@ -19,6 +19,8 @@ from typing import Any
 
 from remotecuda_wire.limits import CACHE_BYTES, MAX_QUEUED
 
+from . import __version__
+
 
 def _is_loopback(host: str) -> bool:
     """Whether every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
@@ -150,26 +152,28 @@ def _start(a: argparse.Namespace, argv: list[str]) -> int:
         raise SystemExit(f"remotecuda start: cannot listen on tcp://{a.host}:{a.port}: {e.strerror} "
                          "(another gateway there? pick another --port, or --port 0 for a free one; "
                          "--host must be an address of this machine)") from None
-    if not a.quiet:
-        print(f"RemoteCUDA gateway {VERSION}: {note}", flush=True)
-        for d in devices:
-            facts = f", capability {d.capability[0]}.{d.capability[1]}" if d.kind == "cuda" or d.simulated else ""
-            print(f"  device {d.index}: {d.name}, {d.total_memory / 2**30:.1f} GiB{facts}"
-                  + (" (simulated)" if d.simulated else ""), flush=True)
-        where = gw.announcer.describe() if gw.announcer is not None else "off (--no-discovery)"
-        print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {where}", flush=True)
-        print("  authentication: " + ("token (every message sealed)" if token is not None else "none")
-              + ("; STATUS rows to the admin token only" if admin is not None else ""), flush=True)
-        print("  encryption: " + (f"CURVE, public key {gw.curve.keys.public.decode()}, clients admitted from "
-                                  f"{a.curve_clients}" if gw.curve is not None else "none"), flush=True)
-        print("  status: ready (Ctrl-C to stop)", flush=True)
-    print(f"READY tcp://{gw.host}:{gw.port}", flush=True)
 
     def stop(*_: object) -> None:
         gw.running = False
+    # before the banner: a Ctrl-C as soon as "ready" shows stops the gateway cleanly (it was a
+    # KeyboardInterrupt traceback through the banner's print, the gateway not shut down)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
+        if not a.quiet:
+            print(f"RemoteCUDA gateway {VERSION}: {note}", flush=True)
+            for d in devices:
+                facts = f", capability {d.capability[0]}.{d.capability[1]}" if d.kind == "cuda" or d.simulated else ""
+                print(f"  device {d.index}: {d.name}, {d.total_memory / 2**30:.1f} GiB{facts}"
+                      + (" (simulated)" if d.simulated else ""), flush=True)
+            where = gw.announcer.describe() if gw.announcer is not None else "off (--no-discovery)"
+            print(f"  listening on tcp://{gw.host}:{gw.port}; discovery: {where}", flush=True)
+            print("  authentication: " + ("token (every message sealed)" if token is not None else "none")
+                  + ("; STATUS rows to the admin token only" if admin is not None else ""), flush=True)
+            print("  encryption: " + (f"CURVE, public key {gw.curve.keys.public.decode()}, clients admitted from "
+                                      f"{a.curve_clients}" if gw.curve is not None else "none"), flush=True)
+            print("  status: ready (Ctrl-C to stop)", flush=True)
+        print(f"READY tcp://{gw.host}:{gw.port}", flush=True)
         gw.serve()
     finally:
         gw.shutdown()
@@ -240,6 +244,24 @@ def _split_options(rest: list[str]) -> tuple[list[str], list[str]] | None:
     return rest[:i], rest[i:]
 
 
+def _command_mistake(cmd: list[str], is_python: bool, split: tuple[list[str], list[str]] | None) -> str | None:
+    """What is wrong with ``remotecuda run``'s command, said after its usage line; None when nothing."""
+    if not cmd:
+        return "no command given"
+    if not is_python:
+        return f"it runs a Python program; {cmd[0]!r} is not python"
+    if split is None:
+        return "an option of python it cannot keep (it keeps -b -B -d -E -I -O -P -q -s -u -v -W ARG -X OPT)"
+    rest = split[1]
+    if not rest:
+        return "no program given"
+    if rest[0] in ("-m", "-c") and len(rest) < 2:
+        return f"{rest[0]} needs an argument"
+    if rest[0].startswith("-") and rest[0] not in ("-m", "-c", "-"):
+        return f"unknown option {rest[0]}"
+    return None
+
+
 def _run(a: argparse.Namespace) -> int:
     """``python ...`` with interception on: the program sees what ``python`` would show it
     (sys.argv, sys.path[0], ``__main__`` and its ``__file__``/``__spec__``), prints an uncaught
@@ -247,13 +269,13 @@ def _run(a: argparse.Namespace) -> int:
     cmd = list(a.command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    is_python = cmd and (os.path.basename(cmd[0]).rstrip("0123456789.") in ("python", "python3")
+    is_python = bool(cmd) and (os.path.basename(cmd[0]).rstrip("0123456789.") in ("python", "python3")
                          or cmd[0] == sys.executable)
     split = _split_options(cmd[1:]) if is_python else None
     options, rest = split or ([], [])
-    if not rest or rest[0] in ("-m", "-c") and len(rest) < 2 \
-            or rest[0].startswith("-") and rest[0] not in ("-m", "-c", "-"):
-        print(USAGE, file=sys.stderr)
+    reason = _command_mistake(cmd, is_python, split)
+    if reason is not None:  # (said as argparse says a usage error)
+        print(f"{USAGE}\nremotecuda run: error: {reason}", file=sys.stderr)
         return 2
     if options:  # they act at the interpreter's start: start one with them, running this command
         again = [f"--server={a.server}"] * (a.server is not None) + [f"--trace={a.trace}"] * (a.trace is not None)
@@ -416,6 +438,7 @@ def _exit_by_sigint() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="remotecuda",
                                 description="Use a GPU on another machine from unchanged PyTorch code.")
+    p.add_argument("--version", action="version", version=f"remotecuda {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="start a GPU gateway on this machine")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -494,13 +517,16 @@ def main(argv: list[str] | None = None) -> int:
                    "(default REMOTECUDA_SERVERS; unset: listen for beacons)")
     v.add_argument("--wait", type=_number(float), default=1.5, help="seconds to listen (default 1.5: one beacon round)")
     v.add_argument("--json", action="store_true", help="print the list as JSON")
-    sub.add_parser("token", help="print a new random token (for --token-file / REMOTECUDA_TOKEN_FILE)")
+    t = sub.add_parser("token", help="print a new random token (for --token-file / REMOTECUDA_TOKEN_FILE)")
     k = sub.add_parser("keys", help="make a CURVE key pair: DIR/NAME.key (public) and DIR/NAME.key_secret (0600)")
     k.add_argument("name", help="the pair's name, e.g. gateway, or a client's (its public key file is "
                                 "copied into a gateway's --curve-clients directory)")
     k.add_argument("dir", help="the directory to write them to (created if missing)")
     argv = sys.argv[1:] if argv is None else argv
-    a = p.parse_args(argv)
+    a, extra = p.parse_known_args(argv)
+    if extra:  # said by the command's parser: its usage, "remotecuda start: error: ..." (not the top level's)
+        {"start": s, "run": r, "servers": v, "token": t, "keys": k}[a.cmd].error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if a.cmd == "keys":
         return _keys(a)
     if a.cmd == "servers":

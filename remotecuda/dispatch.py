@@ -497,24 +497,9 @@ class Dispatcher:
     def _describe(self, m: OpMeta, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict) -> Any:
         base = s.reserve(1024)
         res = s.request(m.name, wargs, wkw, base=base)
-
-        def build(v: Any, alias: Any) -> Any:
-            if isinstance(v, dict):
-                if alias is not None and alias[2]:
-                    s.release(v["h"])
-                    return _arg_at(args, kwargs, alias[0], alias[1])
-                if alias is not None:
-                    src = _arg_at(args, kwargs, alias[0], alias[1])
-                    return _view(src, make, s, v["h"], v["shape"], v["stride"], v["offset"], v["dtype"],
-                                 getattr(src, "_sid", None))
-                return make(s, v["h"], v["shape"], v["stride"], v["offset"], v["dtype"])
-            if isinstance(v, list):
-                return [build(x, alias) for x in v]
-            return v
-
         if m.multi:
-            return tuple(build(v, a) for v, a in zip(res, m.ret_alias))
-        return build(res, m.ret_alias[0] if m.ret_alias else None)
+            return tuple(_described(v, a, s, args, kwargs) for v, a in zip(res, m.ret_alias))
+        return _described(res, m.ret_alias[0] if m.ret_alias else None, s, args, kwargs)
 
     # ------------------------------------------------------------------ CPU tensors
     def _upload_cpu_args(self, m: OpMeta, args: tuple, kwargs: dict, session: Any) -> tuple:
@@ -668,6 +653,24 @@ def _spec(r: torch.Tensor, alias: Any) -> ArgOut | ViewOut | NewOut:
     if alias is not None:
         return ViewOut(alias[0], alias[1], lay)
     return NewOut(lay)
+
+
+def _described(v: Any, alias: Any, s: Any, args: tuple, kwargs: dict) -> Any:
+    """An output the gateway described (``Dispatcher._describe``), as a wrapper: a module function,
+    not a closure calling itself, whose cycle would keep the op's arguments (``x`` of ``x.item()``,
+    the base of a view read) alive until the garbage collector ran, their gateway memory with them."""
+    if isinstance(v, dict):
+        if alias is not None and alias[2]:
+            s.release(v["h"])
+            return _arg_at(args, kwargs, alias[0], alias[1])
+        if alias is not None:
+            src = _arg_at(args, kwargs, alias[0], alias[1])
+            return _view(src, make, s, v["h"], v["shape"], v["stride"], v["offset"], v["dtype"],
+                         getattr(src, "_sid", None))
+        return make(s, v["h"], v["shape"], v["stride"], v["offset"], v["dtype"])
+    if isinstance(v, list):
+        return [_described(x, alias, s, args, kwargs) for x in v]
+    return v
 
 
 def _view(src: Any, fn: Any, *a: Any) -> RemoteTensor:

@@ -91,30 +91,34 @@ def localized(tree: Any, detach: bool = False) -> Any:
     """``tree`` (nested lists, tuples and dicts) with each cuda tensor in it replaced by a CPU
     copy, all fetched in one round trip; ``tree`` itself when it holds none."""
     found: list[RemoteTensor] = []
-
-    def collect(x: Any) -> None:
-        if isinstance(x, RemoteTensor):
-            found.append(x)
-        elif type(x) is list or type(x) is tuple:
-            for v in x:
-                collect(v)
-        elif type(x) is dict:
-            for v in x.values():
-                collect(v)
-    collect(tree)
+    _collect(tree, found)
     if not found:
         return tree
     copies = dict(zip(map(id, found), fetch([t.detach() for t in found] if detach else found)))
+    return _with_copies(tree, copies)
 
-    def local(x: Any) -> Any:
-        if isinstance(x, RemoteTensor):
-            return copies[id(x)]
-        if type(x) is list or type(x) is tuple:
-            return type(x)(local(v) for v in x)
-        if type(x) is dict:
-            return {k: local(v) for k, v in x.items()}
-        return x
-    return local(tree)
+
+# (module functions, not closures calling themselves: such a cycle would keep the tensors found,
+# and their gateway memory, alive until the garbage collector ran)
+def _collect(x: Any, found: list) -> None:
+    if isinstance(x, RemoteTensor):
+        found.append(x)
+    elif type(x) is list or type(x) is tuple:
+        for v in x:
+            _collect(v, found)
+    elif type(x) is dict:
+        for v in x.values():
+            _collect(v, found)
+
+
+def _with_copies(x: Any, copies: dict) -> Any:
+    if isinstance(x, RemoteTensor):
+        return copies[id(x)]
+    if type(x) is list or type(x) is tuple:
+        return type(x)(_with_copies(v, copies) for v in x)
+    if type(x) is dict:
+        return {k: _with_copies(v, copies) for k, v in x.items()}
+    return x
 
 
 def module_tensors(m: torch.nn.Module) -> list[torch.Tensor]:

@@ -665,7 +665,17 @@ def close_sessions(timeout: float) -> None:
 # ---------------------------------------------------------------------- magics
 
 def _magics_class() -> type:
+    from IPython.core.error import UsageError
     from IPython.core.magic import Magics, line_magic, magics_class
+
+    def usage(message: str) -> UsageError:
+        """A mistake in a ``%remotecuda`` line: IPython shows ``UsageError: ...`` without a traceback
+        and the cell fails, so "Run all" stops there (a printed usage let the next cells run on)."""
+        return UsageError(f"%remotecuda {message}")
+
+    def no_more(args: list, command: str) -> None:
+        if args:
+            raise usage(f"{command} takes no argument, got {' '.join(args)!r}")
 
     @magics_class
     class _RemoteCUDAMagics(Magics):
@@ -685,11 +695,12 @@ def _magics_class() -> type:
             cmd, args = (parts[0].lower(), parts[1:]) if parts else ("status", [])
             fn = getattr(self, "_cmd_" + cmd.replace("-", "_"), None)
             if fn is None:
-                print((type(self).remotecuda.__doc__ or "").strip())
-                return
+                doc = " ".join((type(self).remotecuda.__doc__ or "").split())
+                raise usage(f"has no command {parts[0]!r}; usage: {doc.removeprefix('RemoteCUDA: ')}")
             fn(args)
 
         def _cmd_status(self, args: list) -> None:
+            no_more(args, "status")
             st = self.ext.status()
             if not st["active"]:
                 print(f"remotecuda: not active{' (' + st['error'] + ')' if st['error'] else ''}; "
@@ -737,6 +748,7 @@ def _magics_class() -> type:
                       f"{f['seconds']:.2f} s, {f['ops_replayed']} ops replayed ({f['cause']})")
 
         def _cmd_servers(self, args: list) -> None:
+            no_more(args, "servers")
             st = self.ext.status()
             print(f"configured: {st['servers']}" + (f"; found via {st['found_via']}" if st["found_via"] else ""))
             rt = _rt()
@@ -755,10 +767,12 @@ def _magics_class() -> type:
             else is REMOTECUDA_DEVICES syntax over the pool (a pin's HOST:PORT is asked directly)."""
             import remotecuda
             if len(args) != 1:
-                print("usage: %remotecuda use HOST:PORT[,HOST:PORT...] | use DEVICES "
-                      "(e.g. 2, host1:55555/0,any, any/A100)")
-                return
-            pins = parse_devices(args[0], "%remotecuda use")  # a mistake raises ValueError with the syntax
+                raise usage("use takes one argument: HOST:PORT[,HOST:PORT...] | DEVICES "
+                            "(e.g. 2, host1:55555/0,any, any/A100)" + (f", got {' '.join(args)!r}" if args else ""))
+            try:
+                pins = parse_devices(args[0], "%remotecuda use")
+            except ValueError as e:  # (it says the syntax)
+                raise UsageError(str(e)) from None
             named = all(p.host is not None and p.port is not None and p.gpu is None for p in pins)
             if remotecuda.is_active():
                 print("remotecuda: deactivating; tensors on the previous gateway(s) are gone")
@@ -782,13 +796,19 @@ def _magics_class() -> type:
                 current = rt.pool.strategy if rt is not None else self.ext.config.strategy
                 print(f"strategy: {current} (one of {', '.join(STRATEGIES)})")
                 return
-            name = self.ext.set_strategy(args[0])  # an unknown one raises ValueError listing the valid ones
+            if len(args) > 1:
+                raise usage(f"strategy takes one name ({', '.join(STRATEGIES)}), got {' '.join(args)!r}")
+            try:
+                name = self.ext.set_strategy(args[0])
+            except ValueError as e:  # (it lists the valid ones)
+                raise usage(f"strategy: {e}") from None
             placed = [d for d in rt.pool.devices if d.placed] if rt is not None else []
             print(f"strategy: {name} (for devices placed from now on"
                   + ("; placed already: " + ", ".join(f"cuda:{d.index} on {d.endpoint[6:]} GPU {d.gpu}"
                                                        for d in placed) if placed else "") + ")")
 
         def _cmd_last(self, args: list) -> None:
+            no_more(args, "last")
             rec = self.ext.last
             if rec is None:
                 print("no cell accounted yet")
@@ -827,25 +847,31 @@ def _magics_class() -> type:
             elif what == "off" and len(args) == 1:
                 trace.stop()
                 print("remotecuda: tracing off (the trace so far stays, for %remotecuda trace save FILE)")
-            else:
+            elif not args:
                 recording = _rt() is not None and trace.is_recording()
                 print(f"trace: {'on' if recording else 'off'} "
                       "(usage: %remotecuda trace on|off|save FILE|last FILE)")
+            else:
+                raise usage(f"trace takes on|off|save FILE|last FILE, got {' '.join(args)!r}")
 
         def _cmd_sync(self, args: list) -> None:
-            if not args or args[0].lower() not in ("on", "off"):
+            if not args:
                 print(f"sync: {'on' if self.ext.sync_on() else 'off'} (usage: %remotecuda sync on|off)")
                 return
+            if len(args) > 1 or args[0].lower() not in ("on", "off"):
+                raise usage(f"sync takes on or off, got {' '.join(args)!r}")
             self.ext.set_sync(args[0].lower() == "on")
             print(f"sync: {args[0].lower()} (" + ("every op waits for the gateway: an error is raised at "
                   "its line, and cells run slower" if self.ext.config.sync else "ops run asynchronously")
                   + ")")
 
         def _cmd_fallback(self, args: list) -> None:
-            if not args or args[0].lower() not in ("on", "off"):
+            if not args:
                 print(f"fallback: {'on' if self.ext.config.fallback == 'cpu' else 'off'} "
                       "(usage: %remotecuda fallback on|off)")
                 return
+            if len(args) > 1 or args[0].lower() not in ("on", "off"):
+                raise usage(f"fallback takes on or off, got {' '.join(args)!r}")
             self.ext.config.fallback = "cpu" if args[0].lower() == "on" else "error"
             print(f"fallback: {args[0].lower()} (applies when gateways are next connected: "
                   "%remotecuda use HOST:PORT)")

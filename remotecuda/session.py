@@ -49,6 +49,11 @@ BATCH_BYTES = 1 << 20
 #: uploads travel on the bulk connection in parts of this size, so the gateway's work overlaps the transfer
 #: flush ops that have waited this long (seconds), so the GPU is not kept idle
 BATCH_WINDOW = 0.002
+#: how many ops the client may have sent ahead of what its gateway has run, about a GPU's launch
+#: queue: past it, issuing the next op waits for the gateway to catch up, as a launch waits on a
+#: full queue. Without it a loop that never reads a value ran ever further ahead: an interrupt
+#: then waited for all that work, and past the gateway's bound (``--max-queued``) a message was refused
+RUN_AHEAD = 8192
 PING_EVERY = 2.0
 #: a gateway that answers nothing (not even a ping) for this long while a request waits is gone; the
 #: pool's heartbeats (liveness.py) find a silent gateway sooner (DOWN_AFTER) and wake the wait
@@ -122,6 +127,9 @@ class Session:
         #: requests an interrupt stopped waiting for (their replies kept in ``_later``): the error
         #: a reply carries is reported once, so it is raised at the next wait, not dropped
         self._abandoned: set[int] = set()
+        #: the pacing marker (RUN_AHEAD): a ``request_later`` sent when ``_pace_at`` ops had been sent
+        self._pace_rid: int | None = None
+        self._pace_at = 0
         #: whether every OPS message sent has been answered by an error-free reply since (the
         #: gateway then has nothing of ours left to run): a sync needs no round trip
         self._settled = True
@@ -313,6 +321,8 @@ class Session:
                 self._first_pending = time.monotonic()
                 if self.wake is not None:
                     self.wake()
+                if self._op_index - self._pace_at >= RUN_AHEAD and not self.sync:  # (once a batch)
+                    self._keep_pace()
             self._ops.append([name, args, kwargs, outs])
             if self.trace is not None:
                 self.trace.issued(self, name)
@@ -320,6 +330,22 @@ class Session:
                 self.request("rc::sync", [])
             elif len(self._ops) >= BATCH_OPS:
                 self.flush()
+
+    def _keep_pace(self) -> None:
+        """RUN_AHEAD more ops were sent: wait until the gateway has run those sent before the last
+        marker (its reply), and send a new one. At most about two RUN_AHEADs are ever ahead."""
+        rid, self._pace_rid = self._pace_rid, None
+        if rid in self._abandoned and self._later.get(rid) is None and self.lost is None and not self.closed:
+            body = self._wait(rid)[0].body
+            self._abandoned.discard(rid)
+            self._later.pop(rid, None)
+            if body.get("err"):  # (the gateway reports a failure once, in its next reply: this one)
+                raise remote_exception(body["err"])
+        self._abandoned_errors()  # (its reply came during another wait)
+        self._pace_at = self._op_index
+        self._pace_rid = self.request_later("rc::sync", [])
+        if self._pace_rid is not None:  # its reply is taken, and its error raised, at whichever wait meets it
+            self._abandoned.add(self._pace_rid)
 
     def reserve(self, n: int) -> int:
         """A block of n handles for outputs the gateway will describe; returns the first."""

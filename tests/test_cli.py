@@ -126,6 +126,25 @@ def test_run_rejects_a_non_python_command(gateway):
     assert r.returncode == 2 and "usage: remotecuda run" in r.stderr
 
 
+@pytest.mark.parametrize("args, says", [
+    (["start", "--bogus"], "usage: remotecuda start [-h]|remotecuda start: error: unrecognized arguments: --bogus"),
+    (["servers", "x"], "usage: remotecuda servers|remotecuda servers: error: unrecognized arguments: x"),
+    (["run", "bash", "-c", "true"], "usage: remotecuda run|remotecuda run: error: it runs a Python program; 'bash'"),
+    (["run", "python", "-m"], "remotecuda run: error: -m needs an argument"),
+    (["run"], "remotecuda run: error: no command given"),
+], ids=["start flag", "servers argument", "not python", "-m alone", "nothing"])
+def test_a_command_line_mistake_is_said_by_its_command(args, says):
+    """A mistake is a usage error (exit 2) with the command's own usage and a line saying what is wrong (a
+    bad flag of start showed the top level's usage; run's mistakes showed its usage alone)."""
+    r = _run([sys.executable, "-m", "remotecuda", *args], timeout=60)
+    assert r.returncode == 2 and all(part in r.stderr for part in says.split("|")), r.stderr
+
+
+def test_version_flag():
+    r = _run([sys.executable, "-m", "remotecuda", "--version"], timeout=60)
+    assert (r.returncode, r.stdout) == (0, f"remotecuda {remotecuda.__version__}\n"), r.stderr
+
+
 PROBE = r'''
 import pickle, sys
 import torch
@@ -378,6 +397,33 @@ def test_start_banner():
     finally:
         codes = [_stop(cpu), _stop(auto)]
     assert codes == [0, 0]
+
+
+def test_start_stops_cleanly_on_ctrl_c():
+    """Ctrl-C (SIGINT to the terminal's process group) as soon as the banner says ready stops the gateway
+    and its workers with exit 0 and nothing on stderr (a SIGINT just after READY was a KeyboardInterrupt
+    traceback through the banner's print: the handler was installed after it)."""
+    p = subprocess.Popen([sys.executable, "-m", "remotecuda", "start", "--device", "cpu", "--port", "0",
+                          "--no-discovery", "--spare", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         stdin=subprocess.DEVNULL, text=True, cwd=ROOT, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        while not p.stdout.readline().startswith("READY "):
+            assert p.poll() is None, p.stderr.read()
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert (p.returncode, err) == (0, ""), err
+    assert wait_for(lambda: not [q for q in psutil.process_iter(["pid"]) if _in_group(q, p.pid)], 20)
+
+
+def _in_group(q: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(q.pid) == pgid and q.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.Error):
+        return False
 
 
 def test_start_help_names_the_pool_options():

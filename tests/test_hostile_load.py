@@ -15,7 +15,7 @@ import zmq
 from remotecuda_wire import auth, protocol
 from remotecuda_wire.protocol import Handle
 
-from conftest import ROOT, Client, GatewayProcess, still_served_with_token, wait_for
+from conftest import ROOT, Client, GatewayProcess, run_python, still_served_with_token, wait_for
 from fuzzing import Campaign, GoodClient
 
 TOKEN = "fuzzing-token-0123456789-abcdefghij"
@@ -164,6 +164,42 @@ def test_a_sessions_queue_is_bounded():
     finally:
         c.close()
         gw.stop()
+
+
+PACED = r"""
+import remotecuda, remotecuda.session, torch
+remotecuda.session.RUN_AHEAD = 100  # (at most about two messages of 256 ops ahead: the bound here is 1000)
+remotecuda.activate()
+a = torch.randn(96, 96, device="cuda") / 10
+n = torch.zeros((), device="cuda")
+for i in range(700):  # never reads a value: its products outrun the gateway
+    a = torch.tanh(a @ a)
+    n += 1
+print("COUNT", n.item())
+b = torch.zeros(3, device="cuda")
+b[torch.tensor([7], device="cuda")]  # fails on the gateway; the loop after it never reads
+try:
+    for i in range(600):
+        b += 1
+except IndexError as e:
+    print("RAISED", str(e).splitlines()[0])
+print("AFTER", torch.ones(2, device="cuda").sum().item())
+"""
+
+
+def test_a_loop_that_never_reads_keeps_pace_with_its_gateway():
+    """remotecuda/session.py's RUN_AHEAD: a loop queuing ops without reading a value waits for its gateway
+    once it is that far ahead, as a full launch queue holds a loop on a GPU. It ran ever further ahead: its
+    messages were refused past --max-queued (GatewayProtocolError), and an interrupt waited for all it had
+    queued. An op's error met on the way is raised there, as by a sync."""
+    gw = GatewayProcess("--spare", "1", "--max-queued", "1000")
+    try:
+        r = run_python(PACED, env={"REMOTECUDA_SERVERS": gw.address, "REMOTECUDA_FALLBACK": "error"}, timeout=240)
+    finally:
+        gw.stop()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["COUNT 700.0", "RAISED index 7 is out of bounds for dimension 0 with size 3",
+                                     "AFTER 2.0"], (r.stdout, r.stderr[-3000:])
 
 
 class Flood(threading.Thread):

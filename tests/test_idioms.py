@@ -430,3 +430,27 @@ def test_a_forked_child_gets_plain_torch_even_while_a_session_lock_is_held():
         assert os.waitstatus_to_exitcode(status[-1]) == 0, "the child did not get plain CPU torch"
     finally:
         done.set()
+
+
+@pytest.mark.parametrize("read", [
+    lambda t: t[0, 0].item(), lambda t: float(t.sum()), lambda t: bool(t.sum() > 0), lambda t: t.nonzero(),
+    lambda t: torch.tensor([t.sum(), t.mean()]), lambda t: t[t > 0].shape,
+], ids=["view item", "float", "bool", "nonzero", "torch.tensor of cuda scalars", "mask"])
+def test_a_read_leaves_its_tensor_free_to_go(read):
+    """A tensor whose value was read goes, with its gateway memory, as soon as the program drops it, as on a
+    GPU (``out[0, 0].item(); del out`` kept ``out``, and its memory, until the garbage collector ran: the
+    ops the gateway describes held their arguments in a reference cycle)."""
+    import gc
+    import weakref
+    gc.collect()
+    gc.disable()
+    try:
+        before = torch.cuda.memory_allocated()
+        t = torch.randn(256, 256, device="cuda")
+        ref = weakref.ref(t)
+        read(t)
+        del t
+        assert ref() is None
+        assert torch.cuda.memory_allocated() == before
+    finally:
+        gc.enable()

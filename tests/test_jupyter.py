@@ -523,3 +523,45 @@ def test_an_ignored_variable_does_not_keep_the_extension_inactive(gateway):
                    env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_CACHE_BYTES": "1G"}, timeout=180)
     assert "remotecuda: ignored REMOTECUDA_CACHE_BYTES='1G'" in r.stdout + r.stderr, r.stderr
     assert "not active" not in r.stdout + r.stderr and "2.0" in r.stdout, (r.stdout, r.stderr)
+
+
+# ---------------------------------------------------------------------------- in one IPython shell
+
+SHELL = r'''
+import sys
+from IPython.testing.globalipapp import start_ipython
+ip = start_ipython()
+ip.run_line_magic('load_ext', 'remotecuda')
+for cell in sys.argv[1:]:
+    r = ip.run_cell(cell)
+    e = r.error_in_exec or r.error_before_exec
+    print(f"RESULT {r.success} {type(e).__name__ if e else None}: {e if e else ''}", flush=True)
+'''
+
+
+def ipython_cells(address: str, *cells: str):
+    """Run ``cells`` in one IPython shell with the extension loaded; its output, and a RESULT line a cell."""
+    r = run_python("", args=["-c", SHELL, *cells], env={"REMOTECUDA_SERVERS": address,
+                                                       "REMOTECUDA_FALLBACK": "error"}, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout, [line.split(" ", 1)[1] for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def test_magic_mistakes_are_usage_errors(gateway):
+    """A mistake in a ``%remotecuda`` line fails the cell with IPython's one-line UsageError, as IPython's
+    own magics do (it printed the usage and the cell succeeded, so "Run all" went on; or showed a traceback)."""
+    mistakes = ["%remotecuda bogus", "%remotecuda use", "%remotecuda use a b", "%remotecuda use host:xx",
+                "%remotecuda strategy fastest", "%remotecuda strategy adaptive now", "%remotecuda sync maybe",
+                "%remotecuda fallback yes", "%remotecuda trace save", "%remotecuda trace xyz",
+                "%remotecuda status now"]
+    queries = ["%remotecuda sync", "%remotecuda fallback", "%remotecuda trace", "%remotecuda strategy",
+               "print(__import__('torch').ones(2, device='cuda').sum().item())"]
+    out, results = ipython_cells(gateway.address, *mistakes, *queries)
+    assert len(results) == len(mistakes) + len(queries), out
+    for cell, res in zip(mistakes, results):
+        assert res.startswith("False UsageError: %remotecuda "), (cell, res)
+    assert "has no command 'bogus'; usage: %remotecuda status | servers" in results[0]
+    assert "valid: adaptive, load-balancing" in results[4] and "has no valid port" in results[3]
+    assert "Traceback" not in out, out
+    assert all(res.startswith("True None") for res in results[len(mistakes):]), results
+    assert "sync: off (usage: %remotecuda sync on|off)" in out and "\n2.0\n" in out
