@@ -240,6 +240,26 @@ def test_known_values_follow_writes(remote):
         rt.dispatcher.propagate = False
 
 
+
+def test_known_values_are_copied_to_the_cpu_without_a_read(remote):
+    """Inside a decode, ``.tolist()``/``.cpu()`` of known values (Qwen2-VL's ``grid_thw.tolist()`` in
+    its vision tower at every ``generate()``) are the client's copy, as an ``.item()`` is; a written
+    tensor is fetched."""
+    grid = torch.tensor([[1, 4, 4], [1, 4, 8]]).cuda()
+    rt = remotecuda.runtime.current()
+    rt.dispatcher.propagate = True
+    try:
+        before = _round_trips()
+        merged = grid[:, 1:] // 2
+        assert grid.tolist() == [[1, 4, 4], [1, 4, 8]] and torch.equal(merged.t().cpu(), torch.tensor([[2, 2], [2, 4]]))
+        assert merged.t().cpu().stride() == (1, 2)  # (a transposed view's strides, as any copy keeps them)
+        assert _round_trips() == before
+        grid.add_(1)
+        assert grid.tolist() == [[2, 5, 5], [2, 5, 9]]  # (read from the gateway)
+        assert _round_trips() == before + 1
+    finally:
+        rt.dispatcher.propagate = False
+
 def test_sampling_after_an_early_stop_draws_as_eager(remote):
     """The steps decoded past eager's stop are undone on the gateway's generator too: what the
     program samples after the call is what it samples after eager's."""
