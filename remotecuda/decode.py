@@ -22,7 +22,8 @@ assistant, no streamer) runs in ``decoding``, where:
 So the tokens are eager's, and a greedy or sampled call costs at most one blocking round trip. When every row
 has met EOS early, the client learns it a few steps late, without waiting (``Progress``): the
 gateway decodes those steps, which are undone, its generator included.
-Anything else (an assistant, a streamer, a user-given cache) takes the plain path, as before.
+Anything else (an assistant, a streamer, a user-given cache, logits processors or stopping criteria
+of the user's own classes) takes the plain path, as before.
 """
 from __future__ import annotations
 
@@ -91,8 +92,17 @@ def _supported(model: Any, kwargs: dict) -> bool:
             return False
     except (AttributeError, StopIteration):
         return False
-    return all(kwargs.get(k) is None for k in ("streamer", "assistant_model", "prompt_lookup_num_tokens",
-                                               "past_key_values", "logits_processor", "stopping_criteria"))
+    return (all(kwargs.get(k) is None for k in ("streamer", "assistant_model", "prompt_lookup_num_tokens",
+                                                "past_key_values"))
+            and all(_own(kwargs.get(k)) for k in ("logits_processor", "stopping_criteria")))
+
+
+def _own(steps: Any) -> bool:
+    """Whether given logits processors or stopping criteria are all transformers' own classes, as
+    ``generate()`` builds from its arguments (Whisper's ``generate`` passes its suppressions so):
+    they compute on what they are given, so the steps undone after eager's last leave no trace.
+    A class of the user's may keep state or print, and sees every step on the plain path."""
+    return steps is None or all(type(s).__module__.startswith("transformers.") for s in steps)
 
 
 def _learn_inputs(values: list) -> None:

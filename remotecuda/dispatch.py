@@ -591,6 +591,10 @@ class Dispatcher:
         return out
 
     def download(self, t: RemoteTensor) -> torch.Tensor:
+        if self.propagate:  # inside a decode, a copy of known values (known.py) is read here, as an item is
+            cpu = known.value(t)
+            if cpu is not None:
+                return cpu.contiguous().clone()
         fetched = downloads.take(t)  # fetched ahead with others (torch.save, Module.cpu...)
         return fetched if fetched is not None else t._s.request("rc::fetch", [t._h])
 

@@ -7,8 +7,9 @@ value read — a blocking round trip to the gateway — on tensors made from dat
 sent itself. So a small integer or boolean upload keeps a CPU copy of its bytes (``remember``),
 and inside a decode (decode.py sets ``Dispatcher.propagate``) an op whose tensor arguments are
 all known runs on those copies too (it is still sent to the gateway as usual): its integer or
-boolean results become known, and a value read of a known tensor is answered here, with no
-round trip.
+boolean results become known, and a value read of a known tensor (an item, or a copy to the CPU:
+``.tolist()``, ``.cpu()``, which the dispatcher's ``download`` takes from here) is answered here,
+with no round trip.
 
 A copy must be exact: the gateway computes the same bits. So an upload is kept only when it holds
 integers or booleans, and inside a decode an op's results are kept when they are integers or

@@ -128,6 +128,52 @@ def test_encoder_decoder_generates_as_eager(remote, sample):
     assert trips <= 2
 
 
+
+class _CountingProcessor(T.LogitsProcessor):
+    """A logits processor of the user's own: it may keep state, so it must see eager's steps only."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return scores
+
+
+def test_whisper_and_given_transformers_processors_decode_without_a_read_per_token(remote):
+    """Whisper's ``generate`` hands its suppressions to ``GenerationMixin.generate`` as a
+    ``logits_processor``, as users do with ``LogitsProcessorList([MinLengthLogitsProcessor...])``:
+    transformers' own classes decode here (a read per token before, the stop check), the rows
+    meeting EOS early; a processor class of the user's keeps the plain path and sees eager's steps."""
+    torch.manual_seed(0)
+    model = T.WhisperForConditionalGeneration(T.WhisperConfig(
+        vocab_size=100, num_mel_bins=16, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=20,
+        max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=3,
+        begin_suppress_tokens=[9], suppress_tokens=[10, 11], tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.proj_out.weight.normal_()
+    features = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(3))
+    eos = int(model.generate(features, max_new_tokens=16)[0, 8])  # (a token met early)
+
+    def call(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        min_length = T.MinLengthLogitsProcessor(4, eos_token_id=eos, device=x.device)
+        return m.generate(x, max_new_tokens=16, eos_token_id=eos, logits_processor=T.LogitsProcessorList([min_length]))
+    expected = call(model, features)
+    remote_model = copy.deepcopy(model).cuda()
+    x = features.cuda()
+    before = _round_trips()
+    got = call(remote_model, x)
+    trips = _round_trips() - before
+    assert expected.shape[1] < 16 + 1 and torch.equal(got.cpu(), expected)
+    assert trips <= 8  # (whisper's own reads of each row's last token, the stop count; 16 and more before)
+
+    counting = [_CountingProcessor(), _CountingProcessor()]
+    for m, x, counter in ((model, features, counting[0]), (remote_model, features.cuda(), counting[1])):
+        m.generate(x, max_new_tokens=16, eos_token_id=eos, logits_processor=T.LogitsProcessorList([counter]))
+    assert counting[1].calls == counting[0].calls
+
+
 class _Bigram(torch.nn.Module):
     """A model with no Hugging Face in it: logits from the last ids."""
 
@@ -193,6 +239,26 @@ def test_known_values_follow_writes(remote):
     finally:
         rt.dispatcher.propagate = False
 
+
+
+def test_known_values_are_copied_to_the_cpu_without_a_read(remote):
+    """Inside a decode, ``.tolist()``/``.cpu()`` of known values (Qwen2-VL's ``grid_thw.tolist()`` in
+    its vision tower at every ``generate()``) are the client's copy, as an ``.item()`` is; a written
+    tensor is fetched."""
+    grid = torch.tensor([[1, 4, 4], [1, 4, 8]]).cuda()
+    rt = remotecuda.runtime.current()
+    rt.dispatcher.propagate = True
+    try:
+        before = _round_trips()
+        merged = grid[:, 1:] // 2
+        assert grid.tolist() == [[1, 4, 4], [1, 4, 8]] and torch.equal(merged.t().cpu(), torch.tensor([[2, 2], [2, 4]]))
+        assert merged.t().cpu().stride() == (1, 2)  # (a transposed view's strides, as any copy keeps them)
+        assert _round_trips() == before
+        grid.add_(1)
+        assert grid.tolist() == [[2, 5, 5], [2, 5, 9]]  # (read from the gateway)
+        assert _round_trips() == before + 1
+    finally:
+        rt.dispatcher.propagate = False
 
 def test_sampling_after_an_early_stop_draws_as_eager(remote):
     """The steps decoded past eager's stop are undone on the gateway's generator too: what the
