@@ -698,7 +698,7 @@ class Session:
 
     def _decoded(self, frames: list, sock: zmq.Socket) -> protocol.Message:
         """A message from the gateway, counted, opened (signed links) and decoded."""
-        self._stats["bytes_down"] += sum(len(f) for f in frames)
+        self._stats["bytes_down"] += sum(map(len, frames))
         try:
             self._opener(frames, sock)
             return protocol.decode(frames)
