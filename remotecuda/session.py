@@ -552,7 +552,7 @@ class Session:
                         self._op_index += len(self._ops)
                         self._stats["ops"] += len(self._ops)
                         self._stats["messages"] += 1
-                        self._stats["bytes_up"] += sum(_size(f) for f in frames)
+                        self._stats["bytes_up"] += sum(map(_size, frames))
                         self._ops, self._payloads, self._pending_bytes = [], [], 0
                         self._last_send = time.monotonic()
                         if self._inflight:
@@ -728,7 +728,7 @@ class Session:
 
     def _decoded(self, frames: list, sock: zmq.Socket) -> protocol.Message:
         """A message from the gateway, counted, opened (signed links) and decoded."""
-        self._stats["bytes_down"] += sum(len(f) for f in frames)
+        self._stats["bytes_down"] += sum(map(len, frames))
         try:
             self._opener(frames, sock)
             return protocol.decode(frames)

@@ -251,6 +251,8 @@ class PartedUploads:
 
 #: how long an upload short of parts still waits once refused messages could account for them
 LOST_GRACE = 1.0
+#: the releases of a message that has none: only ``Executor._frees``'s sentinel (read, never changed)
+_NO_FREES: list = [(float("inf"), None)]
 
 
 class InternalOp(NamedTuple):
@@ -456,7 +458,8 @@ class Executor:
         memory of a message holding several steps at that of one step. They are taken in the
         order sent: one listed after a later position waits for it (late, never early)."""
         rel, at = body.get("rel"), body.get("rel_at")
-        rel = [] if rel is None else rel
+        if rel is None and at is None:  # (a value read's message frees nothing)
+            return _NO_FREES
         if not (isinstance(rel, list) and all(type(h) is int for h in rel)):
             raise ProtocolError("malformed release list (rel): expected a list of handle ids")
         if at is None:

@@ -51,6 +51,7 @@ TYPE_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", OPS: "OPS", REPLY: "REPLY", ER
 
 #: magic, version, type, flags, channel, seq, body_len, n_payloads, body_digest; then the MAC, then the CRC
 _HEADER = struct.Struct("<4sBBBBQIIQ")
+_CRC = struct.Struct("<I")  # a header frame's last field
 MAC_SIZE = 16
 HEADER_SIZE = _HEADER.size + MAC_SIZE + 4
 #: header flag: the message carries a MAC (auth.py) over its header and every frame
@@ -425,7 +426,7 @@ def encode(msg_type: int, body: dict, payloads: Sequence[Any] = (), seq: int = 0
 def finish_header(signed: bytes, mac: bytes) -> bytes:
     """A header frame: its signed part, the MAC, and the CRC-32 of both."""
     head = signed + mac
-    return head + struct.pack("<I", zlib.crc32(head))
+    return head + _CRC.pack(zlib.crc32(head))
 
 
 def resign(header: Any, flags: int, channel: int, seq: int) -> bytes:
@@ -441,7 +442,7 @@ def decode_header(frame: Any) -> Header:
     if buf.nbytes != HEADER_SIZE:
         raise ProtocolError(f"header is {buf.nbytes} bytes, expected {HEADER_SIZE}")
     raw = bytes(buf)
-    if struct.unpack("<I", raw[-4:])[0] != zlib.crc32(raw[:-4]):
+    if _CRC.unpack_from(raw, HEADER_SIZE - 4)[0] != zlib.crc32(raw[:-4]):
         raise ProtocolError("header integrity check failed")
     magic, version, msg_type, flags, channel, seq, body_len, n_pl, digest = _HEADER.unpack_from(raw)
     if magic != MAGIC:
