@@ -430,19 +430,45 @@ def max_memory_allocated(device: Any = None) -> int:
 
 
 def max_memory_reserved(device: Any = None) -> int:
-    return _memory(device)["peak"]
+    return memory_stats(device)["reserved_bytes.all.peak"]
 
 
-def memory_stats(device: Any = None) -> dict:
+#: the counters CUDA's caching allocator reports (``torch.cuda.memory_stats``), each pool's and
+#: metric's: code that reads one by name (a trainer's memory monitor) finds it
+_POOL_STATS = ("allocation", "allocated_bytes", "segment", "reserved_bytes", "active", "active_bytes",
+               "inactive_split", "inactive_split_bytes", "requested_bytes")
+_METRICS = ("current", "peak", "allocated", "freed")
+_COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+             "num_oom_rejections", "max_split_size")
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    """The allocator's counters by CUDA's names. A CUDA gateway sends its allocator's own; a CPU
+    one knows the bytes its session holds (current and peak) and what it keeps for reuse, so the
+    byte figures say those and the counters it does not keep are 0."""
     m = _memory(device)
-    return {"allocated_bytes.all.current": m["allocated"], "allocated_bytes.all.peak": m["peak"],
-            "reserved_bytes.all.current": m["reserved"]}
+    if "stats" in m:
+        return dict(sorted(m["stats"].items()))
+    stats = dict.fromkeys([f"{k}.{pool}.{w}" for k in _POOL_STATS for pool in ("all", "large_pool", "small_pool")
+                           for w in _METRICS] + [f"oversize_{k}.{w}" for k in ("allocations", "segments")
+                                                 for w in _METRICS] + list(_COUNTERS), 0)
+    for k in ("allocated_bytes", "active_bytes", "requested_bytes"):
+        stats[f"{k}.all.current"], stats[f"{k}.all.peak"] = m["allocated"], m["peak"]
+    stats["reserved_bytes.all.current"] = m["reserved"]
+    stats["reserved_bytes.all.peak"] = max(m["reserved"], m["peak"])
+    stats["max_split_size"] = -1  # (CUDA's value when no max_split_size_mb is configured)
+    return dict(sorted(stats.items()))
 
 
 def memory_stats_as_nested_dict(device: Any = None) -> dict:
-    m = _memory(device)
-    return {"allocated_bytes": {"all": {"current": m["allocated"], "peak": m["peak"]}},
-            "reserved_bytes": {"all": {"current": m["reserved"]}}}
+    nested: dict[str, Any] = {}
+    for key, value in memory_stats(device).items():
+        *path, leaf = key.split(".")
+        level = nested
+        for part in path:
+            level = level.setdefault(part, {})
+        level[leaf] = value
+    return nested
 
 
 def memory_snapshot(mempool_id: Any = None) -> list:

@@ -44,6 +44,21 @@ def test_memory_accounting():
     assert 0 < free <= total
 
 
+def test_memory_stats_has_every_counter_a_cuda_allocator_reports():
+    """A trainer's memory monitor (torchtitan's, Lightning's DeviceStatsMonitor) reads
+    ``memory_stats()`` counters by name; torch's own summary reads the rest."""
+    x = torch.empty(1 << 18, device="cuda")
+    stats = torch.cuda.memory_stats()
+    for key in ("active_bytes.all.peak", "reserved_bytes.all.peak", "num_alloc_retries", "num_ooms",
+                "allocation.all.current", "inactive_split_bytes.all.current", "requested_bytes.large_pool.freed"):
+        assert key in stats, key
+    assert stats["allocated_bytes.all.current"] == torch.cuda.memory_allocated() >= x.nbytes
+    assert torch.cuda.max_memory_reserved() >= torch.cuda.max_memory_allocated() >= x.nbytes
+    nested = torch.cuda.memory_stats_as_nested_dict()
+    assert nested["active_bytes"]["all"]["peak"] == stats["active_bytes.all.peak"]
+    assert nested["num_ooms"] == 0
+
+
 def test_streams_and_events():
     s = torch.cuda.Stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
