@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 import re
 import threading
 import types
@@ -1074,6 +1075,13 @@ def _version_attribute(name: str) -> Any:
     raise AttributeError(f"module 'torch.version' has no attribute {name!r}")
 
 
+def _not_the_triton_note(record: logging.LogRecord) -> bool:
+    """A filter for flop_counter's logger: seeing ``torch.version.cuda`` set, it warns at import
+    that triton is missing (Lightning and MFU counters import it), which a GPU machine's torch
+    install, triton included, never says."""
+    return not record.getMessage().startswith("triton not found")
+
+
 def install(rt: Runtime) -> Interception:
     """Route 'cuda' to ``rt``: patch torch, push the dispatch mode on this thread."""
     p = _Patches()
@@ -1106,6 +1114,8 @@ def install(rt: Runtime) -> Interception:
     # read when asked (a discovered GPU's runtime is known once it is placed)
     p.remove(torch.version, "cuda")
     p.set(torch.version, "__getattr__", _version_attribute)
+    flop_log = logging.getLogger("torch.utils.flop_counter")
+    p.set(flop_log, "filters", [*flop_log.filters, _not_the_triton_note])
     # (it caches its answers: one from before activation would name the CPU)
     p.set(torch, "get_device_module", functools.cache(inspect.unwrap(torch.get_device_module)))
     # on cudnn's module object only: its own functions (set_flags...) still see the local truth

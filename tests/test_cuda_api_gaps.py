@@ -5,6 +5,7 @@ a GPU machine's would work."""
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import warnings
 
@@ -139,6 +140,21 @@ def test_a_cuda_machine_by_every_sign_libraries_read(sim):
     finally:  # (set through the new API, the legacy getters refuse to answer until it says none)
         reset_fp32_precision()
         import_utils.enable_tf32.cache_clear()
+
+
+def test_flop_counter_imported_while_active_says_nothing_of_triton(sim, caplog):
+    """``torch.utils.flop_counter`` (imported by Lightning and MFU estimates), seeing a CUDA
+    runtime, warns at import that triton is missing, which a GPU machine's torch always has."""
+    import importlib
+
+    import torch.utils.flop_counter as flop_counter
+    with caplog.at_level(logging.WARNING, logger="torch.utils.flop_counter"):
+        importlib.reload(flop_counter)
+    assert "triton" not in caplog.text
+    x = torch.ones(4, 8, device="cuda")
+    with flop_counter.FlopCounterMode(display=False) as counter:
+        x @ x.T
+    assert counter.get_total_flops() == 2 * 4 * 8 * 4
 
 
 def test_a_cpu_gateway_is_no_cuda_runtime(gateway):
