@@ -415,6 +415,15 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
+def _type_as(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``x.type_as(other)``: ``x.to(other's device and dtype)``, as torch defines it; C++ would
+    take the device from the wrapper's options, 'meta', which names no 'cuda' device."""
+    other = args[1] if len(args) > 1 else kwargs.get("other")
+    if isinstance(other, RemoteTensor):
+        return args[0].to(other.device, other.dtype)
+    return func(*args, **kwargs)
+
+
 def _pin_memory(func: Callable, args: tuple, kwargs: dict) -> Any:
     if isinstance(args[0], RemoteTensor):
         return func(*args, **kwargs)
@@ -617,6 +626,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.fft, "fftfreq", _factory),
     (torch.fft, "rfftfreq", _factory),
     (torch.Tensor, "to", _tensor_to),
+    (torch.Tensor, "type_as", _type_as),
     (torch._C._nn, "_parse_to", _parse_to),  # what Tensor.to (above) and Module.to read their arguments with
     (torch.Tensor, "cuda", _tensor_cuda),
     (torch.Tensor, "copy_", _tensor_copy_),

@@ -122,6 +122,23 @@ def test_more_of_torch_cuda(sim):
         double(torch.ones(2, device="cuda"))
 
 
+def test_tensors_made_after_another_go_to_the_device_named(sim):
+    """``zeros_like(x, device='cuda:1')`` and ``x.new_zeros(n, device=1)`` are made on the device
+    named, not x's; ``y.type_as(x)`` goes to x's device, not the one used last."""
+    x = torch.arange(6.0, device="cuda:0").view(2, 3)
+    for d in ("cuda:1", 1, torch.device("cuda", 1)):
+        made = [torch.zeros_like(x, device=d), torch.full_like(x, 2.0, device=d), torch.empty_like(x, device=d),
+                torch.randint_like(x, 5, device=d), x.new_zeros(3, device=d), x.new_full((3,), 2.0, device=d),
+                x.new_empty_strided((2,), (1,), device=d)]
+        assert [str(t.device) for t in made] == ["cuda:1"] * len(made)
+        assert made[1].tolist() == [[2.0] * 3] * 2 and made[5].tolist() == [2.0] * 3
+    assert torch.ones_like(x, device="cuda").device == torch.device("cuda:0")  # (the current device)
+    last = torch.ones(2, device="cuda:2") * 3
+    assert torch.ones(2).type_as(x).device == x.device
+    moved = last.type_as(x.long())
+    assert moved.device == x.device and moved.dtype == torch.int64 and moved.tolist() == [3, 3]
+
+
 def test_a_cuda_machine_by_every_sign_libraries_read(sim):
     """Library code tells a CUDA machine by ``torch.version.cuda`` (transformers refused
     ``TrainingArguments(tf32=True)``: "--tf32 requires Ampere or a newer GPU arch") and takes the
