@@ -605,6 +605,16 @@ def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
     _session(device).enqueue("rc::rng_set", [state], None, None)
 
 
+def default_generators() -> tuple[torch._C.Generator, ...]:
+    """``torch.cuda.default_generators`` while active: one per device, the same objects each time."""
+    from .generator import DefaultCudaGenerator
+    made = _rt().default_generators
+    for i in range(device_count()):
+        if i not in made:
+            made[i] = DefaultCudaGenerator(i, _session)
+    return tuple(made[i] for i in range(device_count()))
+
+
 def get_rng_state_all() -> list[torch.Tensor]:
     return [get_rng_state(i) for i in range(device_count())]
 

@@ -1085,6 +1085,13 @@ def _version_attribute(name: str) -> Any:
     raise AttributeError(f"module 'torch.version' has no attribute {name!r}")
 
 
+def _cuda_attribute(name: str) -> Any:
+    """``torch.cuda``'s module ``__getattr__`` while active: its ``default_generators``, the devices'."""
+    if name == "default_generators":
+        return cuda_api.default_generators()
+    raise AttributeError(f"module 'torch.cuda' has no attribute {name!r}")
+
+
 def _not_the_triton_note(record: logging.LogRecord) -> bool:
     """A filter for flop_counter's logger: seeing ``torch.version.cuda`` set, it warns at import
     that triton is missing (Lightning and MFU counters import it), which a GPU machine's torch
@@ -1142,6 +1149,8 @@ def install(rt: Runtime) -> Interception:
     p.set(torch.utils.dlpack, "to_dlpack", to_dlpack)
     p.set(torch, "to_dlpack", to_dlpack)
     p.set(torch, "Generator", cuda_api.Generator)
+    p.remove(torch.cuda, "default_generators")  # (read when asked: the devices are known when used)
+    p.set(torch.cuda, "__getattr__", _cuda_attribute)
     from torch.optim import optimizer
     from torch.utils import _foreach_utils as foreach_utils
     # the C++ function itself: every Python binding of it (clip_grad, the optimizers, swa_utils)

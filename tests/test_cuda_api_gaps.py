@@ -139,6 +139,26 @@ def test_tensors_made_after_another_go_to_the_device_named(sim):
     assert moved.device == x.device and moved.dtype == torch.int64 and moved.tolist() == [3, 3]
 
 
+def test_default_generators_are_the_devices_own(sim):
+    """``torch.cuda.default_generators[i]`` (Megatron's and DeepSpeed's RNG trackers save and
+    restore it by its state; it was an empty tuple): device i's default generator, seeded, read
+    and restored as torch.cuda's functions do, and the default when given as ``generator=``."""
+    gens = torch.cuda.default_generators
+    assert len(gens) == torch.cuda.device_count() and gens[1] is torch.cuda.default_generators[1]
+    assert gens[1].device == torch.device("cuda", 1) and torch.cuda._get_generator(torch.device("cuda:1")) is gens[1]
+    gens[1].manual_seed(123)
+    assert gens[1].initial_seed() == 123
+    with torch.cuda.device(1):
+        assert torch.cuda.initial_seed() == 123
+    state = gens[1].get_state()
+    assert torch.equal(state, torch.cuda.get_rng_state(1))
+    a = torch.rand(4, device="cuda:1")
+    gens[1].set_state(state)
+    assert torch.equal(torch.rand(4, device="cuda:1"), a)
+    gens[1].set_state(state)
+    assert torch.equal(torch.rand(4, device="cuda:1", generator=gens[1]), a)
+
+
 def test_a_cuda_machine_by_every_sign_libraries_read(sim):
     """Library code tells a CUDA machine by ``torch.version.cuda`` (transformers refused
     ``TrainingArguments(tf32=True)``: "--tf32 requires Ampere or a newer GPU arch") and takes the
