@@ -132,6 +132,11 @@ class DefaultCudaGenerator(torch._C.Generator):
         return f"<torch.Generator device='cuda:{self.index}' (remotecuda: the device's default)>"
 
 
+def on_cuda(g: Any) -> bool:
+    """Whether ``g`` (as it reaches dispatch: a plain ``torch._C.Generator``) is a 'cuda' one's carrier."""
+    return isinstance(g, torch._C.Generator) and torch._C.Generator.initial_seed(g) & _MASK in (_MAGIC, _DEFAULT_MAGIC)
+
+
 def wire_ref(g: torch._C.Generator) -> GeneratorRef | None:
     """The gateway generator behind a generator argument (None: the device's default); CPU
     generators are an error, as on a GPU."""

@@ -56,6 +56,7 @@ from . import (
     expanded_weights,
     flags,
     flex_attention,
+    generator,
     hub_kernels,
     indexing,
     legacy_types,
@@ -836,6 +837,9 @@ class RemoteDispatchMode(TorchDispatchMode):
             if out is NotImplemented:
                 _refuse_remote_higher_order(func)
             return out
+        if "generator" in kwargs and generator.on_cuda(kwargs["generator"]):
+            # (the carrier is a CPU generator, which would draw from its own seed, not the user's)
+            raise RuntimeError("Expected a 'cpu' device type for generator but found 'cuda'")
         return func(*args, **kwargs)
 
     def again(self, fn: Callable[[], Any]) -> Any:

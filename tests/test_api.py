@@ -214,6 +214,18 @@ def test_data_dependent_ops():
     assert torch.equal(r.cpu(), ref[ref > 0] * 2)
 
 
+def test_a_cuda_generator_given_to_a_cpu_op_is_refused_as_on_a_gpu():
+    """``DataLoader(shuffle=True, generator=torch.Generator('cuda'))`` draws its permutation on the
+    CPU, which a GPU's torch refuses; here the generator's client-side carrier, a CPU generator,
+    drew it silently, from a seed of its own, not the user's."""
+    g = torch.Generator("cuda").manual_seed(0)
+    with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator but found 'cuda'"):
+        list(torch.utils.data.DataLoader(range(6), batch_size=2, shuffle=True, generator=g))
+    with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator"):
+        torch.empty(3).normal_(generator=g)
+    assert sorted(torch.randperm(5, device="cuda", generator=g).tolist()) == [0, 1, 2, 3, 4]
+
+
 def test_seeded_randomness_repeats():
     torch.manual_seed(1234)
     a = torch.randn(5, device="cuda")
