@@ -676,6 +676,35 @@ def mark(msg: str) -> None:
     return None
 
 
+class _Cudart:
+    """``torch.cuda.cudart()``, the CUDA runtime a program calls itself: ``cudaProfilerStart`` and
+    ``Stop`` (``torch.cuda.profiler.start``, ``profile()``) bound a local profiler's capture
+    (``nsys --capture-range=cudaProfilerApi``) as NVTX ranges mark its timeline, and there is no
+    local GPU to capture, so they succeed doing nothing; the rest would act on a local GPU."""
+
+    class cudaError:  # noqa: N801  (what torch.cuda.check_error compares with)
+        success = 0
+
+    @staticmethod
+    def cudaProfilerStart() -> int:  # noqa: N802  (CUDA's name)
+        return 0
+
+    @staticmethod
+    def cudaProfilerStop() -> int:  # noqa: N802
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotImplementedError(f"remotecuda: torch.cuda.cudart().{name} calls the CUDA runtime of a GPU in this "
+                                  "process, and the GPUs are on gateways; it is not supported")
+
+
+_CUDART = _Cudart()
+
+
+def cudart() -> _Cudart:
+    return _CUDART
+
+
 #: what replaces torch.cuda.<name> while active
 REPLACEMENTS = LOCAL_ONLY | {name: obj for name, obj in dict(globals()).items() if name in {
     "is_available", "is_initialized", "init", "device_count", "current_device", "set_device",
@@ -691,6 +720,6 @@ REPLACEMENTS = LOCAL_ONLY | {name: obj for name, obj in dict(globals()).items() 
     "list_gpu_processes", "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
     "reset_accumulated_host_memory_stats",
     "ipc_collect", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
-    "set_rng_state", "get_rng_state_all", "set_rng_state_all", "_lazy_init", "_initialized"}}
+    "set_rng_state", "get_rng_state_all", "set_rng_state_all", "_lazy_init", "_initialized", "cudart"}}
 #: what replaces torch.cuda.nvtx.<name> while active (``nvtx.range`` uses these)
 NVTX_REPLACEMENTS = {name: globals()[name] for name in ("range_push", "range_pop", "range_start", "range_end", "mark")}

@@ -1124,6 +1124,8 @@ def install(rt: Runtime) -> Interception:
         p.set(torch._C, "_host_emptyCache", cuda_graphs._host_empty_cache)
     for name, obj in cuda_api.NVTX_REPLACEMENTS.items():
         p.set(torch.cuda.nvtx, name, obj)
+    p.set(torch.cuda.profiler, "cudart", cuda_api.cudart)  # (its own import of the name)
+    p.set(torch.cuda, "_cudart", cuda_api.cudart())  # (what torch.cuda.check_error reads)
     for name, obj in accelerator_api.REPLACEMENTS.items():
         p.set(torch.accelerator, name, obj)
     for name, obj in accelerator_api.MEMORY_REPLACEMENTS.items():

@@ -231,6 +231,20 @@ def test_profiler_with_cuda_activity_profiles_quietly(capfd):
     assert "CUDA event" not in err and "NVTX" not in err
 
 
+def test_a_profiler_capture_range_is_marked_as_nvtx_ranges_are():
+    """``torch.cuda.profiler.start()``/``stop()`` and ``profile()`` (scripts run under ``nsys
+    --capture-range=cudaProfilerApi``, Megatron's --profile) bound a local GPU's capture as NVTX
+    ranges mark its timeline: no-ops here (they raised AttributeError on the missing cudart);
+    the rest of cudart says it is not supported."""
+    torch.cuda.profiler.start()
+    with torch.cuda.profiler.profile():
+        y = torch.ones(2, device="cuda") * 2
+    torch.cuda.profiler.stop()
+    assert torch.cuda.cudart().cudaProfilerStart() == 0 and y.sum().item() == 4.0
+    with pytest.raises(NotImplementedError, match="cudaHostRegister"):
+        torch.cuda.cudart().cudaHostRegister(0, 0, 0)
+
+
 def test_memory_history_says_plainly_it_is_not_recorded():
     """The memory-visualizer workflow fails with a message naming what is missing (not an
     AttributeError from torch._C), and the figures the gateway does report stay available."""
