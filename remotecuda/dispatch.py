@@ -194,7 +194,7 @@ def _walk(values: Any, key: list, s: Any, float_values: bool) -> tuple[list, Any
             w, s = _walk(a, key, s, float_values)
             out.append(w)
         else:
-            out.append(_wire_other(a, t, key))
+            out.append(_wire_other(a, t, key, s))
     return out, s
 
 
@@ -209,8 +209,9 @@ def _join(s: Any, other: Any) -> Any:
                          f"devices, cuda:{s.vdev} and cuda:{other.vdev}!")
 
 
-def _wire_other(a: Any, t: type, key: list) -> Any:
-    """``_walk`` for the rarer argument types (devices, dtypes, generators...)."""
+def _wire_other(a: Any, t: type, key: list, s: Any) -> Any:
+    """``_walk`` for the rarer argument types (devices, dtypes, generators...); ``s``: the op's
+    session as found so far."""
     if t is DEVICE:
         key.append("dev")
         return _CUDA if a.type in ("cuda", "meta") else a
@@ -228,7 +229,7 @@ def _wire_other(a: Any, t: type, key: list) -> Any:
         return a
     if isinstance(a, torch._C.Generator):
         key.append("gen")
-        return wire_ref(a)
+        return wire_ref(a, s)
     raise NotImplementedError(f"remotecuda cannot send an argument of type {t.__name__} to the gateway")
 
 

@@ -137,9 +137,9 @@ def on_cuda(g: Any) -> bool:
     return isinstance(g, torch._C.Generator) and torch._C.Generator.initial_seed(g) & _MASK in (_MAGIC, _DEFAULT_MAGIC)
 
 
-def wire_ref(g: torch._C.Generator) -> GeneratorRef | None:
-    """The gateway generator behind a generator argument (None: the device's default); CPU
-    generators are an error, as on a GPU."""
+def wire_ref(g: torch._C.Generator, session: Any = None) -> GeneratorRef | None:
+    """The gateway generator behind a generator argument of an op on ``session`` (None: the
+    device's default); CPU generators are an error, as on a GPU."""
     seed = torch._C.Generator.initial_seed(g)
     if seed & _MASK == _DEFAULT_MAGIC:
         return None
@@ -149,4 +149,9 @@ def wire_ref(g: torch._C.Generator) -> GeneratorRef | None:
     if gen.session.closed:
         raise RuntimeError("remotecuda: this cuda Generator's session is closed (remotecuda was "
                            "deactivated); make a new torch.Generator('cuda')")
+    if session is not None and gen.session is not session:  # (the gateway would fail the op later, elsewhere)
+        raise NotImplementedError(
+            f"remotecuda: a generator of cuda:{gen.index} cannot drive an op on cuda:{session.vdev} (a device's "
+            f"generators live with its session on the gateway): make it on the op's device, "
+            f"torch.Generator('cuda:{session.vdev}')")
     return GeneratorRef(gen.gid)

@@ -159,6 +159,18 @@ def test_default_generators_are_the_devices_own(sim):
     assert torch.equal(torch.rand(4, device="cuda:1", generator=gens[1]), a)
 
 
+def test_a_generator_of_another_device_is_refused_at_the_call(sim):
+    """A cuda:1 generator given to an op on cuda:0 is refused at its line, naming the remedy; the
+    gateway failed the op later, reported at whatever op synchronized next."""
+    gen = torch.Generator("cuda:1").manual_seed(0)
+    with pytest.raises(NotImplementedError, match=r"torch.Generator\('cuda:0'\)"):
+        torch.randn(2, device="cuda:0", generator=gen)
+    with pytest.raises(NotImplementedError, match="a generator of cuda:1"):
+        torch.ones(3, device="cuda:0").normal_(generator=gen)
+    assert torch.ones(2, device="cuda:0").sum().item() == 2.0
+    assert torch.randn(2, device="cuda:1", generator=gen).device == torch.device("cuda:1")
+
+
 def test_a_cuda_machine_by_every_sign_libraries_read(sim):
     """Library code tells a CUDA machine by ``torch.version.cuda`` (transformers refused
     ``TrainingArguments(tf32=True)``: "--tf32 requires Ampere or a newer GPU arch") and takes the
