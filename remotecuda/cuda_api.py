@@ -99,6 +99,11 @@ def current_device() -> int:
 
 
 def set_device(device: Any) -> None:
+    """As torch's: a device without an index (``'cuda'``) names none to make current, a ValueError
+    (it made the current device stay what it was, so that later 'cuda' tensors went elsewhere)."""
+    d = torch.device(device) if isinstance(device, str) else device
+    if isinstance(d, DEVICE) and d.type == "cuda" and d.index is None:
+        raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{d}")
     i = device_index(device)
     if i >= 0:
         rt = _rt()

@@ -27,6 +27,9 @@ def test_device_queries(gateway):
         assert torch.cuda.current_device() == 0
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         torch.cuda.set_device(3)
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        torch.cuda.set_device("cuda")  # (as torch refuses it; it was ignored, the current device kept)
+    torch.cuda.set_device(torch.device("cuda:0"))
 
 
 def test_memory_accounting():
