@@ -99,6 +99,11 @@ def current_device() -> int:
 
 
 def set_device(device: Any) -> None:
+    """As torch's: a device without an index (``'cuda'``) names none to make current, a ValueError
+    (it made the current device stay what it was, so that later 'cuda' tensors went elsewhere)."""
+    d = torch.device(device) if isinstance(device, str) else device
+    if isinstance(d, DEVICE) and d.type == "cuda" and d.index is None:
+        raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{d}")
     i = device_index(device)
     if i >= 0:
         rt = _rt()
@@ -430,19 +435,45 @@ def max_memory_allocated(device: Any = None) -> int:
 
 
 def max_memory_reserved(device: Any = None) -> int:
-    return _memory(device)["peak"]
+    return memory_stats(device)["reserved_bytes.all.peak"]
 
 
-def memory_stats(device: Any = None) -> dict:
+#: the counters CUDA's caching allocator reports (``torch.cuda.memory_stats``), each pool's and
+#: metric's: code that reads one by name (a trainer's memory monitor) finds it
+_POOL_STATS = ("allocation", "allocated_bytes", "segment", "reserved_bytes", "active", "active_bytes",
+               "inactive_split", "inactive_split_bytes", "requested_bytes")
+_METRICS = ("current", "peak", "allocated", "freed")
+_COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+             "num_oom_rejections", "max_split_size")
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    """The allocator's counters by CUDA's names. A CUDA gateway sends its allocator's own; a CPU
+    one knows the bytes its session holds (current and peak) and what it keeps for reuse, so the
+    byte figures say those and the counters it does not keep are 0."""
     m = _memory(device)
-    return {"allocated_bytes.all.current": m["allocated"], "allocated_bytes.all.peak": m["peak"],
-            "reserved_bytes.all.current": m["reserved"]}
+    if "stats" in m:
+        return dict(sorted(m["stats"].items()))
+    stats = dict.fromkeys([f"{k}.{pool}.{w}" for k in _POOL_STATS for pool in ("all", "large_pool", "small_pool")
+                           for w in _METRICS] + [f"oversize_{k}.{w}" for k in ("allocations", "segments")
+                                                 for w in _METRICS] + list(_COUNTERS), 0)
+    for k in ("allocated_bytes", "active_bytes", "requested_bytes"):
+        stats[f"{k}.all.current"], stats[f"{k}.all.peak"] = m["allocated"], m["peak"]
+    stats["reserved_bytes.all.current"] = m["reserved"]
+    stats["reserved_bytes.all.peak"] = max(m["reserved"], m["peak"])
+    stats["max_split_size"] = -1  # (CUDA's value when no max_split_size_mb is configured)
+    return dict(sorted(stats.items()))
 
 
 def memory_stats_as_nested_dict(device: Any = None) -> dict:
-    m = _memory(device)
-    return {"allocated_bytes": {"all": {"current": m["allocated"], "peak": m["peak"]}},
-            "reserved_bytes": {"all": {"current": m["reserved"]}}}
+    nested: dict[str, Any] = {}
+    for key, value in memory_stats(device).items():
+        *path, leaf = key.split(".")
+        level = nested
+        for part in path:
+            level = level.setdefault(part, {})
+        level[leaf] = value
+    return nested
 
 
 def memory_snapshot(mempool_id: Any = None) -> list:
@@ -579,6 +610,16 @@ def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
     _session(device).enqueue("rc::rng_set", [state], None, None)
 
 
+def default_generators() -> tuple[torch._C.Generator, ...]:
+    """``torch.cuda.default_generators`` while active: one per device, the same objects each time."""
+    from .generator import DefaultCudaGenerator
+    made = _rt().default_generators
+    for i in range(device_count()):
+        if i not in made:
+            made[i] = DefaultCudaGenerator(i, _session)
+    return tuple(made[i] for i in range(device_count()))
+
+
 def get_rng_state_all() -> list[torch.Tensor]:
     return [get_rng_state(i) for i in range(device_count())]
 
@@ -640,6 +681,35 @@ def mark(msg: str) -> None:
     return None
 
 
+class _Cudart:
+    """``torch.cuda.cudart()``, the CUDA runtime a program calls itself: ``cudaProfilerStart`` and
+    ``Stop`` (``torch.cuda.profiler.start``, ``profile()``) bound a local profiler's capture
+    (``nsys --capture-range=cudaProfilerApi``) as NVTX ranges mark its timeline, and there is no
+    local GPU to capture, so they succeed doing nothing; the rest would act on a local GPU."""
+
+    class cudaError:  # noqa: N801  (what torch.cuda.check_error compares with)
+        success = 0
+
+    @staticmethod
+    def cudaProfilerStart() -> int:  # noqa: N802  (CUDA's name)
+        return 0
+
+    @staticmethod
+    def cudaProfilerStop() -> int:  # noqa: N802
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotImplementedError(f"remotecuda: torch.cuda.cudart().{name} calls the CUDA runtime of a GPU in this "
+                                  "process, and the GPUs are on gateways; it is not supported")
+
+
+_CUDART = _Cudart()
+
+
+def cudart() -> _Cudart:
+    return _CUDART
+
+
 #: what replaces torch.cuda.<name> while active
 REPLACEMENTS = LOCAL_ONLY | {name: obj for name, obj in dict(globals()).items() if name in {
     "is_available", "is_initialized", "init", "device_count", "current_device", "set_device",
@@ -655,6 +725,6 @@ REPLACEMENTS = LOCAL_ONLY | {name: obj for name, obj in dict(globals()).items() 
     "list_gpu_processes", "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
     "reset_accumulated_host_memory_stats",
     "ipc_collect", "manual_seed", "manual_seed_all", "seed", "seed_all", "initial_seed", "get_rng_state",
-    "set_rng_state", "get_rng_state_all", "set_rng_state_all", "_lazy_init", "_initialized"}}
+    "set_rng_state", "get_rng_state_all", "set_rng_state_all", "_lazy_init", "_initialized", "cudart"}}
 #: what replaces torch.cuda.nvtx.<name> while active (``nvtx.range`` uses these)
 NVTX_REPLACEMENTS = {name: globals()[name] for name in ("range_push", "range_pop", "range_start", "range_end", "mark")}

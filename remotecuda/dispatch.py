@@ -194,7 +194,7 @@ def _walk(values: Any, key: list, s: Any, float_values: bool) -> tuple[list, Any
             w, s = _walk(a, key, s, float_values)
             out.append(w)
         else:
-            out.append(_wire_other(a, t, key))
+            out.append(_wire_other(a, t, key, s))
     return out, s
 
 
@@ -209,8 +209,9 @@ def _join(s: Any, other: Any) -> Any:
                          f"devices, cuda:{s.vdev} and cuda:{other.vdev}!")
 
 
-def _wire_other(a: Any, t: type, key: list) -> Any:
-    """``_walk`` for the rarer argument types (devices, dtypes, generators...)."""
+def _wire_other(a: Any, t: type, key: list, s: Any) -> Any:
+    """``_walk`` for the rarer argument types (devices, dtypes, generators...); ``s``: the op's
+    session as found so far."""
     if t is DEVICE:
         key.append("dev")
         return _CUDA if a.type in ("cuda", "meta") else a
@@ -231,7 +232,7 @@ def _wire_other(a: Any, t: type, key: list) -> Any:
         return a
     if isinstance(a, torch._C.Generator):
         key.append("gen")
-        return wire_ref(a)
+        return wire_ref(a, s)
     raise NotImplementedError(f"remotecuda cannot send an argument of type {t.__name__} to the gateway")
 
 
@@ -239,6 +240,13 @@ def _arg_at(args: tuple, kwargs: dict, pos: int | None, name: str) -> Any:
     if pos is not None and pos < len(args):
         return args[pos]
     return kwargs.get(name)
+
+
+def _made_like(m: OpMeta) -> bool:
+    """Whether the op makes a new tensor taking only the layout or dtype of its first argument
+    (``zeros_like``, ``randint_like``, ``new_zeros``...), not its values."""
+    base = m.name.partition(".")[0]
+    return base.endswith("_like") or base.startswith("aten::new_")
 
 
 def meta_stand_in(a: RemoteTensor) -> torch.Tensor:
@@ -323,6 +331,12 @@ class Dispatcher:
             # here from the remote ones' metadata (user_meta: the user asked for 'meta', see interception)
             with _DisableTorchDispatch():
                 return func(*_stand_ins(args), **{k: _stand_ins(v) for k, v in kwargs.items()})
+        if type(dev) is DEVICE and dev.type == "cuda" and _made_like(m) and isinstance(args[0], RemoteTensor):
+            # zeros_like(x, device='cuda:1'), x.new_zeros(n, device=1): made on the device named,
+            # which need not be x's
+            vdev = dev.index if dev.index is not None else self.session_of(None).vdev
+            if vdev != args[0]._dev:
+                return self.factory(func, (meta_stand_in(args[0]), *args[1:]), kwargs, vdev)
         if m.special is not None:
             return m.special(self, m, args, kwargs)
         return self.run(m, args, kwargs)
@@ -350,10 +364,13 @@ class Dispatcher:
         s = self.session_of(vdev)
         if func is aten._to_copy.default:
             return self.upload(args[0], s, kwargs)
-        if m.name.endswith("_like.default") and args and not isinstance(args[0], RemoteTensor):
-            # zeros_like(a CPU or meta tensor, device='cuda'): only its layout matters, send no data
+        if _made_like(m) and args and not isinstance(args[0], RemoteTensor):
+            # zeros_like(a CPU or meta tensor, device='cuda'), its new_zeros: only its layout
+            # (new_*: its dtype) matters, send no data
             src = args[0]
-            like = self.run(self.op_meta(aten.empty_strided.default), (list(src.shape), list(src.stride())),
+            new_op = m.name.startswith("aten::new_")
+            shape, stride = ([0], [1]) if new_op else (list(src.shape), list(src.stride()))
+            like = self.run(self.op_meta(aten.empty_strided.default), (shape, stride),
                             {"dtype": src.dtype, "device": _CUDA}, s, factory=True)
             args = (like, *args[1:])
         return self.run(m, args, kwargs, s, factory=True)

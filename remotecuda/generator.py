@@ -20,6 +20,7 @@ import torch
 from remotecuda_wire.protocol import GeneratorRef
 
 _MAGIC = 0x5EED << 48
+_DEFAULT_MAGIC = 0x5EEF << 48  # a device's default generator (DefaultCudaGenerator)
 _MASK = 0xFFFF << 48
 _ids = itertools.count(1)  # ids are never reused, over all runtimes
 #: id → generator, while it lives: which carriers are ours
@@ -85,13 +86,72 @@ class CudaGenerator(torch._C.Generator):
         return f"<torch.Generator device='cuda:{self.index}' (remotecuda)>"
 
 
-def wire_ref(g: torch._C.Generator) -> GeneratorRef:
-    """The gateway generator behind a generator argument; CPU generators are an error, as on a GPU."""
+class DefaultCudaGenerator(torch._C.Generator):
+    """``torch.cuda.default_generators[i]``: the generator device ``i``'s ops draw from when given
+    none, read and set through ``session_of(i)`` (its session, made when first needed) as
+    ``torch.cuda.manual_seed`` and ``get_rng_state`` do. As a ``generator=`` argument it means
+    that default (tensor-parallel RNG trackers fork it by its state)."""
+
+    index: int
+    session_of: Any
+
+    def __new__(cls, index: int, session_of: Any) -> DefaultCudaGenerator:
+        self = torch._C.Generator.__new__(cls, "cpu")  # type: ignore[call-arg]  # (torch's stub)
+        self.index, self.session_of = index, session_of
+        torch._C.Generator.manual_seed(self, _DEFAULT_MAGIC | index)
+        return self
+
+    def __init__(self, index: int, session_of: Any) -> None:
+        pass
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self.index)
+
+    def manual_seed(self, seed: int) -> DefaultCudaGenerator:  # type: ignore[override]
+        self.session_of(self.index).enqueue("rc::seed", [int(seed)], None, None)
+        return self
+
+    def initial_seed(self) -> int:  # type: ignore[override]
+        return int(self.session_of(self.index).request("rc::initial_seed", []))
+
+    def seed(self) -> int:  # type: ignore[override]
+        s = random.getrandbits(63)
+        self.manual_seed(s)
+        return s
+
+    def get_state(self) -> torch.Tensor:  # type: ignore[override]
+        return torch.frombuffer(bytearray(self.session_of(self.index).request("rc::rng_get", [])), dtype=torch.uint8)
+
+    def set_state(self, new_state: torch.Tensor) -> DefaultCudaGenerator:  # type: ignore[override]
+        state = new_state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        self.session_of(self.index).enqueue("rc::rng_set", [state], None, None)
+        return self
+
+    def __repr__(self) -> str:
+        return f"<torch.Generator device='cuda:{self.index}' (remotecuda: the device's default)>"
+
+
+def on_cuda(g: Any) -> bool:
+    """Whether ``g`` (as it reaches dispatch: a plain ``torch._C.Generator``) is a 'cuda' one's carrier."""
+    return isinstance(g, torch._C.Generator) and torch._C.Generator.initial_seed(g) & _MASK in (_MAGIC, _DEFAULT_MAGIC)
+
+
+def wire_ref(g: torch._C.Generator, session: Any = None) -> GeneratorRef | None:
+    """The gateway generator behind a generator argument of an op on ``session`` (None: the
+    device's default); CPU generators are an error, as on a GPU."""
     seed = torch._C.Generator.initial_seed(g)
+    if seed & _MASK == _DEFAULT_MAGIC:
+        return None
     gen = _live.get(seed & ~_MASK) if seed & _MASK == _MAGIC else None
     if gen is None:
         raise RuntimeError("Expected a 'cuda' device type for generator but found 'cpu'")
     if gen.session.closed:
         raise RuntimeError("remotecuda: this cuda Generator's session is closed (remotecuda was "
                            "deactivated); make a new torch.Generator('cuda')")
+    if session is not None and gen.session is not session:  # (the gateway would fail the op later, elsewhere)
+        raise NotImplementedError(
+            f"remotecuda: a generator of cuda:{gen.index} cannot drive an op on cuda:{session.vdev} (a device's "
+            f"generators live with its session on the gateway): make it on the op's device, "
+            f"torch.Generator('cuda:{session.vdev}')")
     return GeneratorRef(gen.gid)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 import re
 import threading
 import types
@@ -55,6 +56,7 @@ from . import (
     expanded_weights,
     flags,
     flex_attention,
+    generator,
     hub_kernels,
     indexing,
     lazy_modules,
@@ -402,6 +404,15 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
+def _type_as(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``x.type_as(other)``: ``x.to(other's device and dtype)``, as torch defines it; C++ would
+    take the device from the wrapper's options, 'meta', which names no 'cuda' device."""
+    other = args[1] if len(args) > 1 else kwargs.get("other")
+    if isinstance(other, RemoteTensor):
+        return args[0].to(other.device, other.dtype)
+    return func(*args, **kwargs)
+
+
 def _pin_memory(func: Callable, args: tuple, kwargs: dict) -> Any:
     if isinstance(args[0], RemoteTensor):
         return func(*args, **kwargs)
@@ -638,6 +649,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.fft, "fftfreq", _factory),
     (torch.fft, "rfftfreq", _factory),
     (torch.Tensor, "to", _tensor_to),
+    (torch.Tensor, "type_as", _type_as),
     (torch._C._nn, "_parse_to", _parse_to),  # what Tensor.to (above) and Module.to read their arguments with
     (torch.Tensor, "cuda", _tensor_cuda),
     (torch.Tensor, "copy_", _tensor_copy_),
@@ -859,6 +871,9 @@ class RemoteDispatchMode(TorchDispatchMode):
             if out is NotImplemented:
                 _refuse_remote_higher_order(func)
             return out
+        if "generator" in kwargs and generator.on_cuda(kwargs["generator"]):
+            # (the carrier is a CPU generator, which would draw from its own seed, not the user's)
+            raise RuntimeError("Expected a 'cpu' device type for generator but found 'cuda'")
         return func(*args, **kwargs)
 
     def again(self, fn: Callable[[], Any]) -> Any:
@@ -1108,6 +1123,20 @@ def _version_attribute(name: str) -> Any:
     raise AttributeError(f"module 'torch.version' has no attribute {name!r}")
 
 
+def _cuda_attribute(name: str) -> Any:
+    """``torch.cuda``'s module ``__getattr__`` while active: its ``default_generators``, the devices'."""
+    if name == "default_generators":
+        return cuda_api.default_generators()
+    raise AttributeError(f"module 'torch.cuda' has no attribute {name!r}")
+
+
+def _not_the_triton_note(record: logging.LogRecord) -> bool:
+    """A filter for flop_counter's logger: seeing ``torch.version.cuda`` set, it warns at import
+    that triton is missing (Lightning and MFU counters import it), which a GPU machine's torch
+    install, triton included, never says."""
+    return not record.getMessage().startswith("triton not found")
+
+
 def install(rt: Runtime) -> Interception:
     """Route 'cuda' to ``rt``: patch torch, push the dispatch mode on this thread."""
     p = _Patches()
@@ -1129,6 +1158,8 @@ def install(rt: Runtime) -> Interception:
         p.set(torch._C, "_host_emptyCache", cuda_graphs._host_empty_cache)
     for name, obj in cuda_api.NVTX_REPLACEMENTS.items():
         p.set(torch.cuda.nvtx, name, obj)
+    p.set(torch.cuda.profiler, "cudart", cuda_api.cudart)  # (its own import of the name)
+    p.set(torch.cuda, "_cudart", cuda_api.cudart())  # (what torch.cuda.check_error reads)
     for name, obj in accelerator_api.REPLACEMENTS.items():
         p.set(torch.accelerator, name, obj)
     for name, obj in accelerator_api.MEMORY_REPLACEMENTS.items():
@@ -1140,6 +1171,8 @@ def install(rt: Runtime) -> Interception:
     # read when asked (a discovered GPU's runtime is known once it is placed)
     p.remove(torch.version, "cuda")
     p.set(torch.version, "__getattr__", _version_attribute)
+    flop_log = logging.getLogger("torch.utils.flop_counter")
+    p.set(flop_log, "filters", [*flop_log.filters, _not_the_triton_note])
     # (it caches its answers: one from before activation would name the CPU)
     p.set(torch, "get_device_module", functools.cache(inspect.unwrap(torch.get_device_module)))
     # on cudnn's module object only: its own functions (set_flags...) still see the local truth
@@ -1156,6 +1189,8 @@ def install(rt: Runtime) -> Interception:
     p.set(torch.utils.dlpack, "to_dlpack", to_dlpack)
     p.set(torch, "to_dlpack", to_dlpack)
     p.set(torch, "Generator", cuda_api.Generator)
+    p.remove(torch.cuda, "default_generators")  # (read when asked: the devices are known when used)
+    p.set(torch.cuda, "__getattr__", _cuda_attribute)
     from torch.optim import optimizer
     from torch.utils import _foreach_utils as foreach_utils
     # the C++ function itself: every Python binding of it (clip_grad, the optimizers, swa_utils)

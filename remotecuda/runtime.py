@@ -69,6 +69,8 @@ class Runtime:
         #: device index → its current stream (``torch.cuda.set_stream``), and its default stream
         self.current_streams: dict[int, Any] = {}
         self.default_streams: dict[int, Any] = {}
+        #: device index → its default generator's stand-in (``torch.cuda.default_generators``)
+        self.default_generators: dict[int, Any] = {}
         #: the CUDA graph being captured (cuda_graphs.py), or None
         self.capturing: Any = None
         #: inside a decode (decode.py): attention runs as the gateway's own SDPA, with no choice asked

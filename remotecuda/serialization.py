@@ -17,10 +17,11 @@ remembers them; ``torch.load`` then moves the tensors built on them to the remot
 """
 from __future__ import annotations
 
+import itertools
 import pickle
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -37,8 +38,11 @@ _loading = threading.local()
 _saving = threading.local()
 
 
-def _tag(obj: Any) -> None:
-    return None  # saving is handled by RemoteTensor.__reduce_ex__
+def _tag(obj: Any) -> str | None:
+    """A saved remote tensor's storage is a CPU one naming its 'cuda:N' (``__reduce_ex__`` below):
+    the zipfile format reads that name itself, the legacy one asks the taggers."""
+    fake = getattr(obj, "_fake_device", None)
+    return str(fake) if isinstance(fake, DEVICE) and fake.type == "cuda" else None
 
 
 def _deserialize(obj: Any, location: str) -> Any:
@@ -64,12 +68,18 @@ class _Load:
     def __init__(self) -> None:
         self.storages: dict[int, tuple[int, Any]] = {}
         self.bases: dict[tuple, torch.Tensor] = {}
+        #: a file in the legacy format (``_use_new_zipfile_serialization=False``) gives its
+        #: storages their bytes after the tensors on them are built: those move once it is read
+        self.deferred = False
 
     def remote(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (just rebuilt on a CPU storage) on the device its storage was located on."""
         storage = t.untyped_storage()
         found = self.storages.get(storage._cdata)
         if found is None:
+            return t
+        if getattr(found[1], "_torch_load_uninitialized", False):
+            self.deferred = True
             return t
         dest, size = torch.device("cuda", found[0]), t.element_size()
         key = (storage._cdata, t.dtype)
@@ -88,6 +98,11 @@ class _Load:
         if metadata:
             torch._utils.set_tensor_metadata(moved, metadata)
         return moved.requires_grad_(t.requires_grad)
+
+    def located(self, t: torch.Tensor) -> torch.device | None:
+        """The 'cuda' device the file locates ``t``'s storage on, if any."""
+        found = self.storages.get(t.untyped_storage()._cdata)
+        return None if found is None else torch.device("cuda", found[0])
 
 
 def _storage_to(original: Any) -> Any:
@@ -131,10 +146,12 @@ def _map_location_device(map_location: Any) -> torch.device | None:
 
 
 class _Mover:
-    """``map_location='cuda'``: every loaded tensor moved there (torch loaded them on the CPU);
-    shared tensors stay shared, and tensors that view one storage view one remote storage."""
+    """``map_location='cuda'`` (``target`` says 'cuda' of every tensor), or a legacy-format file
+    (``target`` names the device of a tensor's storage, None for a CPU one): every loaded tensor
+    moved there (torch loaded them on the CPU); shared tensors stay shared, and tensors that view
+    one storage view one remote storage."""
 
-    def __init__(self, target: torch.device):
+    def __init__(self, target: Callable[[torch.Tensor], torch.device | None]):
         self.target = target
         self.memo: dict[int, Any] = {}
         self.viewers: dict[int, int] = {}  # storage (its StorageImpl) → how many loaded tensors view it
@@ -166,7 +183,9 @@ class _Mover:
             return self.memo[id(obj)]
         out = obj
         if isinstance(obj, torch.nn.Module):
-            obj.to(self.target)
+            dest = next(filter(None, map(self.target, itertools.chain(obj.parameters(), obj.buffers()))), None)
+            if dest is not None:
+                obj.to(dest)
         elif isinstance(obj, torch.Tensor):
             if not isinstance(obj, RemoteTensor):
                 out = self._tensor_to(obj)
@@ -187,6 +206,9 @@ class _Mover:
     def _tensor_to(self, obj: torch.Tensor) -> torch.Tensor:
         """``obj`` on the target, a leaf as torch.load makes it; a view of its storage moved once
         when other loaded tensors view that storage too."""
+        dest = self.target(obj)
+        if dest is None:
+            return obj
         storage = obj.untyped_storage()
         ptr, size = storage._cdata, obj.element_size()
         with torch.no_grad():
@@ -194,10 +216,10 @@ class _Mover:
                 key = (ptr, obj.dtype)
                 base = self.bases.get(key)
                 if base is None:
-                    base = self.bases[key] = torch.empty(0, dtype=obj.dtype).set_(storage).to(self.target)
+                    base = self.bases[key] = torch.empty(0, dtype=obj.dtype).set_(storage).to(dest)
                 moved = base.as_strided(obj.shape, obj.stride(), obj.storage_offset()).detach()
             else:
-                moved = obj.detach().to(self.target)
+                moved = obj.detach().to(dest)
         if isinstance(obj, torch.nn.Parameter):
             return torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
         return moved.requires_grad_(obj.requires_grad)
@@ -293,7 +315,7 @@ def _reduce_ex(plain: Any) -> Any:
             storage._fake_device = self.device  # type: ignore[attr-defined]  # (what the file names)
             return (torch._utils._rebuild_tensor_v3, (storage, *args, self.dtype))
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=self.dtype, _internal=True)
-        typed._fake_device = self.device
+        typed._fake_device = storage._fake_device = self.device  # type: ignore[attr-defined]
         return (torch._utils._rebuild_tensor_v2, (typed, *args))
     return __reduce_ex__
 
@@ -302,11 +324,12 @@ def _make_load(original: Any) -> Any:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
         target = _map_location_device(map_location)
         outer = getattr(_loading, "current", None)
-        _loading.current = _Load()
+        current = _loading.current = _Load()
         try:
             if target is not None and target.type == "cuda":
-                return _Mover(target)(original(f, "cpu", *args, **kwargs))
-            return original(f, map_location, *args, **kwargs)
+                return _Mover(lambda t: target)(original(f, "cpu", *args, **kwargs))
+            loaded = original(f, map_location, *args, **kwargs)
+            return _Mover(current.located)(loaded) if current.deferred else loaded
         finally:
             _loading.current = outer
     load.__doc__ = original.__doc__

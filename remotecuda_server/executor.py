@@ -1021,7 +1021,7 @@ class Executor:
             return {"allocated": torch.cuda.memory_allocated(self.device),
                     "reserved": torch.cuda.memory_reserved(self.device),
                     "peak": torch.cuda.max_memory_allocated(self.device),
-                    "free": free, "total": total}
+                    "free": free, "total": total, "stats": dict(torch.cuda.memory_stats(self.device))}
         counted = cast(CountedHandles, self.handles)
         alloc = counted.recount()
         if self.account is not None:

@@ -27,6 +27,9 @@ def test_device_queries(gateway):
         assert torch.cuda.current_device() == 0
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         torch.cuda.set_device(3)
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        torch.cuda.set_device("cuda")  # (as torch refuses it; it was ignored, the current device kept)
+    torch.cuda.set_device(torch.device("cuda:0"))
 
 
 def test_memory_accounting():
@@ -42,6 +45,21 @@ def test_memory_accounting():
     assert torch.cuda.memory_allocated() == before  # freed on the gateway when the wrapper died
     free, total = torch.cuda.mem_get_info()
     assert 0 < free <= total
+
+
+def test_memory_stats_has_every_counter_a_cuda_allocator_reports():
+    """A trainer's memory monitor (torchtitan's, Lightning's DeviceStatsMonitor) reads
+    ``memory_stats()`` counters by name; torch's own summary reads the rest."""
+    x = torch.empty(1 << 18, device="cuda")
+    stats = torch.cuda.memory_stats()
+    for key in ("active_bytes.all.peak", "reserved_bytes.all.peak", "num_alloc_retries", "num_ooms",
+                "allocation.all.current", "inactive_split_bytes.all.current", "requested_bytes.large_pool.freed"):
+        assert key in stats, key
+    assert stats["allocated_bytes.all.current"] == torch.cuda.memory_allocated() >= x.nbytes
+    assert torch.cuda.max_memory_reserved() >= torch.cuda.max_memory_allocated() >= x.nbytes
+    nested = torch.cuda.memory_stats_as_nested_dict()
+    assert nested["active_bytes"]["all"]["peak"] == stats["active_bytes.all.peak"]
+    assert nested["num_ooms"] == 0
 
 
 def test_streams_and_events():
@@ -197,6 +215,18 @@ def test_data_dependent_ops():
     assert n == 1
     r = x[x > 0] * 2  # the described output is usable afterwards
     assert torch.equal(r.cpu(), ref[ref > 0] * 2)
+
+
+def test_a_cuda_generator_given_to_a_cpu_op_is_refused_as_on_a_gpu():
+    """``DataLoader(shuffle=True, generator=torch.Generator('cuda'))`` draws its permutation on the
+    CPU, which a GPU's torch refuses; here the generator's client-side carrier, a CPU generator,
+    drew it silently, from a seed of its own, not the user's."""
+    g = torch.Generator("cuda").manual_seed(0)
+    with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator but found 'cuda'"):
+        list(torch.utils.data.DataLoader(range(6), batch_size=2, shuffle=True, generator=g))
+    with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator"):
+        torch.empty(3).normal_(generator=g)
+    assert sorted(torch.randperm(5, device="cuda", generator=g).tolist()) == [0, 1, 2, 3, 4]
 
 
 def test_seeded_randomness_repeats():

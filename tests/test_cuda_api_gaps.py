@@ -5,6 +5,7 @@ a GPU machine's would work."""
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import warnings
 
@@ -121,6 +122,55 @@ def test_more_of_torch_cuda(sim):
         double(torch.ones(2, device="cuda"))
 
 
+def test_tensors_made_after_another_go_to_the_device_named(sim):
+    """``zeros_like(x, device='cuda:1')`` and ``x.new_zeros(n, device=1)`` are made on the device
+    named, not x's; ``y.type_as(x)`` goes to x's device, not the one used last."""
+    x = torch.arange(6.0, device="cuda:0").view(2, 3)
+    for d in ("cuda:1", 1, torch.device("cuda", 1)):
+        made = [torch.zeros_like(x, device=d), torch.full_like(x, 2.0, device=d), torch.empty_like(x, device=d),
+                torch.randint_like(x, 5, device=d), x.new_zeros(3, device=d), x.new_full((3,), 2.0, device=d),
+                x.new_empty_strided((2,), (1,), device=d)]
+        assert [str(t.device) for t in made] == ["cuda:1"] * len(made)
+        assert made[1].tolist() == [[2.0] * 3] * 2 and made[5].tolist() == [2.0] * 3
+    assert torch.ones_like(x, device="cuda").device == torch.device("cuda:0")  # (the current device)
+    last = torch.ones(2, device="cuda:2") * 3
+    assert torch.ones(2).type_as(x).device == x.device
+    moved = last.type_as(x.long())
+    assert moved.device == x.device and moved.dtype == torch.int64 and moved.tolist() == [3, 3]
+
+
+def test_default_generators_are_the_devices_own(sim):
+    """``torch.cuda.default_generators[i]`` (Megatron's and DeepSpeed's RNG trackers save and
+    restore it by its state; it was an empty tuple): device i's default generator, seeded, read
+    and restored as torch.cuda's functions do, and the default when given as ``generator=``."""
+    gens = torch.cuda.default_generators
+    assert len(gens) == torch.cuda.device_count() and gens[1] is torch.cuda.default_generators[1]
+    assert gens[1].device == torch.device("cuda", 1) and torch.cuda._get_generator(torch.device("cuda:1")) is gens[1]
+    gens[1].manual_seed(123)
+    assert gens[1].initial_seed() == 123
+    with torch.cuda.device(1):
+        assert torch.cuda.initial_seed() == 123
+    state = gens[1].get_state()
+    assert torch.equal(state, torch.cuda.get_rng_state(1))
+    a = torch.rand(4, device="cuda:1")
+    gens[1].set_state(state)
+    assert torch.equal(torch.rand(4, device="cuda:1"), a)
+    gens[1].set_state(state)
+    assert torch.equal(torch.rand(4, device="cuda:1", generator=gens[1]), a)
+
+
+def test_a_generator_of_another_device_is_refused_at_the_call(sim):
+    """A cuda:1 generator given to an op on cuda:0 is refused at its line, naming the remedy; the
+    gateway failed the op later, reported at whatever op synchronized next."""
+    gen = torch.Generator("cuda:1").manual_seed(0)
+    with pytest.raises(NotImplementedError, match=r"torch.Generator\('cuda:0'\)"):
+        torch.randn(2, device="cuda:0", generator=gen)
+    with pytest.raises(NotImplementedError, match="a generator of cuda:1"):
+        torch.ones(3, device="cuda:0").normal_(generator=gen)
+    assert torch.ones(2, device="cuda:0").sum().item() == 2.0
+    assert torch.randn(2, device="cuda:1", generator=gen).device == torch.device("cuda:1")
+
+
 def test_a_cuda_machine_by_every_sign_libraries_read(sim):
     """Library code tells a CUDA machine by ``torch.version.cuda`` (transformers refused
     ``TrainingArguments(tf32=True)``: "--tf32 requires Ampere or a newer GPU arch") and takes the
@@ -139,6 +189,21 @@ def test_a_cuda_machine_by_every_sign_libraries_read(sim):
     finally:  # (set through the new API, the legacy getters refuse to answer until it says none)
         reset_fp32_precision()
         import_utils.enable_tf32.cache_clear()
+
+
+def test_flop_counter_imported_while_active_says_nothing_of_triton(sim, caplog):
+    """``torch.utils.flop_counter`` (imported by Lightning and MFU estimates), seeing a CUDA
+    runtime, warns at import that triton is missing, which a GPU machine's torch always has."""
+    import importlib
+
+    import torch.utils.flop_counter as flop_counter
+    with caplog.at_level(logging.WARNING, logger="torch.utils.flop_counter"):
+        importlib.reload(flop_counter)
+    assert "triton" not in caplog.text
+    x = torch.ones(4, 8, device="cuda")
+    with flop_counter.FlopCounterMode(display=False) as counter:
+        x @ x.T
+    assert counter.get_total_flops() == 2 * 4 * 8 * 4
 
 
 def test_a_cpu_gateway_is_no_cuda_runtime(gateway):

@@ -137,13 +137,18 @@ def test_checkpoint_loads_where_map_location_says(map_location, where):
                                                             back), want)
 
 
-def test_views_saved_together_load_as_views_of_one_storage(tmp_path):
+@pytest.mark.parametrize("zipfile", [True, False])
+def test_views_saved_together_load_as_views_of_one_storage(tmp_path, zipfile):
     """torch.save writes a cuda tensor as a GPU does (a storage located on 'cuda:0'): views saved
-    together come back sharing a storage, leaves that required grad come back leaves that do."""
+    together come back sharing a storage, leaves that required grad come back leaves that do; in
+    the legacy format too (``_use_new_zipfile_serialization=False``, whose storages' bytes come
+    after the tensors: they came back on the CPU, then moved before their bytes were read)."""
     x = _seeded(3, 3).cuda()
     w = _seeded(4).cuda().requires_grad_()
-    torch.save({"x": x, "rows": x[1:], "col": x[:, 2], "w": w, "empty": x[:0]}, tmp_path / "t.pt")
+    torch.save({"x": x, "rows": x[1:], "col": x[:, 2], "w": w, "empty": x[:0]}, tmp_path / "t.pt",
+               _use_new_zipfile_serialization=zipfile)
     back = torch.load(tmp_path / "t.pt")
+    torch.testing.assert_close(back["x"].cpu(), x.cpu())
     assert back["rows"].storage_offset() == 3 and back["col"].stride() == (3,) and back["x"].is_cuda
     back["x"][1, 2] = 100.0
     assert back["rows"][0, 2].item() == 100.0 and back["col"][1].item() == 100.0
@@ -224,6 +229,20 @@ def test_profiler_with_cuda_activity_profiles_quietly(capfd):
     assert any(e.key == "matmul" for e in prof.key_averages())
     err = capfd.readouterr().err
     assert "CUDA event" not in err and "NVTX" not in err
+
+
+def test_a_profiler_capture_range_is_marked_as_nvtx_ranges_are():
+    """``torch.cuda.profiler.start()``/``stop()`` and ``profile()`` (scripts run under ``nsys
+    --capture-range=cudaProfilerApi``, Megatron's --profile) bound a local GPU's capture as NVTX
+    ranges mark its timeline: no-ops here (they raised AttributeError on the missing cudart);
+    the rest of cudart says it is not supported."""
+    torch.cuda.profiler.start()
+    with torch.cuda.profiler.profile():
+        y = torch.ones(2, device="cuda") * 2
+    torch.cuda.profiler.stop()
+    assert torch.cuda.cudart().cudaProfilerStart() == 0 and y.sum().item() == 4.0
+    with pytest.raises(NotImplementedError, match="cudaHostRegister"):
+        torch.cuda.cudart().cudaHostRegister(0, 0, 0)
 
 
 def test_memory_history_says_plainly_it_is_not_recorded():
