@@ -61,6 +61,7 @@ from . import (
     indexing,
     lazy_modules,
     legacy_types,
+    library_caches,
     nested,
     rnn,
     runtime,
@@ -1113,6 +1114,7 @@ class Interception:
             lst.remove(RemoteTensor)
         self.foreach = []
         self.patches.restore()
+        library_caches.clear()
         uninstall_excepthook()
 
 
@@ -1208,6 +1210,7 @@ def install(rt: Runtime) -> Interception:
     downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
     device_type.install(p)
     hub_kernels.install(p)
+    library_caches.clear()
     expanded_weights.install(p)
     nested.install(p)
     foreach = [lst for lst in (foreach_utils._foreach_supported_types, optimizer._foreach_supported_types)

@@ -153,3 +153,18 @@ def test_an_op_that_cannot_be_encoded_leaves_the_flush_thread_running(gateway):
         assert (x * 2).sum().item() == 6
         print("OK")
     """)
+
+
+def test_transformers_asked_before_activation_sees_the_devices_after(gateway):
+    """transformers caches is_torch_cuda_available(): asked before activate() (or %load_ext
+    remotecuda), it said False for good, and pipeline(device=0) ran on the CPU silently."""
+    _run(gateway, """
+        import remotecuda
+        from transformers.utils import is_torch_cuda_available, is_torch_tf32_available
+        assert not is_torch_cuda_available() and not is_torch_tf32_available()
+        remotecuda.activate()
+        assert is_torch_cuda_available()
+        remotecuda.deactivate()
+        assert not is_torch_cuda_available()
+        print("OK")
+    """)
