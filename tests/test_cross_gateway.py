@@ -307,7 +307,11 @@ import torch, remotecuda
 remotecuda.activate(sys.argv[1:3], fallback="error")
 x = torch.ones(100, device="cuda:1")
 assert x.sum().item() + torch.zeros(1, device="cuda:0").item() == 100  # (both placed)
-os.kill(int(sys.argv[3]), signal.SIGKILL)
+def tree(pid):
+    kids = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    return [pid, *(p for k in kids for p in tree(int(k)))]
+for pid in tree(int(sys.argv[3])):  # the gateway and its session workers, at once
+    os.kill(pid, signal.SIGKILL)
 try:
     x.to("cuda:0").cpu()
 except remotecuda.TransferError as e:
@@ -317,9 +321,9 @@ print((torch.ones(3, device="cuda:0") * 2).sum().item())
 
 
 def test_a_caught_copy_error_is_not_reported_again_at_exit(pool):
-    """A script (failover off) copies from a gateway that was killed, and catches the error: its
-    exit waits for no more of that gateway's work and reports nothing again (it said
-    GatewayDownError and exited 1: the dead gateway's copy step counted as pending)."""
+    """A script (failover off) copies from a gateway that was killed with its workers, and
+    catches the error: its exit waits for no more of that gateway's work and reports nothing again
+    (it said GatewayDownError and exited 1: the dead gateway's copy step counted as pending)."""
     a = pool[0]
     victim = GatewayProcess("--spare", "0")
     try:
