@@ -534,19 +534,21 @@ rt = remotecuda.activate(sys.argv[1], fallback="error")
 s = rt.session(0)
 x = torch.arange(6.0, device="cuda")
 assert x.sum().item() == 15
-real, frames = s.sock.send, []
-def send(frame, flags=0, **kw):
-    frames.append(frame)
-    if len(frames) == 2:  # Ctrl-C between the header and the body of the next message
-        signal.raise_signal(signal.SIGINT)
-    return real(frame, flags, **kw)
-s.sock.send = send
+from remotecuda_wire import frames as wire
+real, frames = wire._send, []  # (the compiled send each frame of a message goes through)
+def send(sock, frame, flags, *args):
+    if sock is s.sock:
+        frames.append(frame)
+        if len(frames) == 2:  # Ctrl-C between the header and the body of the next message
+            signal.raise_signal(signal.SIGINT)
+    return real(sock, frame, flags, *args)
+wire._send = send
 try:
     (x * 2).sum().item()
     print("not interrupted")
 except KeyboardInterrupt:
     print("interrupted")
-del s.sock.send
+wire._send = real
 print("then", (x + 1).sum().item(), torch.equal((x * 3).cpu(), torch.arange(6.0) * 3))
 '''
 
