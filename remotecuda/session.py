@@ -776,8 +776,9 @@ class Session:
                         raise
                     last_heard = time.monotonic()
                     if reply is not None:
-                        self._copies_failed(reply)
-                        self.sources.clear()  # (the copies queued before it ran, or failed in it)
+                        if self.sources:  # (a value read without copies pays nothing here)
+                            self._copies_failed(reply)
+                            self.sources.clear()  # (the copies queued before it ran, or failed in it)
                         if self._abandoned:
                             self._abandoned_errors()
                         return reply, downloads
