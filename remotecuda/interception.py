@@ -67,6 +67,7 @@ from . import (
     runtime,
     serialization,
     sparse,
+    torchscript,
     transfer,
 )
 from .device_type import DEVICE
@@ -831,6 +832,24 @@ def _autocast_exit(original: Callable) -> Callable:
 
 
 _REMOTE_ONLY = (RemoteTensor,)
+_NUMBERS = (bool, int, float, complex)
+
+
+def _numbers_as_tensors(func: Any, args: tuple) -> tuple | None:
+    """``args`` with numbers in Tensor places made tensors again, or None if there are none.
+
+    A mode receives torch's wrapped-number tensors (the constants of a TorchScript graph: ``x * 2``
+    traced) as plain numbers, and only torch's arithmetic ops take a number back in a Tensor
+    place: TorchScript's own passes (``equal`` of two constants, printing one) would fail under
+    any active mode. Made as torch makes them (int64, float64, complex128), they run as before."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    places = [i for i, (a, arg) in enumerate(zip(args, schema.arguments))
+              if type(a) in _NUMBERS and isinstance(arg.type, torch.TensorType)]
+    if not places:
+        return None
+    return tuple(torch.tensor(a) if i in places else a for i, a in enumerate(args))
 
 
 class RemoteDispatchMode(TorchDispatchMode):
@@ -875,7 +894,13 @@ class RemoteDispatchMode(TorchDispatchMode):
         if "generator" in kwargs and generator.on_cuda(kwargs["generator"]):
             # (the carrier is a CPU generator, which would draw from its own seed, not the user's)
             raise RuntimeError("Expected a 'cpu' device type for generator but found 'cuda'")
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError:
+            tensors = _numbers_as_tensors(func, args)
+            if tensors is None:
+                raise
+            return func(*tensors, **kwargs)
 
     def again(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` with the mode on: torch takes it off the stack while it handles an op (one
@@ -1080,6 +1105,8 @@ def _module_apply(original: Callable) -> Callable:
                 raise
         finally:
             torch.__future__.set_swap_module_params_on_conversion(False)
+        if isinstance(self, torch.jit.RecursiveScriptModule):
+            return torchscript.convert(self, fn)
         return original(self, fn, False)  # parameters swapped already convert to themselves
     return _apply
 
@@ -1203,6 +1230,7 @@ def install(rt: Runtime) -> Interception:
     p.set(torch._C, "_group_tensors_by_device_and_dtype", _group_by_device(torch._C._group_tensors_by_device_and_dtype))
     data_parallel.install(p)
     serialization.install(p)
+    torchscript.install(p)
     downloads.install(p)
     decode.install(p)
     flex_attention.install(p)

@@ -1,0 +1,101 @@
+"""TorchScript on 'cuda' against the local CPU: traced and scripted modules (whose graphs hold
+scalar constants, which reach the dispatch mode as plain numbers), their archives loaded onto
+'cuda' (by ``map_location``, or because a GPU machine saved them), and a save that is refused."""
+from __future__ import annotations
+
+import io
+import math
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = [
+    pytest.mark.usefixtures("remote"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.(script|trace|trace_method|freeze|save|load)` is deprecated"),
+]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(4, 3), nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.lin(x)) * 0.5 + 1) / math.sqrt(3)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return Block().eval()
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+
+
+def test_traced_and_scripted_modules_and_functions_match_the_cpu():
+    """A traced graph holds ``0.5`` and ``1`` as constants; running it, checking the trace
+    (``equal`` of constants) and printing its graph pass them to ops as numbers."""
+    def run(dev: str) -> list[torch.Tensor]:
+        m, x = _model().to(dev), _x().to(dev)
+        traced = torch.jit.trace(m, x)  # (check_trace: runs the graph again and compares)
+        scripted = torch.jit.script(m)
+        fn = torch.jit.trace(lambda a: a * 2 + 1, x)
+        assert "prim::Constant" in str(fn.graph)
+        return [traced(x), scripted(x), fn(x), torch.jit.freeze(torch.jit.script(m))(x)]
+    cuda, cpu = run("cuda"), run("cpu")
+    assert all(t.device.type == "cuda" for t in cuda)
+    torch.testing.assert_close([t.cpu() for t in cuda], cpu)
+
+
+def test_a_script_module_moved_to_cuda_keeps_its_gradients():
+    """A TorchScript module's tensors are its C++ module's attributes, which no swap can make
+    remote: ``.cuda()`` replaces each, and parameters still train."""
+    m = torch.jit.script(_model().train())
+    m.cuda()
+    p = next(m.parameters())
+    assert p.device.type == "cuda" and p.requires_grad
+    m(_x().cuda()).sum().backward()
+    assert p.grad is not None and p.grad.device.type == "cuda"
+
+
+@pytest.mark.parametrize("map_location", ["cuda", "cuda:0", torch.device("cuda"), None, "cpu"])
+def test_jit_load_with_map_location(tmp_path: Path, map_location):
+    m = _model()
+    torch.jit.save(torch.jit.script(m), tmp_path / "m.pt")
+    loaded = torch.jit.load(tmp_path / "m.pt", map_location=map_location)
+    device = next(loaded.parameters()).device
+    assert device.type == ("cuda" if map_location not in (None, "cpu") else "cpu")
+    torch.testing.assert_close(loaded(_x().to(device)).cpu(), m(_x()))
+
+
+def test_an_archive_saved_on_a_gpu_machine_loads_onto_cuda(tmp_path: Path):
+    """Its storages are located on 'cuda:0', which a CPU-only torch's loader would make as
+    empty tensors: it loads onto the CPU and moves, as a GPU's torch restores it."""
+    m = _model()
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(m), buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(tmp_path / "gpu.pt", "w") as dst:
+        for name in src.namelist():
+            data = src.read(name)
+            if name.endswith("data.pkl"):
+                assert b"X\x03\x00\x00\x00cpu" in data
+                data = data.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+            dst.writestr(name, data)
+    with open(tmp_path / "gpu.pt", "rb") as f:
+        loaded = torch.jit.load(f)
+    assert next(loaded.parameters()).device == torch.device("cuda", 0)
+    torch.testing.assert_close(loaded(_x().cuda()).cpu(), m(_x()))
+    assert next(torch.jit.load(tmp_path / "gpu.pt", map_location="cpu").parameters()).device.type == "cpu"
+
+
+def test_saving_a_script_module_on_cuda_is_refused_with_the_remedy(tmp_path: Path):
+    m = _model().cuda()
+    for module in (torch.jit.script(m), torch.jit.trace(m, _x().cuda())):
+        with pytest.raises(NotImplementedError, match=r"module.cpu\(\)"):
+            torch.jit.save(module, tmp_path / "m.pt")
+        with pytest.raises(NotImplementedError, match="map_location='cuda'"):
+            torch.jit.save(module, io.BytesIO())
