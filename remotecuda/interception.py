@@ -52,6 +52,7 @@ from . import (
     data_parallel,
     decode,
     device_type,
+    distributed,
     downloads,
     expanded_weights,
     flags,
@@ -1202,6 +1203,7 @@ def install(rt: Runtime) -> Interception:
     p.set(backward_node, "apply", _checked_function_backward(backward_node.apply))
     p.set(torch._C, "_group_tensors_by_device_and_dtype", _group_by_device(torch._C._group_tensors_by_device_and_dtype))
     data_parallel.install(p)
+    distributed.install(p)
     serialization.install(p)
     downloads.install(p)
     decode.install(p)

@@ -79,3 +79,28 @@ def test_data_parallel_trains_a_model_with_unused_parameters(two_gpus):
     plain = _WithUnused()
     plain.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
     torch.testing.assert_close(plain.state_dict(), local.state_dict())
+
+
+def test_torch_distributed_gloo_collectives_on_cuda_tensors(two_gpus):
+    """A one-process world (a torchrun script run alone): gloo's collectives on 'cuda' tensors go
+    through the CPU, as on a GPU machine (gloo's C++ said "unsupported device type meta"); 'nccl',
+    and DDP over a 'cuda' model, are refused naming remotecuda."""
+    import torch.distributed as dist
+    with pytest.raises(RuntimeError, match="remotecuda: torch.distributed's 'nccl' backend"):
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)  # (no backend: gloo)
+    try:
+        assert dist.get_backend() == "gloo"
+        t = torch.arange(4.0, device="cuda:1")
+        dist.all_reduce(t)
+        gathered = [torch.zeros(4, device="cuda")]
+        dist.all_gather(gathered, t)
+        into = torch.zeros(4, device="cuda:1")
+        dist.broadcast(t, 0, async_op=True).wait()
+        dist.all_to_all_single(into, t)
+        assert gathered[0].device == torch.device("cuda", 0) and into.device == torch.device("cuda", 1)
+        torch.testing.assert_close([t.cpu(), gathered[0].cpu(), into.cpu()], [torch.arange(4.0)] * 3)
+        with pytest.raises(NotImplementedError, match="remotecuda: DistributedDataParallel"):
+            nn.parallel.DistributedDataParallel(nn.Linear(3, 2).cuda())
+    finally:
+        dist.destroy_process_group()
