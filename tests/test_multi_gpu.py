@@ -104,3 +104,60 @@ def test_torch_distributed_gloo_collectives_on_cuda_tensors(two_gpus):
             nn.parallel.DistributedDataParallel(nn.Linear(3, 2).cuda())
     finally:
         dist.destroy_process_group()
+
+
+class _TwoStage(nn.Module):
+    """Model parallelism by hand: a stage per device, the activations moved between them, and a
+    table shared by both (tied weights): the first stage uses its first half (``chunk``, the other
+    half unused there), the second a copy of all of it."""
+
+    def __init__(self, first: str, second: str) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+        self.table = nn.Parameter(data(8, 10, seed=5).to(first))
+        self.stage0 = nn.Sequential(nn.Linear(10, 16), nn.LayerNorm(16), nn.ReLU()).to(first)
+        self.stage1 = nn.Linear(16, 5).to(second)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        half, _ = self.table.chunk(2)
+        side = x.to(self.first) @ half.t()
+        h = self.stage0(x.to(self.first)).to(self.second)
+        return side, self.stage1(h) + (x.to(self.second) @ self.table.to(self.second).t()).mean()
+
+
+def _train_two_stages(first: str, second: str) -> list:
+    torch.manual_seed(0)
+    model = _TwoStage(first, second)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        side, out = model(data(20, 10, seed=step))
+        loss = side.mean() + F.mse_loss(out, data(20, 5, seed=10 + step).to(second)).to(first)
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        losses.append(loss.item())
+    return [losses, *(p.detach().cpu() for p in model.parameters())]
+
+
+def test_a_model_split_by_hand_over_two_devices_trains_as_on_the_cpu(two_gpus):
+    torch.testing.assert_close(_train_two_stages("cuda:0", "cuda:1"), _train_two_stages("cpu", "cpu"))
+
+
+def _two_branches(first: str, second: str) -> list[torch.Tensor]:
+    x = torch.arange(12.0).reshape(4, 3).to(first).requires_grad_()
+    w = torch.ones(3, device=second, requires_grad=True)
+    kept, _ = x.chunk(2)
+    far = ((x.to(second) * w).relu() * 3).sum()  # (before the near branch: its backward runs after)
+    loss = (kept * 2).sum() + far.to(first)
+    loss.backward()
+    return [x.grad.cpu(), w.grad.cpu()]
+
+
+def test_zeros_a_backward_formula_makes_follow_a_copy_back(two_gpus):
+    """The backward crosses from cuda:1 back to cuda:0 (the copy's backward) and then reaches the
+    chunk, whose unused half gets zeros from the backward formula: they were made on cuda:1, the
+    device of the last op run, as the copy did not count as one ("Expected all tensors to be on
+    the same device")."""
+    torch.testing.assert_close(_two_branches("cuda:0", "cuda:1"), _two_branches("cpu", "cpu"))
