@@ -21,7 +21,7 @@ from conftest import GatewayProcess
 @pytest.fixture(scope="module")
 def two_gpus():
     """A gateway with two simulated GPUs and remotecuda active over it; the run's own activation after."""
-    gw = GatewayProcess("--spare", "1", "--gpus", "2")
+    gw = GatewayProcess("--spare", "2", "--gpus", "2")  # (a worker ready for each device)
     previous = remotecuda.runtime.active()
     restore = previous and list(dict.fromkeys(d.endpoint.removeprefix("tcp://") for d in previous.pool.devices))
     remotecuda.deactivate()
