@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from . import (
     accelerator_api,
     autocast,
+    backward_device,
     compiled,
     control_flow,
     cuda_api,
@@ -866,6 +867,8 @@ class RemoteDispatchMode(TorchDispatchMode):
             local = self.dispatcher.local
             if d.type == "meta" and not local.user_meta:
                 target = local.target
+                if target is None and len(runtime.current().pool.sessions) > 1:
+                    target = backward_device.current()  # (made by a backward formula: its node's device)
                 return self.dispatcher.factory(func, args, kwargs, target if target is not None else local.vdev)
         if isinstance(func, HigherOrderOperator) and \
                 any(isinstance(x, RemoteTensor) for x in pytree.tree_leaves((args, kwargs))):

@@ -161,3 +161,32 @@ def test_zeros_a_backward_formula_makes_follow_a_copy_back(two_gpus):
     device of the last op run, as the copy did not count as one ("Expected all tensors to be on
     the same device")."""
     torch.testing.assert_close(_two_branches("cuda:0", "cuda:1"), _two_branches("cpu", "cpu"))
+
+
+class _Pair(torch.autograd.Function):
+    """A custom Function with two outputs (the program uses one)."""
+
+    @staticmethod
+    def forward(ctx: object, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t * 2, t * 3
+
+    @staticmethod
+    def backward(ctx: object, g1: torch.Tensor, g2: torch.Tensor) -> torch.Tensor:
+        return g1 * 2 + g2 * 3
+
+
+def _interleaved(first: str, second: str) -> list[torch.Tensor]:
+    far = torch.ones(4, device=second, requires_grad=True)
+    near = torch.ones(4, device=first, requires_grad=True)
+    used, _ = _Pair.apply(far)
+    half, _ = far.chunk(2)
+    near_loss = (near * 2).sum()  # (made between: its backward runs between the far nodes' backward)
+    loss = near_loss + (used.sum() + half.sum()).to(first)
+    loss.backward()
+    return [far.grad.cpu(), near.grad.cpu()]
+
+
+def test_zeros_autograd_makes_go_to_the_device_of_the_node(two_gpus):
+    """The engine runs cuda:1's nodes after one of cuda:0's: the zeros autograd makes for a custom
+    Function's unused output, and a chunk's backward for its unused half, went to cuda:0."""
+    torch.testing.assert_close(_interleaved("cuda:0", "cuda:1"), _interleaved("cpu", "cpu"))
