@@ -190,3 +190,28 @@ def test_zeros_autograd_makes_go_to_the_device_of_the_node(two_gpus):
     """The engine runs cuda:1's nodes after one of cuda:0's: the zeros autograd makes for a custom
     Function's unused output, and a chunk's backward for its unused half, went to cuda:0."""
     torch.testing.assert_close(_interleaved("cuda:0", "cuda:1"), _interleaved("cpu", "cpu"))
+
+
+def test_from_pretrained_split_over_two_devices_and_the_cpu_generates_as_local(two_gpus, tmp_path):
+    """``device_map="auto"`` with ``max_memory`` for both GPUs and the CPU: Accelerate's hooks move
+    the activations from cuda:0 to cuda:1 to the offloaded layers; a DataParallel of the same
+    model splits a batch's keyword inputs and gathers its ``ModelOutput``."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=100, n_positions=64)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    ids = torch.arange(14).reshape(2, 7) * 7 % 100
+    local = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    split = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, device_map="auto", max_memory={0: "120KiB", 1: "120KiB", "cpu": "1GiB"})
+    assert {0, 1, "cpu"} <= set(split.hf_device_map.values()) and split.device == torch.device("cuda", 0)
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids.cuda()).logits.cpu(), local(ids).logits)
+        assert torch.equal(split.generate(ids.cuda(), max_new_tokens=4, do_sample=False, pad_token_id=0).cpu(),
+                           local.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+        parallel = nn.DataParallel(copy.deepcopy(local).cuda())
+        with pytest.warns(UserWarning, match="all input tensors were scalars"):  # (the losses, as on GPUs)
+            out = parallel(input_ids=ids.cuda(), labels=ids.cuda())
+        halves = [local(input_ids=ids[i:i + 1], labels=ids[i:i + 1]) for i in range(2)]
+    torch.testing.assert_close(out.logits.cpu(), torch.cat([h.logits for h in halves]))
+    torch.testing.assert_close(out.loss.cpu(), torch.stack([h.loss for h in halves]))
