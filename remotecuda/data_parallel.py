@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch._utils import _flatten_dense_tensors, _get_device_index, _unflatten_dense_tensors
 from torch.nn.parallel import comm
+from torch.nn.parallel._functions import ReduceAddCoalesced
 
 #: torch.nn.parallel.comm's default
 BUFFER_BYTES = 10485760
@@ -133,6 +134,19 @@ def _scatter_forward(ctx: Any, target_gpus: Sequence[Any], chunk_sizes: Sequence
     return tuple(torch.view_as_complex(o) for o in outputs) if input.is_complex() else outputs
 
 
+def _broadcast_backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple:
+    """``torch.nn.parallel._functions.Broadcast.backward`` with each gradient on its replica's
+    device. Autograd makes zeros for a copy no replica used (a parameter unused in the forward);
+    it builds them from the wrapper's C++ device (meta), which names no 'cuda' one, so they land
+    on the device of the thread's last op, and the sum of one parameter's gradients would mix
+    devices."""
+    n = ctx.num_inputs
+    grads = tuple(g if g is None or g.get_device() == ctx.target_gpus[i // n]
+                  else torch.zeros_like(g, device=torch.device("cuda", ctx.target_gpus[i // n]))
+                  for i, g in enumerate(grad_outputs))
+    return (None, *ReduceAddCoalesced.apply(ctx.input_device, n, *grads))
+
+
 def gather(tensors: Sequence[torch.Tensor], dim: int = 0, destination: Any = None, *, out: Any = None) -> torch.Tensor:
     """``tensors`` concatenated along ``dim`` on ``destination`` (a device index, or the CPU)."""
     tensors = [comm._handle_complex(t) for t in tensors]
@@ -190,5 +204,6 @@ def install(p: Any) -> None:
                          ("reduce_add", reduce_add), ("scatter", scatter), ("gather", gather)):
             p.set(module, name, fn)
     p.set(_functions.Scatter, "forward", staticmethod(_scatter_forward))
+    p.set(_functions.Broadcast, "backward", staticmethod(_broadcast_backward))
     p.set(data_parallel, "parallel_apply", parallel_apply)
     p.set(parallel, "parallel_apply", parallel_apply)

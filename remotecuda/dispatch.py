@@ -598,6 +598,9 @@ class Dispatcher:
         """``src`` copied to virtual device ``index`` (``_to_copy`` semantics): worker to worker
         (transfer.py), else through the client."""
         dst = self.session_of(index)
+        # the last op here is on the destination: the zeros a backward formula makes for an unused
+        # output ('meta' factories) follow it, and a pipeline's backward crosses here to the earlier stage
+        self.local.vdev = index
         out = transfer.move(src, dst)
         if out is None:
             return self.upload(self.download(src), dst, kwargs)

@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from . import (
     accelerator_api,
     autocast,
+    backward_device,
     compiled,
     control_flow,
     cuda_api,
@@ -52,6 +53,7 @@ from . import (
     data_parallel,
     decode,
     device_type,
+    distributed,
     downloads,
     expanded_weights,
     flags,
@@ -884,6 +886,8 @@ class RemoteDispatchMode(TorchDispatchMode):
             local = self.dispatcher.local
             if d.type == "meta" and not local.user_meta:
                 target = local.target
+                if target is None and len(runtime.current().pool.sessions) > 1:
+                    target = backward_device.current()  # (made by a backward formula: its node's device)
                 return self.dispatcher.factory(func, args, kwargs, target if target is not None else local.vdev)
         if isinstance(func, HigherOrderOperator) and \
                 any(isinstance(x, RemoteTensor) for x in pytree.tree_leaves((args, kwargs))):
@@ -1229,6 +1233,7 @@ def install(rt: Runtime) -> Interception:
     p.set(backward_node, "apply", _checked_function_backward(backward_node.apply))
     p.set(torch._C, "_group_tensors_by_device_and_dtype", _group_by_device(torch._C._group_tensors_by_device_and_dtype))
     data_parallel.install(p)
+    distributed.install(p)
     serialization.install(p)
     torchscript.install(p)
     downloads.install(p)

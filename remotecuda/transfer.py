@@ -84,7 +84,7 @@ class DeviceCopy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: RemoteTensor, index: int) -> Any:
-        ctx.source = x.get_device()
+        ctx.source, ctx.index = x.get_device(), index
         return _TO(x, torch.device("cuda", index))
 
     @staticmethod

@@ -1,0 +1,90 @@
+"""``torch.distributed`` with 'cuda' tensors while active.
+
+A CPU-only torch has no NCCL, and gloo's C++ reads a remote tensor's device as 'meta' and
+refuses it ("unsupported device type meta"). Gloo on a GPU machine stages CUDA tensors through
+host memory; its collectives do so here too: the 'cuda' tensors a call names are read, the
+collective runs on the CPU copies, and the results are written back. What cannot work says so,
+naming remotecuda: the 'nccl' backend, and ``DistributedDataParallel`` over a 'cuda' model,
+whose gradient buckets are made and reduced in C++, out of the client's reach.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .tensor import RemoteTensor
+
+#: the collectives and point-to-point calls of torch.distributed that take tensors (or lists of them)
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+               "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+               "send", "recv", "isend", "irecv")
+
+
+def _staged(original: Callable) -> Callable:
+    """``original`` (a collective) on CPU copies of the remote tensors among its arguments, whose
+    values it then writes back into them, as gloo stages a GPU's tensors."""
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        remote: list[tuple[RemoteTensor, torch.Tensor]] = []
+
+        def local(a: Any) -> Any:
+            if isinstance(a, RemoteTensor):
+                remote.append((a, a.cpu()))
+                return remote[-1][1]
+            if type(a) is list and any(isinstance(t, RemoteTensor) for t in a):
+                return [local(t) for t in a]
+            return a
+        args = tuple(local(a) for a in args)
+        kwargs = {k: local(v) for k, v in kwargs.items()}
+        if not remote:
+            return original(*args, **kwargs)
+        work = original(*args, **kwargs)
+        if work is not None and hasattr(work, "wait"):
+            work.wait()  # (async_op=True: the values must be in before they are written back)
+        for t, cpu in remote:
+            t.copy_(cpu)
+        return work
+    collective.__wrapped__ = original  # type: ignore[attr-defined]
+    collective.__name__ = original.__name__
+    collective.__doc__ = original.__doc__
+    return collective
+
+
+def _init_process_group(original: Callable) -> Callable:
+    """``init_process_group`` refusing 'nccl' by name; no backend is gloo alone (torch's default
+    for an available CUDA, 'cuda:nccl,cpu:gloo', fails on a CPU-only build)."""
+    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if backend is not None and "nccl" in str(backend).lower():
+            raise RuntimeError(
+                "remotecuda: torch.distributed's 'nccl' backend needs the GPUs in this process, and "
+                "remotecuda's 'cuda' devices are on gateways. Use backend='gloo' (its collectives on 'cuda' "
+                "tensors go through the CPU, as on a GPU machine), or for several GPUs in one process "
+                "nn.DataParallel; DistributedDataParallel over a 'cuda' model is not supported")
+        return original("gloo" if backend is None else backend, *args, **kwargs)
+    init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
+    return init_process_group
+
+
+def _ddp_init(original: Callable) -> Callable:
+    def __init__(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        if any(isinstance(t, RemoteTensor) for t in (*module.parameters(), *module.buffers())):
+            raise NotImplementedError(
+                "remotecuda: DistributedDataParallel over a model on 'cuda' is not supported (its gradient "
+                "buckets are made and reduced in C++, which cannot reach the gateway). Use "
+                "nn.DataParallel over the pool's devices, or one process without DDP")
+        original(self, module, *args, **kwargs)
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    return __init__
+
+
+def install(patches: Any) -> None:
+    """Patch torch.distributed through ``patches`` (interception's ``_Patches``; undone by uninstall)."""
+    if not dist.is_available():
+        return
+    for name in COLLECTIVES:
+        patches.set(dist, name, _staged(getattr(dist, name)))
+    patches.set(dist, "init_process_group", _init_process_group(dist.init_process_group))
+    ddp = torch.nn.parallel.DistributedDataParallel
+    patches.set(ddp, "__init__", _ddp_init(ddp.__init__))
