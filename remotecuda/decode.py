@@ -23,7 +23,7 @@ So the tokens are eager's, and a greedy or sampled call costs at most one blocki
 has met EOS early, the client learns it a few steps late, without waiting (``Progress``): the
 gateway decodes those steps, which are undone, its generator included.
 Anything else (an assistant, a streamer, a user-given cache, logits processors or stopping criteria
-of the user's own classes) takes the plain path, as before.
+of the user's own classes, a ``max_time``) takes the plain path, as before.
 """
 from __future__ import annotations
 
@@ -94,7 +94,19 @@ def _supported(model: Any, kwargs: dict) -> bool:
         return False
     return (all(kwargs.get(k) is None for k in ("streamer", "assistant_model", "prompt_lookup_num_tokens",
                                                 "past_key_values"))
-            and all(_own(kwargs.get(k)) for k in ("logits_processor", "stopping_criteria")))
+            and all(_own(kwargs.get(k)) for k in ("logits_processor", "stopping_criteria"))
+            and not _timed(model, kwargs))
+
+
+def _timed(model: Any, kwargs: dict) -> bool:
+    """Whether the call is bounded by wall time (``max_time``, or a ``MaxTimeCriteria`` given): its
+    clock is read by the client's loop, which runs ahead of the gateway here, so the time would be
+    up long before the tokens are, and the call would last until all those it issued were computed
+    (18 s for ``max_time=0.9``). On the plain path each step waits for its token, as on a GPU."""
+    configs = (kwargs.get("generation_config"), getattr(model, "generation_config", None))
+    if kwargs.get("max_time") is not None or any(getattr(c, "max_time", None) is not None for c in configs):
+        return True
+    return any(type(c).__name__ == "MaxTimeCriteria" for c in kwargs.get("stopping_criteria") or ())
 
 
 def _own(steps: Any) -> bool:

@@ -2,18 +2,18 @@
 
 Each ``.cpu()`` is a sync point: a checkpoint of 48 tensors read one by one costs 48 round
 trips. Where the whole set is known up front (``torch.save``, ``Module.cpu()``/``.to('cpu')``,
-safetensors' ``save_file``, ``remotecuda.fetch``), it is fetched in one request per session
-(``rc::fetch_many``), and the copies wait in a per-thread stash that the ``.cpu()`` calls
-made inside that scope take from (``take``, called by every download). The stash lives only
-for the scope: no op of this thread runs in it between the fetch and the reads, so the values
-are those the reads would have got.
+safetensors' ``save_file``, a Hugging Face pipeline's outputs, ``remotecuda.fetch``), it is
+fetched in one request per session (``rc::fetch_many``), and the copies wait in a per-thread
+stash that the ``.cpu()`` calls made inside that scope take from (``take``, called by every
+download). The stash lives only for the scope: no op of this thread runs in it between the
+fetch and the reads, so the values are those the reads would have got.
 """
 from __future__ import annotations
 
 import functools
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from importlib.abc import MetaPathFinder
 from importlib.machinery import PathFinder
@@ -148,6 +148,29 @@ def _safetensors_tensors(tensors: Any, *args: Any, **kwargs: Any) -> Iterable[An
     return tensors.values() if isinstance(tensors, dict) else ()
 
 
+def _pipeline_tensors(pipeline: Any, inputs: Any, device: Any = None) -> list[torch.Tensor]:
+    """A transformers pipeline moves each batch's outputs (and the inputs its postprocessing reads:
+    token classification's ids, offsets and masks) to the CPU with ``_ensure_tensor_on_device``,
+    one ``.to('cpu')`` each: a round trip per tensor, six a batch for token classification."""
+    found: list[torch.Tensor] = []
+    if device is not None and torch.device(device).type == "cpu":
+        _nested_tensors(inputs, found)
+    return found
+
+
+def _nested_tensors(x: Any, found: list) -> None:
+    """The tensors where ``_ensure_tensor_on_device`` looks: in mappings (dicts, ``ModelOutput``,
+    ``BatchEncoding``), lists and tuples."""
+    if isinstance(x, torch.Tensor):
+        found.append(x)
+    elif isinstance(x, Mapping):
+        for v in x.values():
+            _nested_tensors(v, found)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _nested_tensors(v, found)
+
+
 class _OnImport(MetaPathFinder):
     """Patches a module when it is imported (importing it here would slow every start): calls
     ``patch(patches, module)`` once ``name`` has run. Deactivation turns ``active`` off (through
@@ -194,8 +217,17 @@ def _patch_safetensors(patches: Any, module: Any) -> None:
         patches.set(module, "_flatten_as_ptr", prefetched(module._flatten_as_ptr, _safetensors_tensors))
 
 
+def _patch_pipelines(patches: Any, module: Any) -> None:
+    pipeline = getattr(module, "Pipeline", None)
+    move = getattr(pipeline, "_ensure_tensor_on_device", None)
+    if move is not None and not hasattr(move, "__wrapped__"):
+        patches.set(pipeline, "_ensure_tensor_on_device", prefetched(move, _pipeline_tensors))
+
+
 def install(patches: Any) -> None:
-    """Batch the reads of Module.cpu()/.to('cpu') and of safetensors while remotecuda is active."""
+    """Batch the reads of Module.cpu()/.to('cpu'), of safetensors and of transformers' pipelines
+    while remotecuda is active."""
     patches.set(torch.nn.Module, "cpu", prefetched(torch.nn.Module.cpu, module_tensors))
     patches.set(torch.nn.Module, "to", prefetched(torch.nn.Module.to, _module_to_cpu))
     on_import(patches, "safetensors.torch", _patch_safetensors)
+    on_import(patches, "transformers.pipelines.base", _patch_pipelines)

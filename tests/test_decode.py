@@ -95,6 +95,25 @@ def test_inputs_made_on_the_device_are_read_once(remote):
     assert trips <= 4  # (two calls, each: its inputs, then the stop count)
 
 
+@pytest.mark.parametrize("bound", ["max_time", "generation_config", "criteria"])
+def test_a_call_bounded_by_wall_time_waits_for_each_token(remote, bound):
+    """``max_time`` is read on the client's clock: decoded ahead of the gateway, the time ran out
+    long before the tokens did, and the call lasted until all those issued were computed (27 s for
+    ``max_time=1.0``). Such a call takes the plain path, each step waiting for its token as on a
+    GPU (a limit not reached here, so the tokens are the local ones)."""
+    kw: dict = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    if bound == "max_time":
+        kw["max_time"] = 600.0
+    elif bound == "generation_config":
+        kw["generation_config"] = T.GenerationConfig(max_time=600.0, **kw)
+        kw = {"generation_config": kw["generation_config"]}
+    else:
+        kw["stopping_criteria"] = T.StoppingCriteriaList([T.MaxTimeCriteria(600.0)])
+    local, out, trips = _both(_gpt2(), lambda m, x, a: m.generate(x, attention_mask=a, **kw))
+    assert torch.equal(out, local)
+    assert trips >= 8
+
+
 def test_returned_dict_reads_only_the_stop_check(remote):
     """``return_dict_in_generate`` with scores and logits returns the cache, so the stop is checked
     every step (no step may be undone in it), but the mask and attention reads are answered as in

@@ -156,3 +156,21 @@ def test_iterator_streamer_with_generate_in_a_thread():
         pieces.append(list(streamer))
         worker.join()
     assert pieces[1] == pieces[0] and "".join(pieces[0]).strip()
+
+
+def test_a_batch_comes_back_to_the_cpu_in_one_round_trip():
+    """A pipeline moves each batch's outputs, and the inputs its postprocessing reads, to the CPU
+    one ``.to('cpu')`` at a time (token classification: logits, ids, offsets, masks): they are
+    fetched together, so a batch waits twice (that and the mask's all-ones check), not seven times."""
+    import remotecuda
+    texts = ["the big red cat sat on the mat", "a dog", "where is it", "the small blue city"]
+    answers = []
+    for device in ("cpu", 0):
+        torch.manual_seed(0)
+        model = T.BertForTokenClassification(T.BertConfig(**BERT, **LABELS)).eval()
+        pipe = T.pipeline("token-classification", model=model, tokenizer=_bert_tokenizer(), device=device)
+        pipe(texts, batch_size=4)  # (the first call on 'cuda' also asks for the attention backend)
+        remotecuda.stats(reset=True)
+        answers.append(_plain(pipe(texts, batch_size=4)))
+    assert remotecuda.stats()["blocking_round_trips"] == 2
+    _assert_same(answers[1], answers[0], "token-classification")
