@@ -29,6 +29,7 @@ from remotecuda_wire.admin import read_admin_token
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import ProtocolError
 
+from . import remote_warnings
 from .errors import (
     GatewayAuthError,
     GatewayDownError,
@@ -644,9 +645,14 @@ class Session:
             body = msg.body
             if self.trace is not None:
                 self.trace.waited(self, name, index, t_wait, body.get("spans"))
+            warned = body.get("warn")  # the kernels' warnings since the last reply (remote_warnings.py)
             if body.get("err"):  # this op's own error, or (with a note) an earlier one's
                 err = body["err"]
-                raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
+                try:
+                    if warned:
+                        remote_warnings.raise_again(warned)
+                finally:
+                    raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
             self._settled = not self._ops  # (this request was the last thing sent, and all of it ran)
             res = body.get("res")
             if name == "rc::fetch":
@@ -661,6 +667,8 @@ class Session:
                 self.link.observe(nbytes, time.perf_counter() - t0)
                 if self.trace is not None:
                     self.trace.transfer(self, "download", nbytes, None, t_wait)
+            if warned:
+                remote_warnings.raise_again(warned)
             return res
 
     def synchronize(self) -> None:
@@ -705,6 +713,8 @@ class Session:
             if body is None:
                 return False, None
             del self._later[rid]
+            if body.get("warn"):
+                remote_warnings.raise_again(body["warn"])
             return True, None if body.get("err") else body.get("res")
 
     def forget(self, rid: int) -> None:
