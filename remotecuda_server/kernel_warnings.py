@@ -11,13 +11,13 @@ A C++ warning becomes a Python one only inside a torch binding that installs tor
 warning handler (``HANDLE_TH_ERRORS``); an ``OpOverload`` call does not, and its warnings went to
 the worker's stderr. So a message's ops run inside one such binding (``within``): the handler is
 the binding's for the thread, and its warnings are raised in Python when it returns. That costs
-a few µs a message, nothing an op; ``warnings.showwarning`` is only called for a warning.
+about 1 µs a message, nothing an op; ``warnings.showwarning`` is only called for a warning.
 """
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,19 +51,18 @@ class KernelWarnings:
         return [list(k) for k in seen]
 
 
-class _Call:
-    """An argument that makes a torch binding call ``f`` through ``__torch_function__``."""
-
-    __slots__ = ("f",)
-
-    def __init__(self, f: Callable[[], Any]) -> None:
-        self.f = f
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        return args[0].f()
+#: the one-element tensor whose ``apply_`` is the binding ``within`` calls through
+_ONE = torch.zeros(1)
 
 
 def within(f: Callable[[], T]) -> T:
-    """``f()`` inside a torch binding, so that the C++ warnings it raises become Python warnings."""
-    return cast(T, torch.abs(_Call(f)))  # type: ignore[arg-type]
+    """``f()`` inside a torch binding (``Tensor.apply_``, which calls its function once per element:
+    about 1 µs), so that the C++ warnings it raises become Python warnings as the binding returns."""
+    out: list[T] = []
+
+    def call(v: float) -> float:
+        out.append(f())
+        return v
+
+    _ONE.apply_(call)
+    return out[0]
