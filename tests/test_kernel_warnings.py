@@ -58,3 +58,35 @@ def test_an_error_filter_raises_the_warning_and_the_session_goes_on():
             out.tolist()
         x = torch.arange(3.0, device="cuda")
         assert (x * 2).tolist() == [0.0, 2.0, 4.0] and out.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_deterministic_algorithms_warn_only_alerts_reach_the_program():
+    """``use_deterministic_algorithms(True, warn_only=True)``: the device's kernels alert of their
+    nondeterminism by warning (``put_`` does on the CPU, as many ops do on CUDA)."""
+    def put(device: str) -> list:
+        x = torch.zeros(5, device=device).put_(torch.tensor([0, 0], device=device), torch.ones(2, device=device))
+        return x.tolist()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as local:
+            warnings.simplefilter("always")
+            expected = put("cpu")
+        with warnings.catch_warnings(record=True) as remote:
+            warnings.simplefilter("always")
+            assert put("cuda") == expected
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert _said(remote) == _said(local)
+    assert "put_ does not have a deterministic implementation" in str(local[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert put("cuda") == expected  # (the setting is off again on the gateway too)
+
+
+def test_a_warnings_category_is_kept():
+    from remotecuda import remote_warnings
+    with pytest.warns(DeprecationWarning, match="^old$"):
+        remote_warnings.raise_again([["DeprecationWarning", "old"]])
+    with pytest.warns(UserWarning, match="^odd$") as caught:  # (an unknown name; a malformed entry skipped)
+        remote_warnings.raise_again([["NoSuchWarning", "odd"], "malformed"])
+    assert len(caught) == 1
