@@ -342,6 +342,8 @@ class Session:
             self._later.pop(rid, None)
             if body.get("err"):  # (the gateway reports a failure once, in its next reply: this one)
                 raise remote_exception(body["err"])
+            if body.get("warn"):
+                remote_warnings.raise_again(body["warn"])
         self._abandoned_errors()  # (its reply came during another wait)
         self._pace_at = self._op_index
         self._pace_rid = self.request_later("rc::sync", [])
@@ -840,17 +842,28 @@ class Session:
         return None, progress
 
     def _abandoned_errors(self, waiting: int | None = None) -> None:
-        """Raise the error the reply of a request abandoned by an interrupt carried (an earlier
-        op's, or its own): the gateway reports a failure once, in its next reply. Raised while
+        """Raise the error the reply of a request abandoned by an interrupt (or of a pace marker)
+        carried (an earlier op's, or its own): the gateway reports a failure once, in its next
+        reply; and the kernels' warnings it carried. Raised while
         request ``waiting`` waits, that request is abandoned in its turn."""
         for rid in [r for r in self._abandoned if self._later.get(r) is not None]:
             self._abandoned.discard(rid)
             body = self._later.pop(rid)
-            if body is not None and body.get("err"):
+            if body is None:
+                continue
+            failure: BaseException | None = None
+            if body.get("warn"):  # (a pace marker's reply carries the warnings of the ops before it)
+                try:
+                    remote_warnings.raise_again(body["warn"])
+                except Warning as e:  # (a filter made it an error)
+                    failure = e
+            if body.get("err"):
+                failure = remote_exception(body["err"])
+            if failure is not None:
                 if waiting is not None:
                     self._later[waiting] = None
                     self._abandoned.add(waiting)
-                raise remote_exception(body["err"])
+                raise failure
 
     def cancel(self) -> None:
         """Drop this session's queued work (a second interrupt's answer, ipython.py): ops the

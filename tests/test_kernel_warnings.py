@@ -90,3 +90,17 @@ def test_a_warnings_category_is_kept():
     with pytest.warns(UserWarning, match="^odd$") as caught:  # (an unknown name; a malformed entry skipped)
         remote_warnings.raise_again([["NoSuchWarning", "odd"], "malformed"])
     assert len(caught) == 1
+
+
+def test_a_warning_before_a_long_run_of_ops_is_not_lost():
+    """The client paces a long stream with a sync marker every RUN_AHEAD ops, whose reply it
+    takes by itself: the warnings that reply carried were dropped."""
+    from remotecuda.session import RUN_AHEAD
+    out = _resize_out("cuda")
+    x = torch.zeros(1, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2 * RUN_AHEAD + 1):
+            x.add_(1)
+        assert x.item() == 2 * RUN_AHEAD + 1 and out.tolist() == [2.0, 2.0, 2.0]
+    assert [str(w.message)[:39] for w in caught] == ["An output with one or more elements was"]
