@@ -174,6 +174,10 @@ _DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
 
+def _unshown(*args: Any, **kwargs: Any) -> None:
+    """``warnings.showwarning`` while a meta kernel runs (``Dispatcher._compute``)."""
+
+
 class _NeedUpload(Exception):
     """A CPU tensor sits among the arguments; take the slow path that uploads it."""
 
@@ -453,11 +457,13 @@ class Dispatcher:
             canonicalize_dim(args[pos].dim(), dim)  # IndexError: for the gateway to word
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
+        # (a warning a Python meta kernel gives, the kernel that runs on the gateway gives too,
+        # worded as on a GPU, and remote_warnings.py raises it: not shown twice, nor in other
+        # words. The filters still apply: an "error" one raises at the call, as on a GPU; and they
+        # are not touched, which would make the program's shown-once warnings show again)
+        shown, warnings.showwarning = warnings.showwarning, _unshown
         try:
-            # (a warning a Python meta kernel gives, the kernel that runs on the gateway gives too,
-            # worded as on a GPU, and remote_warnings.py raises it: not twice, nor in other words)
-            with _DisableTorchDispatch(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with _DisableTorchDispatch():
                 out = m.func(*margs, **mkw)
         except NotImplementedError:
             return _NO_META_KERNEL
@@ -471,6 +477,8 @@ class Dispatcher:
             if _is_data_dependent(e):
                 return _META_NEEDS_DATA
             raise
+        finally:
+            warnings.showwarning = shown
         if m.name in layouts.CONVOLUTIONS:  # (its layout is the backend's choice: the shared rule)
             out = layouts.conform(m.name, margs, mkw, out)
         rets = out if m.multi else (out,)
