@@ -66,7 +66,9 @@ def test_deterministic_algorithms_warn_only_alerts_reach_the_program():
     def put(device: str) -> list:
         x = torch.zeros(5, device=device).put_(torch.tensor([0, 0], device=device), torch.ones(2, device=device))
         return x.tolist()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # (torch.use_deterministic_algorithms imports torch._inductor first, seconds on a busy machine;
+    # the setter it ends in is what remotecuda's flags follow)
+    torch._C._set_deterministic_algorithms(True, warn_only=True)
     try:
         with warnings.catch_warnings(record=True) as local:
             warnings.simplefilter("always")
@@ -75,7 +77,7 @@ def test_deterministic_algorithms_warn_only_alerts_reach_the_program():
             warnings.simplefilter("always")
             assert put("cuda") == expected
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch._C._set_deterministic_algorithms(False)
     assert _said(remote) == _said(local)
     assert "put_ does not have a deterministic implementation" in str(local[0].message)
     with warnings.catch_warnings():
