@@ -1173,7 +1173,7 @@ def _set_deterministic(mode: bool, warn_only: bool) -> None:
     """``torch.use_deterministic_algorithms`` but for its import of inductor (and Dynamo), which
     held the session's ops for seconds where no graph may ever be compiled: inductor's own setting
     is set here once it is loaded, and by programs.py before it compiles."""
-    config = sys.modules.get("torch._inductor.config")
+    config: Any = sys.modules.get("torch._inductor.config")
     if config is not None:
         config.deterministic = mode
     torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
