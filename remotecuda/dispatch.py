@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -154,18 +155,27 @@ def _tensor_dtype(args: tuple, i: int) -> torch.dtype | None:
 #: long softmax, a value of another dtype put into a tensor): such a signature is asked of the
 #: gateway at once (``_refused``), so the error comes at the call as on a GPU, not at a later sync
 _DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
-    # (a one-element value may take the masked-fill path, which reads it whatever its dtype)
-    **{op: lambda a: _tensor_dtype(a, 2) not in (None, _tensor_dtype(a, 0)) and a[2].numel() != 1
+    # (a one-element value may take the masked-fill path, which reads it whatever its dtype, and
+    # refuses a byte mask: ``x[uint8_mask] = 0``)
+    **{op: lambda a: (_tensor_dtype(a, 2) not in (None, _tensor_dtype(a, 0)) and a[2].numel() != 1
+                      or any(isinstance(i, torch.Tensor) and i.dtype is torch.uint8 for i in a[1]))
        for op in (aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default)},
     aten.index_select.default: lambda a: _tensor_dtype(a, 2) not in (None, torch.int32, torch.int64),
     **{op: lambda a: _tensor_dtype(a, 1) not in (None, torch.int64)
        for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)},
     **{op: lambda a: not (_tensor_dtype(a, 0) or torch.float32).is_floating_point
        for op in (aten._softmax.default, aten._log_softmax.default)},
+    **{op: lambda a: _tensor_dtype(a, 1) not in (None, torch.bool)
+       for op in (aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor,
+                  aten.masked_fill_.Tensor, aten.masked_scatter.default, aten.masked_scatter_.default)},
 }
 
 #: advanced indexing, which takes a CPU tensor indexed with 'cuda' indices as a GPU's torch does
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+
+
+def _unshown(*args: Any, **kwargs: Any) -> None:
+    """``warnings.showwarning`` while a meta kernel runs (``Dispatcher._compute``)."""
 
 
 class _NeedUpload(Exception):
@@ -447,6 +457,11 @@ class Dispatcher:
             canonicalize_dim(args[pos].dim(), dim)  # IndexError: for the gateway to word
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
+        # (a warning a Python meta kernel gives, the kernel that runs on the gateway gives too,
+        # worded as on a GPU, and remote_warnings.py raises it: not shown twice, nor in other
+        # words. The filters still apply: an "error" one raises at the call, as on a GPU; and they
+        # are not touched, which would make the program's shown-once warnings show again)
+        shown, warnings.showwarning = warnings.showwarning, _unshown
         try:
             with _DisableTorchDispatch():
                 out = m.func(*margs, **mkw)
@@ -462,6 +477,8 @@ class Dispatcher:
             if _is_data_dependent(e):
                 return _META_NEEDS_DATA
             raise
+        finally:
+            warnings.showwarning = shown
         if m.name in layouts.CONVOLUTIONS:  # (its layout is the backend's choice: the shared rule)
             out = layouts.conform(m.name, margs, mkw, out)
         rets = out if m.multi else (out,)

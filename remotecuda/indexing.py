@@ -21,8 +21,6 @@ _AS_TUPLE_WARNING = ("Using a non-tuple sequence for multidimensional indexing i
                      "in pytorch 2.9; use x[tuple(seq)] instead of x[seq]. In pytorch 2.9 this will be interpreted "
                      "as tensor index, x[torch.tensor(seq)], which will result either in an error or a different "
                      "result")
-#: what torch's index kernel warns of a byte mask
-_BYTE_MASK_WARNING = "indexing with dtype torch.uint8 is now deprecated, please use a dtype torch.bool instead."
 
 
 def index_parts(idx: Any) -> Any:
@@ -44,14 +42,6 @@ def _as_tuple(seq: Sequence) -> bool:
     return len(seq) < 32 and any(
         x is None or x is Ellipsis or isinstance(x, (torch.Tensor, slice, Sequence)) or getattr(x, "ndim", 0) > 0
         for x in seq)
-
-
-def warn_of_byte_masks(idx: Any) -> None:
-    """torch's deprecation warning for a uint8 mask in a read index (``x[mask]``), which its index
-    kernel gives: here that runs on the gateway, whose warnings stay there."""
-    for x in idx if type(idx) is tuple else (idx,):
-        if isinstance(x, torch.Tensor) and x.dtype is torch.uint8:
-            warnings.warn(_BYTE_MASK_WARNING, UserWarning, stacklevel=4)
 
 
 def _part(x: Any) -> Any:

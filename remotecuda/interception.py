@@ -363,9 +363,7 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
     if isinstance(args[0], RemoteTensor):
-        idx = indexing.index_parts(args[1])
-        indexing.warn_of_byte_masks(idx)
-        args = (args[0], idx, *args[2:])
+        args = (args[0], indexing.index_parts(args[1]), *args[2:])
     return func(*args, **kwargs)
 
 

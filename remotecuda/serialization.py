@@ -276,6 +276,8 @@ def _saved_storages(tensors: list[RemoteTensor]) -> Iterator[None]:
                 first, a, b = spans[key]
                 lo, hi, t = min(a, lo), max(b, hi), first
             spans[key] = (t, lo, hi)
+    if len({key[:2] for key in spans}) < len(spans):  # torch.save's own check (it sees CPU storages)
+        raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
     with torch.no_grad():
         flats = [t.detach() if t.is_contiguous() and t.storage_offset() == lo and t.numel() == hi - lo
                  else t.as_strided((hi - lo,), (1,), lo) for t, lo, hi in spans.values()]

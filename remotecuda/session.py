@@ -29,6 +29,7 @@ from remotecuda_wire.admin import read_admin_token
 from remotecuda_wire.compression import LinkModel
 from remotecuda_wire.protocol import ProtocolError
 
+from . import remote_warnings
 from .errors import (
     GatewayAuthError,
     GatewayDownError,
@@ -341,6 +342,8 @@ class Session:
             self._later.pop(rid, None)
             if body.get("err"):  # (the gateway reports a failure once, in its next reply: this one)
                 raise remote_exception(body["err"])
+            if body.get("warn"):
+                remote_warnings.raise_again(body["warn"])
         self._abandoned_errors()  # (its reply came during another wait)
         self._pace_at = self._op_index
         self._pace_rid = self.request_later("rc::sync", [])
@@ -644,9 +647,14 @@ class Session:
             body = msg.body
             if self.trace is not None:
                 self.trace.waited(self, name, index, t_wait, body.get("spans"))
+            warned = body.get("warn")  # the kernels' warnings since the last reply (remote_warnings.py)
             if body.get("err"):  # this op's own error, or (with a note) an earlier one's
                 err = body["err"]
-                raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
+                try:
+                    if warned:
+                        remote_warnings.raise_again(warned)
+                finally:
+                    raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
             self._settled = not self._ops  # (this request was the last thing sent, and all of it ran)
             res = body.get("res")
             if name == "rc::fetch":
@@ -661,6 +669,8 @@ class Session:
                 self.link.observe(nbytes, time.perf_counter() - t0)
                 if self.trace is not None:
                     self.trace.transfer(self, "download", nbytes, None, t_wait)
+            if warned:
+                remote_warnings.raise_again(warned)
             return res
 
     def synchronize(self) -> None:
@@ -705,6 +715,8 @@ class Session:
             if body is None:
                 return False, None
             del self._later[rid]
+            if body.get("warn"):
+                remote_warnings.raise_again(body["warn"])
             return True, None if body.get("err") else body.get("res")
 
     def forget(self, rid: int) -> None:
@@ -830,17 +842,28 @@ class Session:
         return None, progress
 
     def _abandoned_errors(self, waiting: int | None = None) -> None:
-        """Raise the error the reply of a request abandoned by an interrupt carried (an earlier
-        op's, or its own): the gateway reports a failure once, in its next reply. Raised while
+        """Raise the error the reply of a request abandoned by an interrupt (or of a pace marker)
+        carried (an earlier op's, or its own): the gateway reports a failure once, in its next
+        reply; and the kernels' warnings it carried. Raised while
         request ``waiting`` waits, that request is abandoned in its turn."""
         for rid in [r for r in self._abandoned if self._later.get(r) is not None]:
             self._abandoned.discard(rid)
             body = self._later.pop(rid)
-            if body is not None and body.get("err"):
+            if body is None:
+                continue
+            failure: BaseException | None = None
+            if body.get("warn"):  # (a pace marker's reply carries the warnings of the ops before it)
+                try:
+                    remote_warnings.raise_again(body["warn"])
+                except Warning as e:  # (a filter made it an error)
+                    failure = e
+            if body.get("err"):
+                failure = remote_exception(body["err"])
+            if failure is not None:
                 if waiting is not None:
                     self._later[waiting] = None
                     self._abandoned.add(waiting)
-                raise remote_exception(body["err"])
+                raise failure
 
     def cancel(self) -> None:
         """Drop this session's queued work (a second interrupt's answer, ipython.py): ops the

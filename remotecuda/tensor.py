@@ -86,6 +86,15 @@ def wrapper_type(types: Any) -> type | None:
     return None
 
 
+class RemoteStorage(torch.UntypedStorage):
+    """A remote tensor's storage (``RemoteTensor.untyped_storage``): the wrapper's meta storage,
+    on the tensor's 'cuda:N' as a GPU's storage is (its bytes are read through the tensor)."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.__dict__["_device"]
+
+
 class RemoteTensor(torch.Tensor):
     # Set by wrap(), and read by the dispatcher, downloads, rnn, attention and transfer: the
     # wrapper's own fields, underscored to stay out of torch.Tensor's namespace; changed only here
@@ -155,11 +164,18 @@ class RemoteTensor(torch.Tensor):
         return _address(self._dev, self._sid) + int(self.storage_offset()) * self.element_size()
 
     def untyped_storage(self) -> torch.UntypedStorage:
-        """The wrapper's (meta) storage, its ``data_ptr`` the fake address of the gateway's storage
-        (``data_ptr()`` less the offset): libraries find tied tensors by device, storage pointer
-        and size (safetensors, Accelerate's ``save_state``), and a meta storage's 0 would tie
-        every two tensors of one size."""
-        storage = super().untyped_storage()
+        """The (meta) storage of the wrapper that owns the gateway's storage: a view's base's, so
+        that a view and its base share one storage object (``_cdata``) and its size, as on a GPU;
+        on the tensor's 'cuda:N' (``RemoteStorage``), its ``data_ptr`` the fake address of the
+        gateway's storage (``data_ptr()`` less the offset). Libraries find tied tensors by device,
+        storage pointer and size (safetensors refuses to save shared ones, transformers'
+        ``id_tensor_storage``, Accelerate's ``save_state``); a meta storage's 0 would tie every two
+        tensors of one size, and a view's own wrapper spans only the view."""
+        base = self._base
+        owner = base if isinstance(base, RemoteTensor) and base._sid == self._sid else self
+        storage = torch.Tensor.untyped_storage(owner)
+        storage.__class__ = RemoteStorage
+        storage.__dict__["_device"] = self.device
         storage.data_ptr = functools.partial(_address, self._dev, self._sid)  # type: ignore[method-assign]
         return storage
 

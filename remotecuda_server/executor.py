@@ -8,6 +8,7 @@ error is returned with the reply to the client's next request.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -1163,9 +1164,19 @@ _FLAGS = {
         lambda v: setattr(torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", _reduction(v)),
     "matmul.allow_bf16_reduced_precision_reduction":
         lambda v: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", _reduction(v)),
-    "deterministic_algorithms": lambda v: torch.use_deterministic_algorithms(bool(v[0]), warn_only=bool(v[1])),
+    "deterministic_algorithms": lambda v: _set_deterministic(bool(v[0]), bool(v[1])),
     "default_dtype": lambda v: torch.set_default_dtype(_DEFAULT_DTYPES[str(v)]),
 }
+
+
+def _set_deterministic(mode: bool, warn_only: bool) -> None:
+    """``torch.use_deterministic_algorithms`` but for its import of inductor (and Dynamo), which
+    held the session's ops for seconds where no graph may ever be compiled: inductor's own setting
+    is set here once it is loaded, and by programs.py before it compiles."""
+    config: Any = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.deterministic = mode
+    torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 def _reduction(v: Any) -> bool | tuple:

@@ -171,6 +171,8 @@ class Program:
         runs op by op from now on, and ``compile_error`` says why)."""
         try:
             if self.compiled is None:
+                import torch._inductor.config as inductor_config  # (the executor sets it once loaded)
+                inductor_config.deterministic = torch.are_deterministic_algorithms_enabled()
                 self.compiled = torch.compile(self.graph_module(), dynamic=False)
             return list(self.compiled(*inputs))
         except Exception as e:  # noqa: BLE001 - any inductor failure: the graph still runs op by op

@@ -43,6 +43,7 @@ from remotecuda_wire.protocol import ProtocolError
 from . import backlog, internal, peer, privileges
 from .connections import Connections
 from .executor import Assembly, Executor, Upload
+from .kernel_warnings import KernelWarnings, within
 from .memory_account import MemoryAccount
 
 STATS_INTERVAL = 0.25  # seconds between a busy session's reports to the supervisor
@@ -151,6 +152,7 @@ class Worker:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, quota / total), self.device)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.executor = Executor(self.device, copy_stream=self.copy_stream, account=account, quota=quota)
+        self.kernel_warnings = KernelWarnings()  # what the kernels warn, for the next REPLY (installed by main)
         #: the load this session puts on its GPU, which the I/O thread reports: ops received (counted
         #: by the I/O thread) and run (by the executor thread), within the session's bound; and the
         #: executor's seconds on finished messages with the running one's start (None when idle),
@@ -783,7 +785,7 @@ class Worker:
         seq = msg.seq
         cancelled = lambda: seq <= self.cancel_upto or self.closing  # noqa: E731 - read by the executor between ops
         try:
-            result, err, payloads = self.executor.run(msg.body, cancelled, item.prepared)
+            result, err, payloads = within(lambda: self.executor.run(msg.body, cancelled, item.prepared))
         except ProtocolError as e:
             self.executor.failed = None
             out.send_multipart(protocol.encode(protocol.ERROR, {"msg": str(e), "kind": "protocol"}))
@@ -804,6 +806,8 @@ class Worker:
             reply = {"rid": rid, "res": result, "err": err}
             if self.executor.spans:  # the session traces its ops (docs/PROTOCOL.md, "Traces")
                 reply["spans"] = self.executor.take_spans()
+            if self.kernel_warnings:  # (kernel_warnings.py)
+                reply["warn"] = self.kernel_warnings.take()
             try:
                 frames = protocol.encode(protocol.REPLY, reply, payloads)
             except Exception as e:  # e.g. a result msgpack cannot carry
@@ -862,8 +866,10 @@ def main(argv: list[str] | None = None) -> None:
         gpu = json.loads(a.gpu)
         account = MemoryAccount(a.account_fd, gpu["total_memory"], gpu["index"], gpu["name"], a.slot)
     torch.sparse.check_sparse_tensor_invariants.enable()  # a client's sparse tensors are checked as they are made
-    Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account, a.idle_timeout,
-           a.session_memory, a.max_queued, (a.curve_secret, a.curve_clients) if a.curve_secret else None).serve()
+    worker = Worker(a.backend, a.ident.encode(), a.device, a.host, a.max_frame, account, a.idle_timeout,
+                    a.session_memory, a.max_queued, (a.curve_secret, a.curve_clients) if a.curve_secret else None)
+    worker.kernel_warnings.install()
+    worker.serve()
     os._exit(0)
 
 

@@ -209,6 +209,25 @@ def test_safetensors_save_file(tmp_path):
     assert set(back) == set(ref) and all(torch.equal(back[k], ref[k]) for k in ref)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_shared_storage_is_refused_where_torch_refuses_it(device, tmp_path):
+    """A view saved beside its base: safetensors refuses tensors sharing memory (it found them by
+    storage pointer and size, and a 'cuda' view's storage spanned only the view); torch.save
+    refuses two dtypes viewing one storage (it was given a CPU storage per dtype)."""
+    from safetensors.torch import save_file
+    x = torch.arange(10.0, device=device)
+    with pytest.raises(RuntimeError, match="Some tensors share memory"):
+        save_file({"x": x, "head": x[:2]}, tmp_path / "v.safetensors")
+    with pytest.raises(RuntimeError, match="^Cannot save multiple tensors or storages that view the same data as "
+                                           "different types$"):
+        torch.save([x, x.view(torch.int32)], io.BytesIO())
+    buf = io.BytesIO()
+    torch.save([x, x[2:], x.clone().view(torch.int32)], buf)  # (one dtype per storage: saved)
+    buf.seek(0)
+    back = torch.load(buf)
+    assert torch.equal(back[1].cpu(), torch.arange(2.0, 10.0))
+
+
 # ---------------------------------------------------------------- memory figures on a CPU gateway
 
 def test_peak_memory_sees_a_temporary_between_samples():

@@ -14,6 +14,8 @@ from remotecuda_server.executor import INTERNAL_OPS, Executor, Upload
 from remotecuda_wire import protocol
 from remotecuda_wire.protocol import ProtocolError
 
+from conftest import run_python
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "docs", "PROTOCOL.md"), encoding="utf-8") as f:
     DOC = f.read()
@@ -80,6 +82,22 @@ def test_executor_serves_internal_ops_from_prepared_uploads():
     got = [torch.frombuffer(bytearray(protocol.decode_payload(*p)), dtype=torch.float32) for p in payloads]
     assert torch.equal(got[0], x) and torch.equal(got[1], x * x)
     assert ex.stats["uploads"] == 1 and ex.stats["downloads"] == 2
+
+
+def test_executor_sets_deterministic_algorithms_without_loading_inductor():
+    """``torch.use_deterministic_algorithms`` imports inductor and Dynamo (seconds, holding the
+    session's ops); the gateway sets torch's flag itself."""
+    r = run_python(
+        "import sys, torch\n"
+        "from remotecuda_server.executor import Executor\n"
+        "ex = Executor(torch.device('cpu'))\n"
+        "ops = [['rc::set_flags', [{'deterministic_algorithms': [True, True]}], None, None]]\n"
+        "assert ex.run({'ops': ops, 'n0': 0, 'req': 1})[1] is None\n"
+        "assert torch.are_deterministic_algorithms_enabled()\n"
+        "assert torch.is_deterministic_algorithms_warn_only_enabled()\n"
+        "print('torch._inductor' in sys.modules, 'torch._dynamo' in sys.modules)\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "False"]
 
 
 def test_executor_sets_the_fp32_precision_a_client_set():

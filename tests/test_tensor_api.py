@@ -308,6 +308,34 @@ def test_python_functions_per_element_are_cpu_only_as_on_a_gpu(call):
     assert t.tolist() == [1.0, 1.0, 1.0] and call(torch.ones(3)).tolist() != [1.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_views_storage_is_its_bases_on_the_tensors_device(device):
+    """``untyped_storage()`` of a 'cuda' tensor said 'meta', and a view's was an object of its own
+    spanning only the view: transformers' ``id_tensor_storage`` told a view from its base."""
+    from transformers.pytorch_utils import id_tensor_storage
+    x = torch.arange(10.0, device=device)
+    head, tail = x[:2], x[3:]
+    s = x.untyped_storage()
+    assert s.device == x.device and s.is_cuda == (device == "cuda") and s.nbytes() == 40
+    assert head.untyped_storage()._cdata == tail.untyped_storage()._cdata == s._cdata
+    assert head.untyped_storage().data_ptr() == s.data_ptr() and head.untyped_storage().nbytes() == 40
+    assert id_tensor_storage(head) == id_tensor_storage(x) != id_tensor_storage(x.clone())
+
+
+def test_a_byte_mask_fill_is_refused_at_the_call_as_torch_does():
+    """``x[uint8_mask] = 0`` takes ``masked_fill_``, whose kernels refuse a byte mask (on a GPU
+    too, at the call); on 'cuda' the meta kernel passed it and the error came at the next sync."""
+    for device in ("cpu", "cuda"):
+        x = torch.arange(4.0, device=device)
+        mask = torch.tensor([1, 0, 1, 0], dtype=torch.uint8, device=device)
+        with pytest.raises(RuntimeError, match="^masked_fill_ only supports boolean masks"):
+            x[mask] = 0
+        with pytest.raises(RuntimeError, match="^masked_fill_ only supports boolean masks"):
+            x.masked_fill(mask, 1.0)
+        x[mask.bool()] = 0
+        assert x.tolist() == [0.0, 1.0, 0.0, 3.0]
+
+
 def test_a_byte_mask_index_warns_as_torch_does():
     """``x[mask]`` with a uint8 mask: torch's index kernel warns that it is deprecated, which on
     'cuda' ran on the gateway and was not seen."""
