@@ -985,6 +985,24 @@ def _sparse_from_parts(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> A
     return sparse.make(indices, values, size, bool(kwargs.get("is_coalesced")))
 
 
+def _packed_scalars(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``torch._foreach_addcdiv/addcmul(..., scalars)`` with ``scalars`` a 1-D tensor: CUDA's kernel
+    reads it on the host (a CPU tensor, checked as torch checks it), so it goes to the gateway as
+    the values of the ``ScalarList`` overload; uploaded, a GPU's kernel would refuse it."""
+    *lists, scalars = args
+    n = len(lists[0])
+    if isinstance(scalars, RemoteTensor):
+        raise RuntimeError(f"Expected scalars to be on CPU, got {scalars.device} instead.")
+    if not scalars.is_contiguous():
+        raise RuntimeError("Expected scalars to be contiguous.")
+    if scalars.dim() != 1:
+        raise RuntimeError(f"Expected packed scalar Tensor to be of dimension 1. Got {scalars.dim()} instead.")
+    if scalars.numel() != n:
+        raise RuntimeError(f"Expected length of scalars to match input of length {n} but got "
+                           f"{scalars.numel()} instead.")
+    return m.func.overloadpacket.ScalarList(*lists, scalars.tolist(), **kwargs)
+
+
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten.to.dtype_layout: _to,
@@ -1002,5 +1020,9 @@ _SPECIAL = {
     aten._to_sparse.default: _to_sparse,
     aten._to_sparse.sparse_dim: _to_sparse,
     aten._sparse_coo_tensor_with_dims_and_tensors.default: _sparse_from_parts,
+    aten._foreach_addcdiv.Tensor: _packed_scalars,
+    aten._foreach_addcdiv_.Tensor: _packed_scalars,
+    aten._foreach_addcmul.Tensor: _packed_scalars,
+    aten._foreach_addcmul_.Tensor: _packed_scalars,
 }
 

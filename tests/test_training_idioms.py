@@ -1,0 +1,41 @@
+"""Training idioms at the edges of the optimizer and nn.utils APIs, on 'cuda' and on the local CPU:
+each must give the same values (or, where a GPU refuses the call, the same error)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from local_parity import assert_matches_local, registry
+from local_parity import data as D
+
+pytestmark = pytest.mark.usefixtures("remote")
+CASES, case = registry()
+
+
+def _lists(dev: str) -> tuple[list, list, list]:
+    return ([D(3, seed=i).to(dev) for i in range(3)], [D(3, seed=10 + i).to(dev) for i in range(3)],
+            [D(3, seed=20 + i).abs().add(0.5).to(dev) for i in range(3)])
+
+
+@case
+def foreach_addcdiv_with_packed_scalars(dev):
+    """The ``Tensor scalars`` overloads (a hand-written Adam's per-parameter step sizes): a CPU
+    tensor next to 'cuda' lists, which CUDA's kernels read on the host."""
+    a, b, c = _lists(dev)
+    s = torch.tensor([0.1, 0.2, 0.3])
+    out = [*torch._foreach_addcdiv(a, b, c, s), *torch._foreach_addcmul(a, b, c, s)]
+    torch._foreach_addcdiv_(a, b, c, s)
+    torch._foreach_addcmul_(b, a, c, torch.tensor([1, 2, 3]))
+    return [*out, *a, *b]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_program_matches_local(name):
+    assert_matches_local(CASES[name])
+
+
+def test_packed_scalars_on_cuda_are_refused_as_a_gpu_refuses_them():
+    a, b, c = _lists("cuda")
+    with pytest.raises(RuntimeError, match=r"Expected scalars to be on CPU, got cuda:0 instead\."):
+        torch._foreach_addcdiv(a, b, c, torch.tensor([0.1, 0.2, 0.3], device="cuda"))
+    with pytest.raises(RuntimeError, match="Expected length of scalars to match input of length 3 but got 2"):
+        torch._foreach_addcmul_(a, b, c, torch.tensor([0.1, 0.2]))
