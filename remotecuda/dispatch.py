@@ -286,6 +286,7 @@ class ThreadState(threading.local):
     vdev: int | None = None  # the virtual device of the last op run here
     target: int | None = None  # the device a copy is headed for (interception's Tensor.cuda)
     user_meta = 0  # > 0 inside a factory the user asked for on 'meta'
+    encoder = False  # inside nn.TransformerEncoder's forward (transformer_encoder.py)
 
 
 class Dispatcher:
@@ -945,13 +946,26 @@ def library_kernels() -> dict[Any, Callable[..., Any]]:
     return table
 
 
-def _not_left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
-    """Nested tensors do not cross the wire, and ``nn.TransformerEncoder``'s eval fast path packs a
-    padded batch into one when this check passes: answering that the mask is not left-aligned
-    keeps it dense (its layers still take their fused path with the key padding mask). The
-    unpadded positions come out as with the nested path; the padded ones hold what the layers
-    computed there instead of zeros (README, Limits)."""
-    return False
+class NestingAsked(Exception):
+    """``nn.TransformerEncoder``'s forward would pack its batch into a nested tensor here
+    (transformer_encoder.py computes what it would have)."""
+
+
+def _left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
+    """Whether each row of a mask is its valid positions first, then padding: asked by
+    ``nn.TransformerEncoder``'s eval fast path before it nests the batch (``_nested_from_mask``).
+    Elsewhere the answer is no, which keeps a batch dense: nested tensors of the strided layout
+    do not cross the wire."""
+    if not d.local.encoder:
+        return False
+    valid = args[1].to(torch.int8)
+    return bool((valid[:, 1:] <= valid[:, :-1]).all())
+
+
+def _nested_from_mask(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    if d.local.encoder:
+        raise NestingAsked()
+    raise strided_nested()
 
 
 def _strided_nested(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
@@ -1015,7 +1029,8 @@ _SPECIAL = {
     aten._pack_padded_sequence.default: _composite,
     aten._conj.default: _materialized,
     aten._neg_view.default: _materialized,
-    aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
+    aten._nested_tensor_from_mask_left_aligned.default: _left_aligned,
+    aten._nested_tensor_from_mask.default: _nested_from_mask,
     aten._nested_tensor_from_tensor_list.default: _strided_nested,
     aten._to_sparse.default: _to_sparse,
     aten._to_sparse.sparse_dim: _to_sparse,

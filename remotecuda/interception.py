@@ -68,6 +68,7 @@ from . import (
     serialization,
     sparse,
     transfer,
+    transformer_encoder,
 )
 from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
@@ -678,6 +679,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.export, "export", _export),
     (torch.export, "draft_export", _export),
     (torch.library, "opcheck", _opcheck),
+    (torch.nn.TransformerEncoder, "forward", transformer_encoder.forward),
 ]
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from local_parity import assert_matches_local, registry
 from local_parity import data as D
+from torch import nn
 
 pytestmark = pytest.mark.usefixtures("remote")
 CASES, case = registry()
@@ -26,6 +27,23 @@ def foreach_addcdiv_with_packed_scalars(dev):
     torch._foreach_addcdiv_(a, b, c, s)
     torch._foreach_addcmul_(b, a, c, torch.tensor([1, 2, 3]))
     return [*out, *a, *b]
+
+
+@case
+def transformer_encoder_fast_path_pads_with_zeros(dev):
+    """In eval under no_grad a left-aligned padding mask makes the encoder nest its batch, and
+    the padded positions come back as zeros (then through its norm): a mean over all positions
+    depends on them. A mask that is not left-aligned keeps the batch dense, on a GPU too."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(8)).to(dev).eval()
+    x = D(3, 5, 8).to(dev)
+    pad = torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool).to(dev)
+    with torch.no_grad():
+        out = [enc(x, src_key_padding_mask=pad).mean(1), enc(x, src_key_padding_mask=pad.float() * -1e9),
+               enc(x, src_key_padding_mask=pad.flip(1))]
+    out.append(enc(x, src_key_padding_mask=pad))  # with grad: no fast path
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
