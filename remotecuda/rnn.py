@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from . import autocast
 from .tensor import RemoteTensor, contiguous_strides, layout, wrap
@@ -130,9 +131,11 @@ def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
         # CUDA autocast runs cuDNN's RNN in the autocast dtype (``_cudnn_rnn_cast_reflatten``)
         args = autocast.lowered(args)
     call = _Call(func.__name__, args)
-    if torch.overrides.has_torch_function(tuple(call.tensors)):
-        # a subclass with its own __torch_function__ (per-sample grads' ExpandedWeight) decomposes
-        # the call, as it does on a GPU: torch's own path
+    if torch.overrides.has_torch_function(tuple(call.tensors)) or \
+            any(is_functorch_wrapped_tensor(t) for t in call.tensors):
+        # a subclass with its own __torch_function__ (per-sample grads' ExpandedWeight), or a
+        # torch.func transform's wrapper (vmap, grad, jacrev, jvp), decomposes the call (one
+        # gateway op has no batching or forward-mode rule): torch's own path
         return func(*args, **kwargs)
     s = getattr(call.tensors[0], "_s", None)
     _check_devices(call)

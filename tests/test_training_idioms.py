@@ -46,6 +46,17 @@ def transformer_encoder_fast_path_pads_with_zeros(dev):
     return out
 
 
+@case
+def torch_func_transforms_through_an_lstm(dev):
+    """jacrev/grad of an LSTM's output by its input (saliency, input-gradient penalties): the
+    transforms' wrappers reached the one-op RNN path, which named them on another device."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(3, 4, batch_first=True).to(dev)
+    gru = nn.GRU(3, 4, num_layers=2).to(dev)
+    x = D(1, 4, 3).to(dev)
+    return [torch.func.jacrev(lambda t: lstm(t)[0].sum(-1))(x), torch.func.grad(lambda t: gru(t)[0].pow(2).sum())(x)]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_program_matches_local(name):
     assert_matches_local(CASES[name])
