@@ -57,6 +57,19 @@ def torch_func_transforms_through_an_lstm(dev):
     return [torch.func.jacrev(lambda t: lstm(t)[0].sum(-1))(x), torch.func.grad(lambda t: gru(t)[0].pow(2).sum())(x)]
 
 
+@case
+def forward_mode_ad_through_a_gru(dev):
+    """A dual input (torch.autograd.forward_ad): the one-op RNN path dropped its tangent."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    gru = nn.GRU(3, 4).to(dev)
+    x = D(4, 1, 3).to(dev)
+    with fwAD.dual_level():
+        out, _ = gru(fwAD.make_dual(x, torch.ones_like(x)))
+        primal, tangent = fwAD.unpack_dual(out)
+    return [primal, tangent]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_program_matches_local(name):
     assert_matches_local(CASES[name])
