@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from local_parity import assert_matches_local, registry
 from local_parity import data as D
 from torch import nn
@@ -68,6 +69,20 @@ def forward_mode_ad_through_a_gru(dev):
         out, _ = gru(fwAD.make_dual(x, torch.ones_like(x)))
         primal, tangent = fwAD.unpack_dual(out)
     return [primal, tangent]
+
+
+@case
+def ctc_loss_under_torch_func_grad(dev):
+    """torch.func.grad of a CTC loss by its log-probabilities, lengths as CPU (and 'cuda')
+    tensors: the transform's wrapper met the CPU lengths as tensors of another device."""
+    lp = D(8, 2, 5).to(dev)
+    targets = torch.tensor([[1, 2, 3], [2, 2, 0]]).to(dev)
+    il, tl = torch.tensor([8, 6]), torch.tensor([3, 2])
+    def loss(t, reduction, zero_infinity):
+        return F.ctc_loss(t.log_softmax(2), targets, il, tl, reduction=reduction, zero_infinity=zero_infinity).sum()
+    out = [torch.func.grad(loss)(lp, r, z) for r in ("mean", "sum", "none") for z in (False, True)]
+    out.append(torch.func.grad(lambda t: F.ctc_loss(t.log_softmax(2), targets, il.to(dev), tl.to(dev)))(lp))
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
