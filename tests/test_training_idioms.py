@@ -85,6 +85,58 @@ def ctc_loss_under_torch_func_grad(dev):
     return out
 
 
+@case
+def capturable_optimizers_match_the_cpu_ones(dev):
+    """capturable=True (CUDA graphs' optimizers: steps kept on the device) is refused on the CPU,
+    so the local run is the plain optimizer: same values."""
+    out = []
+    for make in (lambda ps, c: torch.optim.Adam(ps, lr=1e-2, capturable=c, foreach=True),
+                 lambda ps, c: torch.optim.NAdam(ps, lr=1e-2, capturable=c),
+                 lambda ps, c: torch.optim.ASGD(ps, lr=1e-2, capturable=c, t0=1),
+                 lambda ps, c: torch.optim.Rprop(ps, lr=1e-2, capturable=c, foreach=False)):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)).to(dev)
+        opt = make(m.parameters(), dev == "cuda")
+        x, y = D(10, 6).to(dev), D(10, 2, seed=1).to(dev)
+        for _ in range(3):
+            opt.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+        out += list(m.parameters())
+    return out
+
+
+@case
+def checkpoint_sequential_with_dropout(dev):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 16), nn.Dropout(0.5),
+                      nn.Linear(16, 2)).to(dev)
+    x = D(8, 6).to(dev).requires_grad_()
+    torch.manual_seed(1)
+    y = torch.utils.checkpoint.checkpoint_sequential(m, 3, x, use_reentrant=False)
+    y.sum().backward()
+    return [y, x.grad, *(p.grad for p in m.parameters())]
+
+
+@case
+def ensemble_of_stacked_modules_trained_under_vmap(dev):
+    import copy
+
+    from torch.func import functional_call, stack_module_state
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1)).to(dev) for _ in range(3)]
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    opt = torch.optim.AdamW(params.values(), lr=0.01)
+    x, y = D(3, 6, 4).to(dev), D(3, 6, 1, seed=1).to(dev)
+    for _ in range(2):
+        opt.zero_grad()
+        out = torch.vmap(lambda p, b, t: functional_call(base, (p, b), (t,)))(params, buffers, x)
+        F.mse_loss(out, y).backward()
+        opt.step()
+    return list(params.values())
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_program_matches_local(name):
     assert_matches_local(CASES[name])
