@@ -999,6 +999,42 @@ def _sparse_from_parts(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> A
     return sparse.make(indices, values, size, bool(kwargs.get("is_coalesced")))
 
 
+def _embedding_bag_backward(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``nn.EmbeddingBag(sparse=True)``'s gradient: the kernel's sparse branch (C++'s composite
+    ``_embedding_bag_sparse_backward``, then ``embedding_sparse_backward``) written out, its dense
+    ops dispatched and its sparse COO result made of remote parts (sparse.py); the gateway
+    returns no sparse tensor."""
+    a = _embedding_bag_backward_args(*args, **kwargs)
+    if not a["sparse"]:
+        return d.run(m, args, kwargs)
+    grad, indices, offsets, weights = a["grad"], a["indices"], a["offsets"], a["per_sample_weights"]
+    if a["scale_grad_by_freq"]:
+        raise RuntimeError("embedding_backward: scale_grad_by_freq not supported with sparse gradients")
+    if indices.dtype != offsets.dtype:
+        indices, offsets = indices.long(), offsets.long()
+    # the bag of each index, as the kernel computes it where a CPU's forward left it empty: a
+    # CPU-served gateway's forward does, though the metadata (a GPU's) says it is filled
+    bags = offsets.new_zeros(indices.shape[0] + 1).index_add_(0, offsets, torch.ones_like(offsets))
+    bags[0] -= 1
+    offset2bag = bags.cumsum(0, dtype=bags.dtype)[:indices.shape[0]]
+    values = grad.index_select(0, offset2bag)
+    if a["mode"] == 1:  # mean
+        values = values * (1 / a["bag_size"].to(values.dtype)).unsqueeze(1).index_select(0, offset2bag)
+    if weights is not None:
+        values = values * weights.unsqueeze(1)
+    if a["padding_idx"] != -1:
+        kept = indices != a["padding_idx"]
+        indices, values = indices[kept], values[kept]
+    return sparse.make(indices.reshape(1, -1).long(), values.reshape(-1, grad.shape[-1]),
+                       (a["num_weights"], grad.shape[-1]), False)
+
+
+def _embedding_bag_backward_args(grad: Any, indices: Any, offsets: Any, offset2bag: Any, bag_size: Any,
+                                 maximum_indices: Any, num_weights: int, scale_grad_by_freq: bool, mode: int,
+                                 sparse: bool, per_sample_weights: Any, padding_idx: int = -1) -> dict:
+    return dict(locals())
+
+
 def _packed_scalars(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     """``torch._foreach_addcdiv/addcmul(..., scalars)`` with ``scalars`` a 1-D tensor: CUDA's kernel
     reads it on the host (a CPU tensor, checked as torch checks it), so it goes to the gateway as
@@ -1035,6 +1071,7 @@ _SPECIAL = {
     aten._to_sparse.default: _to_sparse,
     aten._to_sparse.sparse_dim: _to_sparse,
     aten._sparse_coo_tensor_with_dims_and_tensors.default: _sparse_from_parts,
+    aten._embedding_bag_backward.default: _embedding_bag_backward,
     aten._foreach_addcdiv.Tensor: _packed_scalars,
     aten._foreach_addcdiv_.Tensor: _packed_scalars,
     aten._foreach_addcmul.Tensor: _packed_scalars,

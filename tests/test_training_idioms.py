@@ -137,6 +137,30 @@ def ensemble_of_stacked_modules_trained_under_vmap(dev):
     return list(params.values())
 
 
+@case
+def embedding_bag_with_sparse_gradients(dev):
+    """nn.EmbeddingBag(sparse=True) (a recommender's tables, with SparseAdam): its backward kernel
+    ran on the gateway, which returns no sparse tensor, and refused."""
+    out = []
+    for mode, kw in (("sum", {"padding_idx": 3}), ("mean", {}), ("sum", {"include_last_offset": True})):
+        torch.manual_seed(0)
+        bag = nn.EmbeddingBag(20, 4, mode=mode, sparse=True, **kw).to(dev)
+        opt = torch.optim.SparseAdam(list(bag.parameters()), lr=0.05)
+        idx = torch.tensor([1, 2, 4, 5, 4, 3, 2, 19]).to(dev)
+        offsets = torch.tensor([0, 3, 8] if kw.get("include_last_offset") else [0, 3, 5]).to(dev)
+        weights = D(8).to(dev) if mode == "sum" and not kw else None
+        for _ in range(2):
+            opt.zero_grad()
+            bag(idx, offsets, per_sample_weights=weights).pow(2).sum().backward()
+            opt.step()
+        grad = bag.weight.grad.coalesce()
+        out += [bag.weight, grad.indices(), grad.values()]
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(10, 3, mode="mean", sparse=True).to(dev)
+    bag(torch.tensor([[1, 2], [2, 9]]).to(dev)).sum().backward()
+    return [*out, bag.weight.grad.to_dense()]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_program_matches_local(name):
     assert_matches_local(CASES[name])
