@@ -948,23 +948,27 @@ def library_kernels() -> dict[Any, Callable[..., Any]]:
 
 class NestingAsked(Exception):
     """``nn.TransformerEncoder``'s forward would pack its batch into a nested tensor here
-    (transformer_encoder.py computes what it would have)."""
+    (transformer_encoder.py computes what it would have). ``aligned``: a remote boolean, whether
+    the mask is left-aligned, which torch's nested path needs and reads."""
+
+    def __init__(self, aligned: torch.Tensor):
+        super().__init__()
+        self.aligned = aligned
 
 
 def _left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
     """Whether each row of a mask is its valid positions first, then padding: asked by
-    ``nn.TransformerEncoder``'s eval fast path before it nests the batch (``_nested_from_mask``).
-    Elsewhere the answer is no, which keeps a batch dense: nested tensors of the strided layout
-    do not cross the wire."""
-    if not d.local.encoder:
-        return False
-    valid = args[1].to(torch.int8)
-    return bool((valid[:, 1:] <= valid[:, :-1]).all())
+    ``nn.TransformerEncoder``'s eval fast path before it nests the batch. Inside its forward the
+    answer is yes, unread: ``_nested_from_mask`` hands the real one, a remote tensor, to what
+    computes the nested path's result, which is the dense one where it is no. Elsewhere the answer
+    is no, which keeps a batch dense: nested tensors of the strided layout do not cross the wire."""
+    return bool(d.local.encoder)
 
 
 def _nested_from_mask(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     if d.local.encoder:
-        raise NestingAsked()
+        valid = args[1].to(torch.int8)
+        raise NestingAsked((valid[:, 1:] <= valid[:, :-1]).all())
     raise strided_nested()
 
 
