@@ -296,6 +296,7 @@ class ThreadState(threading.local):
     vdev: int | None = None  # the virtual device of the last op run here
     target: int | None = None  # the device a copy is headed for (interception's Tensor.cuda)
     user_meta = 0  # > 0 inside a factory the user asked for on 'meta'
+    encoder = False  # inside nn.TransformerEncoder's forward (transformer_encoder.py)
 
 
 class Dispatcher:
@@ -965,13 +966,30 @@ def library_kernels() -> dict[Any, Callable[..., Any]]:
     return table
 
 
-def _not_left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
-    """Nested tensors do not cross the wire, and ``nn.TransformerEncoder``'s eval fast path packs a
-    padded batch into one when this check passes: answering that the mask is not left-aligned
-    keeps it dense (its layers still take their fused path with the key padding mask). The
-    unpadded positions come out as with the nested path; the padded ones hold what the layers
-    computed there instead of zeros (README, Limits)."""
-    return False
+class NestingAsked(Exception):
+    """``nn.TransformerEncoder``'s forward would pack its batch into a nested tensor here
+    (transformer_encoder.py computes what it would have). ``aligned``: a remote boolean, whether
+    the mask is left-aligned, which torch's nested path needs and reads."""
+
+    def __init__(self, aligned: torch.Tensor):
+        super().__init__()
+        self.aligned = aligned
+
+
+def _left_aligned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
+    """Whether each row of a mask is its valid positions first, then padding: asked by
+    ``nn.TransformerEncoder``'s eval fast path before it nests the batch. Inside its forward the
+    answer is yes, unread: ``_nested_from_mask`` hands the real one, a remote tensor, to what
+    computes the nested path's result, which is the dense one where it is no. Elsewhere the answer
+    is no, which keeps a batch dense: nested tensors of the strided layout do not cross the wire."""
+    return bool(d.local.encoder)
+
+
+def _nested_from_mask(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    if d.local.encoder:
+        valid = args[1].to(torch.int8)
+        raise NestingAsked((valid[:, 1:] <= valid[:, :-1]).all())
+    raise strided_nested()
 
 
 def _strided_nested(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
@@ -1005,6 +1023,60 @@ def _sparse_from_parts(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> A
     return sparse.make(indices, values, size, bool(kwargs.get("is_coalesced")))
 
 
+def _embedding_bag_backward(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``nn.EmbeddingBag(sparse=True)``'s gradient: the kernel's sparse branch (C++'s composite
+    ``_embedding_bag_sparse_backward``, then ``embedding_sparse_backward``) written out, its dense
+    ops dispatched and its sparse COO result made of remote parts (sparse.py); the gateway
+    returns no sparse tensor."""
+    a = _embedding_bag_backward_args(*args, **kwargs)
+    if not a["sparse"]:
+        return d.run(m, args, kwargs)
+    grad, indices, offsets, weights = a["grad"], a["indices"], a["offsets"], a["per_sample_weights"]
+    if a["scale_grad_by_freq"]:
+        raise RuntimeError("embedding_backward: scale_grad_by_freq not supported with sparse gradients")
+    if indices.dtype != offsets.dtype:
+        indices, offsets = indices.long(), offsets.long()
+    # the bag of each index, as the kernel computes it where a CPU's forward left it empty: a
+    # CPU-served gateway's forward does, though the metadata (a GPU's) says it is filled
+    bags = offsets.new_zeros(indices.shape[0] + 1).index_add_(0, offsets, torch.ones_like(offsets))
+    bags[0] -= 1
+    offset2bag = bags.cumsum(0, dtype=bags.dtype)[:indices.shape[0]]
+    values = grad.index_select(0, offset2bag)
+    if a["mode"] == 1:  # mean
+        values = values * (1 / a["bag_size"].to(values.dtype)).unsqueeze(1).index_select(0, offset2bag)
+    if weights is not None:
+        values = values * weights.unsqueeze(1)
+    if a["padding_idx"] != -1:
+        kept = indices != a["padding_idx"]
+        indices, values = indices[kept], values[kept]
+    return sparse.make(indices.reshape(1, -1).long(), values.reshape(-1, grad.shape[-1]),
+                       (a["num_weights"], grad.shape[-1]), False)
+
+
+def _embedding_bag_backward_args(grad: Any, indices: Any, offsets: Any, offset2bag: Any, bag_size: Any,
+                                 maximum_indices: Any, num_weights: int, scale_grad_by_freq: bool, mode: int,
+                                 sparse: bool, per_sample_weights: Any, padding_idx: int = -1) -> dict:
+    return dict(locals())
+
+
+def _packed_scalars(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``torch._foreach_addcdiv/addcmul(..., scalars)`` with ``scalars`` a 1-D tensor: CUDA's kernel
+    reads it on the host (a CPU tensor, checked as torch checks it), so it goes to the gateway as
+    the values of the ``ScalarList`` overload; uploaded, a GPU's kernel would refuse it."""
+    *lists, scalars = args
+    n = len(lists[0])
+    if isinstance(scalars, RemoteTensor):
+        raise RuntimeError(f"Expected scalars to be on CPU, got {scalars.device} instead.")
+    if not scalars.is_contiguous():
+        raise RuntimeError("Expected scalars to be contiguous.")
+    if scalars.dim() != 1:
+        raise RuntimeError(f"Expected packed scalar Tensor to be of dimension 1. Got {scalars.dim()} instead.")
+    if scalars.numel() != n:
+        raise RuntimeError(f"Expected length of scalars to match input of length {n} but got "
+                           f"{scalars.numel()} instead.")
+    return m.func.overloadpacket.ScalarList(*lists, scalars.tolist(), **kwargs)
+
+
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten.to.dtype_layout: _to,
@@ -1017,10 +1089,16 @@ _SPECIAL = {
     aten._pack_padded_sequence.default: _composite,
     aten._conj.default: _materialized,
     aten._neg_view.default: _materialized,
-    aten._nested_tensor_from_mask_left_aligned.default: _not_left_aligned,
+    aten._nested_tensor_from_mask_left_aligned.default: _left_aligned,
+    aten._nested_tensor_from_mask.default: _nested_from_mask,
     aten._nested_tensor_from_tensor_list.default: _strided_nested,
     aten._to_sparse.default: _to_sparse,
     aten._to_sparse.sparse_dim: _to_sparse,
     aten._sparse_coo_tensor_with_dims_and_tensors.default: _sparse_from_parts,
+    aten._embedding_bag_backward.default: _embedding_bag_backward,
+    aten._foreach_addcdiv.Tensor: _packed_scalars,
+    aten._foreach_addcdiv_.Tensor: _packed_scalars,
+    aten._foreach_addcmul.Tensor: _packed_scalars,
+    aten._foreach_addcmul_.Tensor: _packed_scalars,
 }
 

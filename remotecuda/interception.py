@@ -71,6 +71,7 @@ from . import (
     sparse,
     torchscript,
     transfer,
+    transformer_encoder,
 )
 from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
@@ -217,10 +218,33 @@ def _ctc_loss(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``torch.ctc_loss`` with lengths as CPU tensors (``F.ctc_loss``'s usual call): CUDA reads them
     as lists; a remote ``log_probs`` would take the tensor subclasses' path, which divides the
     gateway's loss by the CPU tensor of target lengths."""
-    if args and isinstance(args[0], RemoteTensor):
+    remote = args and isinstance(args[0], RemoteTensor)
+    if remote or (args and _remote_under_transform(args[0]) is not None):
         args = tuple(a.tolist() if i in (2, 3) and isinstance(a, torch.Tensor) and not isinstance(a, RemoteTensor)
                      else a for i, a in enumerate(args))
+        if not remote:
+            return _ctc_loss_composite(*args, **kwargs)
     return func(*args, **kwargs)
+
+
+def _ctc_loss_composite(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any, target_lengths: Any,
+                        blank: int = 0, reduction: int = 1, zero_infinity: bool = False) -> torch.Tensor:
+    """``ctc_loss`` as C++'s composite computes it off cuDNN, for torch.func's wrappers of a remote
+    ``log_probs`` (per-sample or input gradients of a CTC loss): C++ would build the tensor of target
+    lengths on the wrappers' meta device from host data, which it cannot."""
+    batched = log_probs.dim() == 3
+    lp = log_probs if batched else log_probs.unsqueeze(1)
+    def as_list(n: Any) -> list[int]:
+        return [int(v) for v in (n.reshape(-1).tolist() if isinstance(n, torch.Tensor) else n)]
+    lengths = as_list(target_lengths)
+    res = torch._ctc_loss(lp, targets.to(torch.long), as_list(input_lengths), lengths, blank, zero_infinity)[0]
+    if zero_infinity:
+        res = torch.where(res == float("inf"), res.new_zeros(()), res)
+    if reduction == 1:  # mean
+        return (res / torch.tensor(lengths, dtype=res.dtype, device=res.device).clamp_min(1)).mean()
+    if reduction == 2:  # sum
+        return res.sum()
+    return res if batched else res.squeeze(0)
 
 
 def _export(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -679,6 +703,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.export, "export", _export),
     (torch.export, "draft_export", _export),
     (torch.library, "opcheck", _opcheck),
+    (torch.nn.TransformerEncoder, "forward", transformer_encoder.forward),
 ]
 
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.autograd import forward_ad
 
 from . import autocast
 from .tensor import RemoteTensor, contiguous_strides, layout, wrap
@@ -122,6 +124,11 @@ class _RNN(torch.autograd.Function):
         return (None, *(next(got) if need else None for need in ctx.needs))
 
 
+def _dual(tensors: list) -> bool:
+    """Whether forward-mode AD (``torch.autograd.forward_ad``) carries a tangent on any of them."""
+    return forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``torch._VF.<name>(*args)`` as one gateway op, when all its tensors are on one gateway."""
     if kwargs or len(args) != 9:
@@ -130,9 +137,12 @@ def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
         # CUDA autocast runs cuDNN's RNN in the autocast dtype (``_cudnn_rnn_cast_reflatten``)
         args = autocast.lowered(args)
     call = _Call(func.__name__, args)
-    if torch.overrides.has_torch_function(tuple(call.tensors)):
-        # a subclass with its own __torch_function__ (per-sample grads' ExpandedWeight) decomposes
-        # the call, as it does on a GPU: torch's own path
+    if torch.overrides.has_torch_function(tuple(call.tensors)) or \
+            any(is_functorch_wrapped_tensor(t) for t in call.tensors) or _dual(call.tensors):
+        # a subclass with its own __torch_function__ (per-sample grads' ExpandedWeight), a
+        # torch.func transform's wrapper (vmap, grad, jacrev, jvp) or a forward-mode dual tensor
+        # decomposes the call (one gateway op has no batching or forward-mode rule, and would
+        # drop a tangent): torch's own path
         return func(*args, **kwargs)
     s = getattr(call.tensors[0], "_s", None)
     _check_devices(call)
