@@ -298,9 +298,11 @@ def test_autocast_reaches_the_calls_inside_functional_composites():
         got_layer = layer(rx)
         got_out, got_w = mha(rx, rx, rx)
         unit = F.normalize(rx.half(), dim=-1)
+        pooled = F.max_pool2d(rx, 2)  # (boolean_dispatch's wrapper: its callee hands the wrapper to the mode)
     assert got_layer.dtype == torch.float32  # its last op is a layer norm, in float32
     assert got_out.dtype == torch.float16 and got_w.dtype == torch.float32  # softmax runs in float32
     assert unit.dtype == torch.float32  # the norm in float32, and half / float promotes
+    assert torch.equal(pooled.cpu(), F.max_pool2d(x, 2))
     got_layer.sum().backward()
     assert layer.self_attn.in_proj_weight.grad.dtype == torch.float32
     for got, want in ((got_layer, want_layer), (got_out, want_out), (got_w, want_w)):
