@@ -21,7 +21,7 @@ def test_a_generator_made_per_call_is_freed_on_the_gateway():
     """``generator=torch.Generator('cuda').manual_seed(s)`` made at each call (a diffusers pipeline's
     idiom): each dropped one goes from the gateway, which a snapshot shows, and the one kept still draws."""
     keep = torch.Generator(device="cuda").manual_seed(7)
-    for i in range(40):
+    for i in range(20):
         g = torch.Generator(device="cuda").manual_seed(i)
         torch.rand(3, device="cuda", generator=g)  # (rand: randn's meta kernel imports Dynamo, ~10 s)
     del g
