@@ -8,6 +8,7 @@ casts in the graph exactly as CUDA autocast does.
 """
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -125,6 +126,28 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     if torch.is_autocast_enabled("cuda") and has_remote(args, kwargs):
         args, kwargs = lowered(args), {k: lowered(v) for k, v in kwargs.items()}
     return attention.sdpa(func, args, kwargs)
+
+
+def composite(func: Callable) -> bool:
+    """Whether ``func`` is a Python function of torch.nn.functional not on the lists, whose body
+    calls ops that are (``multi_head_attention_forward``'s linear and softmax, ``normalize``'s
+    norm): CUDA autocast casts at the aten level, so those inner calls are cast too."""
+    return type(func) is types.FunctionType and func.__module__ == "torch.nn.functional" \
+        and not _CHECKS.isdisjoint(func.__code__.co_names)  # (boolean_dispatch's wrappers check in their callee)
+
+
+_CHECKS = frozenset(("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"))
+
+
+def body(func: Callable) -> Callable:
+    """``func`` whose own first check for ``__torch_function__`` overrides finds none: run under the
+    autocast mode, it proceeds to its body (whose calls the mode sees) instead of handing itself
+    to the mode again. Only its globals differ, so the functions it calls keep their checks."""
+    never = {name: (lambda *a, **k: False) for name in _CHECKS}
+    g = {**func.__globals__, **never}
+    f = types.FunctionType(func.__code__, g, func.__name__, func.__defaults__, func.__closure__)
+    f.__kwdefaults__ = func.__kwdefaults__
+    return f
 
 
 def has_remote(args: tuple, kwargs: dict) -> bool:

@@ -53,6 +53,13 @@ class CudaGenerator(torch._C.Generator):
     def _send(self, op: str, args: list) -> None:
         self.session.enqueue(op, args, None, None)
 
+    def __del__(self) -> None:
+        """The gateway's generator goes with it: one made per call (``generator=torch.Generator('cuda')
+        .manual_seed(s)`` given to each pipeline call) stayed there, and in every snapshot, for good."""
+        s = getattr(self, "session", None)
+        if s is not None and not s.closed:
+            s.release_generator(self.gid)
+
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return torch.device("cuda", self.index)

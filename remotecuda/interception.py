@@ -829,11 +829,26 @@ def _emit_nvtx_exit(self: Any, *exc: Any) -> bool:
 class AutocastMode(TorchFunctionMode):
     """CUDA autocast's casting policies, active only inside a ``torch.autocast('cuda')`` block."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: dict[Callable, Callable] = {}  # see autocast.body
+        self.running: set[Callable] = set()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         policy = autocast.POLICY.get(func)
         if policy is not None:
-            return autocast.apply(policy, func, args, kwargs or {})
-        return func(*args, **(kwargs or {}))
+            return autocast.apply(policy, func, args, kwargs)
+        if func not in self.running and autocast.composite(func) and torch.is_autocast_enabled("cuda") \
+                and autocast.has_remote(args, kwargs):
+            body = self.bodies.get(func) or self.bodies.setdefault(func, autocast.body(func))
+            self.running.add(func)  # (a callee that hands the same function back to the mode runs it plainly)
+            try:
+                with self:  # its own calls (multi_head_attention_forward's linear) meet the policies too
+                    return body(*args, **kwargs)
+            finally:
+                self.running.discard(func)
+        return func(*args, **kwargs)
 
 
 def _autocast_enter(original: Callable) -> Callable:

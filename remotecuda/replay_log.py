@@ -151,8 +151,9 @@ class ReplayLog:
         #: upload handle → (blob key, dtype, shape), for the uploads the entries name
         self.uploads: dict[int, tuple[bytes, torch.dtype, list]] = {}
         #: ``rc::set_flags`` and ``rc::program_define`` ops seen: flags and compiled graphs outlive a
-        #: snapshot (they are session state, not tensors)
+        #: snapshot (they are session state, not tensors); compacted at each snapshot (``truncate``)
         self.sticky: list[list] = []
+        self.freed: set[int] = set()  # compiled graphs freed since the last snapshot
         self.snapshot: Snapshot | None = None
         self.body_bytes = 0  # the entries' packed bodies
         self.upload_bytes = 0  # uploads kept since the snapshot (a snapshot's own bytes do not count toward the next)
@@ -173,6 +174,8 @@ class ReplayLog:
         for op in ops:
             if op[0] in STICKY_OPS:
                 self.sticky.append(op)
+            elif op[0] == "rc::program_free":
+                self.freed.update(op[1])
 
     def answered(self) -> None:
         """The last entry's request was answered: a replay does not ask for its value again."""
@@ -196,6 +199,21 @@ class ReplayLog:
         self.uploads = {}
         self.body_bytes = self.upload_bytes = self.ops = 0
         self.blobs.keep_only({key for key, _ in snapshot.storages.values()})
+        self.sticky = self._compacted()
+        self.freed = set()
+
+    def _compacted(self) -> list[list]:
+        """The sticky ops as the snapshot's state needs them: the flags' changes merged into one
+        ``rc::set_flags``, the graphs freed since dropped. Kept whole, they grew with every step of
+        a loop that sets a flag each step (Lightning's "bf16-true" sets the default dtype twice)."""
+        flags: dict = {}
+        programs = []
+        for op in self.sticky:
+            if op[0] == "rc::set_flags":
+                flags.update(op[1][0])
+            elif op[1][0] not in self.freed:
+                programs.append(op)
+        return [*([["rc::set_flags", [flags], None, None]] if flags else []), *programs]
 
     # ------------------------------------------------------------------ read by failover
     def blob(self, key: bytes) -> bytes:

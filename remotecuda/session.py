@@ -119,6 +119,7 @@ class Session:
         self._pending_bytes = 0
         self._first_pending = 0.0
         self._release: list[tuple[int, int]] = []  # (ops queued before it, handle)
+        self._freed_generators: list[int] = []  # device generators dropped: freed at the next flush
         self._inflight: list = []  # (tracker, tensor): zero-copy uploads zmq has not sent yet
         self._seq = 0  # the last sequence number sent
         self._parts_sent = 0  # PART messages so far: an upload's op names how many precede it
@@ -363,6 +364,11 @@ class Session:
         the message, so a batch of several steps peaks at the memory of one, as it would locally."""
         self._release.append((len(self._ops), handle))
 
+    def release_generator(self, gid: int) -> None:
+        """A device generator dropped (its finalizer, on any thread: only an atomic append, as in
+        ``release``); an ``rc::gen_free`` takes it with the next message."""
+        self._freed_generators.append(gid)
+
     def upload(self, t: torch.Tensor, non_blocking: bool = False, handle: int | None = None) -> int:
         """Queue a CPU tensor's bytes for the gateway; return its handle.
 
@@ -528,6 +534,9 @@ class Session:
                 self.open("flush")
                 if not self.connected:
                     raise GatewayLostError(f"this remotecuda session is closed{self.closed_why}")
+            if self._freed_generators:  # (after every op queued before they were dropped)
+                gids, self._freed_generators = self._freed_generators, []
+                self._ops.append(["rc::gen_free", gids, None, None])
             if self.lost is not None and self._may_recover():  # the queued ops go with the replay
                 self._recover(GatewayDownError(self.lost), req)
                 return

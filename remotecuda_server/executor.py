@@ -613,6 +613,12 @@ class Executor:
         g = self.generators[gid] = torch.Generator(device=self.device)
         g.manual_seed(seed)
 
+    @internal_op("gen_free", "[generator id, ...]")
+    def _gen_free(self, args: list) -> None:
+        """Device generators the client dropped."""
+        for gid in args:
+            self.generators.pop(gid, None)
+
     @internal_op("gen_seed", "[generator id, seed]")
     def _gen_seed(self, args: list) -> None:
         """Reseed a generator (made afresh if the gateway does not hold it)."""

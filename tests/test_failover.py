@@ -176,6 +176,23 @@ def test_the_log_keeps_uploads_once_and_spills_past_its_memory_bound(tmp_path):
     assert not folder.exists() and tmp_path.exists()
 
 
+def test_a_snapshot_compacts_the_sticky_ops():
+    """Flags set at every step (Lightning's "bf16-true" sets the default dtype twice a step) and
+    compiled graphs defined and freed stay a few sticky ops across snapshots, not one per call."""
+    from remotecuda.replay_log import ReplayLog, Snapshot
+    log = ReplayLog(memory_bytes=1000, snapshot_bytes=5000)
+    for step in range(100):
+        log.record(b"x", [["rc::set_flags", [{"default_dtype": "bfloat16"}], None, None],
+                          ["rc::program_define", [step, 1, [], [], []], None, None],
+                          ["rc::set_flags", [{"default_dtype": "float32", "cudnn.benchmark": step}], None, None],
+                          ["rc::program_free", [step - 1], None, None]], request=False)
+        log.truncate(Snapshot(step))
+        assert len(log.sticky) <= 2, log.sticky
+    assert log.sticky == [["rc::set_flags", [{"default_dtype": "float32", "cudnn.benchmark": 99}], None, None],
+                          ["rc::program_define", [99, 1, [], [], []], None, None]]
+    log.close()
+
+
 #: the client of the upload test: argv = the gateways' pids by address. Its gateway is killed (and
 #: gone) before a 64 MB upload starts, so the upload's parts wait in ZeroMQ until liveness marks the
 #: gateway down, and the failover comes while the upload waits for them.

@@ -283,6 +283,32 @@ def test_autocast_decorator_reentered_and_nested():
     assert (a @ a).dtype == torch.float32
 
 
+def test_autocast_reaches_the_calls_inside_functional_composites():
+    """CUDA autocast casts at the aten level, so the linear inside multi_head_attention_forward and the
+    norm inside F.normalize are cast too; the mode saw only the outer call, and a TransformerEncoderLayer
+    in training under autocast failed with 'expected m1 and m2 to have the same dtype'."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    want_layer, (want_out, want_w) = layer(x), mha(x, x, x)
+    layer.cuda(), mha.cuda()
+    rx = x.cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        got_layer = layer(rx)
+        got_out, got_w = mha(rx, rx, rx)
+        unit = F.normalize(rx.half(), dim=-1)
+        pooled = F.max_pool2d(rx, 2)  # (boolean_dispatch's wrapper: its callee hands the wrapper to the mode)
+    assert got_layer.dtype == torch.float32  # its last op is a layer norm, in float32
+    assert got_out.dtype == torch.float16 and got_w.dtype == torch.float32  # softmax runs in float32
+    assert unit.dtype == torch.float32  # the norm in float32, and half / float promotes
+    assert torch.equal(pooled.cpu(), F.max_pool2d(x, 2))
+    got_layer.sum().backward()
+    assert layer.self_attn.in_proj_weight.grad.dtype == torch.float32
+    for got, want in ((got_layer, want_layer), (got_out, want_out), (got_w, want_w)):
+        torch.testing.assert_close(got.cpu().float(), want.detach(), rtol=2e-2, atol=2e-2)
+
+
 def test_no_function_mode_on_the_op_path():
     """Ops on remote tensors pay for no TorchFunctionMode (~8 µs each): only autocast pushes one."""
     assert torch._C._len_torch_function_stack() == 0
