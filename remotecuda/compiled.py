@@ -332,8 +332,11 @@ def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
             index[node] = n_in
             n_in += 1
         elif node.op == "call_function":
-            nodes.append([_op_name(node.target), _wire(list(node.args), index),
-                          {k: _wire(v, index) for k, v in node.kwargs.items()}])
+            name, args = _op_name(node.target), list(node.args)
+            traced = _traced_view_strides(node)
+            if traced is not None:
+                name, args = _op_name(torch.ops.aten._reshape_alias.default), [args[0], list(args[1]), traced]
+            nodes.append([name, _wire(args, index), {k: _wire(v, index) for k, v in node.kwargs.items()}])
             index[node] = n_in + len(nodes) - 1
         elif node.op == "output":
             outs = node.args[0]
@@ -353,6 +356,26 @@ def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
         values.append(index[o])
         lays.append(layout(val.shape, val.stride(), int(val.storage_offset()), val.dtype))
     return n_in, nodes, values, lays
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _traced_view_strides(node: torch.fx.Node) -> list | None:
+    """The strides the trace gave a view whose eager kernel gives others, or None. The fake
+    tensors' view can stride a size-1 dim unlike C++'s (``(1024, 1, 256, 64)`` for C++'s
+    ``(64, 1, 256, 64)``): the same elements, but a kernel that checks its input's memory format
+    (CPU ``native_group_norm``, after a UNet's attention block at batch 1) then finds it neither
+    contiguous nor channels-last, where the trace had left out the copy it needed. The graph
+    keeps the trace's strides instead."""
+    val = node.meta.get("val")
+    src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if node.target not in _VIEWS or not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return None
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        eager = node.target(torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta"), node.args[1])
+    return None if eager.stride() == val.stride() else list(val.stride())
 
 
 class _Program:

@@ -182,6 +182,19 @@ def test_local_inputs_run_eagerly(remote):
     torch.testing.assert_close(out, torch.ones(3).sin() + 1)
 
 
+def test_a_view_keeps_the_traced_strides_of_its_size_one_dims(remote):
+    """A fake tensor's view strides a size-1 dim unlike C++'s; the CPU group norm after it (a
+    diffusers UNet's attention block at batch 1) checked its input's memory format and failed."""
+    def f(x):
+        return F.group_norm(x.transpose(1, 2).view(1, 16, 2, 2) + 1, 4)
+
+    x = torch.randn(1, 4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.compile(f)(x.cuda())
+    torch.testing.assert_close(got.cpu(), f(x))
+
+
 @pytest.mark.parametrize("nodes, says", [
     ([["aten::save.default", [Handle(0), "/tmp/x"], {}]], "not allowed"),
     ([["os::system", ["true"], {}]], "namespace 'os' is not allowed"),
