@@ -75,6 +75,7 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         state = self._state()
+        leaves = _scalars_on_device(leaves, [t for _, _, t in state])
         tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors:  # (nothing for a gateway to run: create_block_mask, say)
             return self.fn(*args, **kwargs)
@@ -171,6 +172,18 @@ def _content(cell: Any) -> Any:
         return cell.cell_contents
     except ValueError:  # an empty cell
         return None
+
+
+def _scalars_on_device(leaves: list, state: list) -> list:
+    """0-d CPU tensor arguments put on the call's 'cuda' device. A GPU's compiled graph takes them
+    as they are, as eager ops do (the timestep a diffusers pipeline passes its UNet from a
+    scheduler's CPU ``timesteps``); one graph holds one device's tensors here, and a scalar's
+    values are the same on either, so without this the call would run eagerly."""
+    remote = next((t for t in (*state, *leaves) if isinstance(t, RemoteTensor)), None)
+    if remote is None:
+        return leaves
+    return [x.to(remote.device) if type(x) is torch.Tensor and x.dim() == 0 and x.device.type == "cpu"
+            and not x.requires_grad else x for x in leaves]
 
 
 def _why_eager(tensors: list) -> str | None:

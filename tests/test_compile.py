@@ -182,6 +182,25 @@ def test_local_inputs_run_eagerly(remote):
     torch.testing.assert_close(out, torch.ones(3).sin() + 1)
 
 
+def test_a_cpu_scalar_argument_is_traced_not_run_eagerly(remote):
+    """A diffusers pipeline calls its compiled UNet with a timestep from the scheduler's CPU
+    ``timesteps``: a GPU's compiled graph takes a 0-d CPU tensor beside 'cuda' ones."""
+    torch.manual_seed(0)
+    local = nn.Linear(4, 4)
+    lin = copy.deepcopy(local).cuda()
+
+    def f(x, t):
+        return lin(x * t)
+
+    x, ts = torch.randn(2, 4), (torch.tensor(3.0), torch.tensor(5.0))
+    compiled = torch.compile(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback
+        got = [compiled(x.cuda(), t).cpu() for t in ts]
+    for g, t in zip(got, ts):
+        torch.testing.assert_close(g, local(x * t))
+
+
 def test_a_view_keeps_the_traced_strides_of_its_size_one_dims(remote):
     """A fake tensor's view strides a size-1 dim unlike C++'s; the CPU group norm after it (a
     diffusers UNet's attention block at batch 1) checked its input's memory format and failed."""
