@@ -351,6 +351,9 @@ def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
                 name, args = _op_name(torch.ops.aten._reshape_alias.default), [args[0], list(args[1]), traced]
             nodes.append([name, _wire(args, index), {k: _wire(v, index) for k, v in node.kwargs.items()}])
             index[node] = n_in + len(nodes) - 1
+        elif node.op == "get_attr":
+            nodes += _constant(getattr(gm, str(node.target)), n_in + len(nodes), node.target)
+            index[node] = n_in + len(nodes) - 1
         elif node.op == "output":
             outs = node.args[0]
         else:
@@ -369,6 +372,29 @@ def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
         values.append(index[o])
         lays.append(layout(val.shape, val.stride(), int(val.storage_offset()), val.dtype))
     return n_in, nodes, values, lays
+
+
+#: the most elements of a tensor made in the traced code that the graph builds one by one
+MAX_CONSTANT = 64
+
+
+def _constant(value: Any, first: int, name: Any) -> list[list]:
+    """Nodes that build a tensor the traced code made from Python numbers (``torch.tensor([t])``
+    for a diffusers UNet's int timestep), which the trace holds as a constant: one
+    ``scalar_tensor`` per element, stacked and shaped. ``first`` is the value index of the
+    first node; the last one is the tensor."""
+    if not (isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.device.type == "cpu"
+            and 0 < value.numel() <= MAX_CONSTANT and value.is_contiguous()):
+        raise Unsupported(f"the graph has a get_attr node ({name})")
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():  # (the compilers run under the trace's fake mode)
+        numbers = value.reshape(-1).tolist()
+    kw = {"dtype": value.dtype, "device": torch.device("cpu")}  # (any device named is the gateway's)
+    made = [[_op_name(torch.ops.aten.scalar_tensor.default), [x], kw] for x in numbers]
+    if value.dim() == 0:
+        return made
+    return made + [[_op_name(torch.ops.aten.stack.default), [[Handle(first + i) for i in range(len(made))]], {}],
+                   [_op_name(torch.ops.aten.view.default), [Handle(first + len(made)), list(value.shape)], {}]]
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)

@@ -201,6 +201,28 @@ def test_a_cpu_scalar_argument_is_traced_not_run_eagerly(remote):
         torch.testing.assert_close(g, local(x * t))
 
 
+def test_tensors_made_from_numbers_inside_the_call_are_built_in_the_graph(remote):
+    """``torch.tensor([t], device=x.device)`` in a traced forward (a diffusers UNet given an int
+    timestep) is a constant of the graph; the call ran eagerly with a warning."""
+    torch.manual_seed(0)
+    local = nn.Linear(4, 4)
+    lin = copy.deepcopy(local).cuda()
+
+    def step(model, x, t):
+        ts = torch.tensor([t], dtype=torch.long, device=x.device)
+        return model(x) * ts.float() + torch.tensor([[1.0, 2.0, 3.0, 4.0]], device=x.device) + torch.tensor(0.5)
+
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.compile(lambda x, t: step(lin, x, t))(x.cuda(), 3)
+        got.sum().backward()
+    want = step(local, x, 3)
+    want.sum().backward()
+    torch.testing.assert_close(got.cpu(), want)
+    torch.testing.assert_close(lin.weight.grad.cpu(), local.weight.grad)
+
+
 def test_a_view_keeps_the_traced_strides_of_its_size_one_dims(remote):
     """A fake tensor's view strides a size-1 dim unlike C++'s; the CPU group norm after it (a
     diffusers UNet's attention block at batch 1) checked its input's memory format and failed."""
