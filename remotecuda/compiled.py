@@ -274,6 +274,9 @@ class _Trace:
                     for k, m in enumerate(modules):
                         state = {n: t for (i, n), t in zip(names, flat) if i == k}
                         stack.enter_context(_reparametrize_module(m, state, tie_weights=True))
+                    # (torch.compiler.is_compiling(), as under Dynamo and non-strict export: libraries
+                    # skip their value checks then, such as transformers' packed-sequence test)
+                    stack.enter_context(torch.compiler._compile_session_context())
                     out = fn(*args, **kwargs)
                 outs, out_spec = pytree.tree_flatten(out)
                 for x in outs:

@@ -223,6 +223,25 @@ def test_tensors_made_from_numbers_inside_the_call_are_built_in_the_graph(remote
     torch.testing.assert_close(lin.weight.grad.cpu(), local.weight.grad)
 
 
+def test_a_causal_lm_is_traced_as_under_dynamo(remote):
+    """transformers skips its checks of values (the position ids' packed-sequence test) while
+    ``torch.compiler.is_compiling()``, as it is under Dynamo; the call read one and ran eagerly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    local = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         hidden_size=16, intermediate_size=32, vocab_size=64))
+    model, ids = copy.deepcopy(local).cuda(), torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(model)(input_ids=ids.cuda(), labels=ids.cuda(), use_cache=False)
+        got.loss.backward()
+    assert not [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    want = local(input_ids=ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    torch.testing.assert_close(got.logits.detach().cpu(), want.logits.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.lm_head.weight.grad.cpu(), local.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_a_view_keeps_the_traced_strides_of_its_size_one_dims(remote):
     """A fake tensor's view strides a size-1 dim unlike C++'s; the CPU group norm after it (a
     diffusers UNet's attention block at batch 1) checked its input's memory format and failed."""
