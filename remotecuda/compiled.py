@@ -105,7 +105,7 @@ class Compiled:
         key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                tuple(x.training for m in self.modules for x in m.modules()),
                tuple((i, n, id(t)) for i, n, t in state), tuple((t._k, t.requires_grad) for t in tensors),
-               tuple(None if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves), spec)
+               tuple(None if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves), spec)
         try:
             hash(key)
         except TypeError:
@@ -195,12 +195,21 @@ def _why_eager(tensors: list) -> str | None:
     return None
 
 
+def _leaf_key(x: Any) -> tuple:
+    """A non-tensor argument's part of a trace's key. A generator's is its device only: a graph
+    cannot hold one (a trace that draws from it runs eagerly), so a trace that did not use it
+    serves any (diffusers' pipelines pass theirs to ``vae.decode``, which ignores it)."""
+    if isinstance(x, torch.Generator):
+        return (torch.Generator, x.device.type)
+    return (type(x), x)
+
+
 def _mutable_argument(leaves: list) -> str | None:
     """Why an argument keeps the call from being traced: the trace runs the Python code for real
     on stand-ins, so an object it is given (transformers' KV cache) would be changed by it and
     keep stand-in tensors (Dynamo replays such side effects; this tracer cannot)."""
     for x in leaves:
-        if not isinstance(x, (torch.Tensor, *_PLAIN, torch.nn.Module, type, *_CALLABLES)):
+        if not isinstance(x, (torch.Tensor, *_PLAIN, torch.nn.Module, type, *_CALLABLES, torch.Generator)):
             return f"it takes a {type(x).__name__}, an object the trace would change"
     return None
 

@@ -242,6 +242,32 @@ def test_a_causal_lm_is_traced_as_under_dynamo(remote):
     torch.testing.assert_close(model.lm_head.weight.grad.cpu(), local.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_a_generator_argument_is_traced_past_unless_drawn_from(remote):
+    """diffusers' pipelines pass their generator to a compiled ``vae.decode``, which ignores it:
+    that call ran eagerly. One that draws from it still does, and its draws are eager's."""
+    torch.manual_seed(0)
+    local = nn.Linear(4, 4)
+    lin = copy.deepcopy(local).cuda()
+
+    def unused(x, generator=None):
+        return lin(x) + 1
+
+    def used(x, generator=None):
+        return lin(x) + torch.randn(x.shape, generator=generator).to(x.device)
+
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(unused)
+        got = [compiled(x.cuda(), generator=torch.Generator().manual_seed(i)).cpu() for i in range(2)]
+        drawn = torch.compile(used)(x.cuda(), generator=torch.Generator().manual_seed(3)).cpu()
+    eager = [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    assert len(eager) == 1 and ".used eagerly" in eager[0], eager
+    for g in got:
+        torch.testing.assert_close(g, local(x) + 1)
+    torch.testing.assert_close(drawn, local(x) + torch.randn(x.shape, generator=torch.Generator().manual_seed(3)))
+
+
 def test_a_view_keeps_the_traced_strides_of_its_size_one_dims(remote):
     """A fake tensor's view strides a size-1 dim unlike C++'s; the CPU group norm after it (a
     diffusers UNet's attention block at batch 1) checked its input's memory format and failed."""
