@@ -395,6 +395,8 @@ def _constant(value: Any, first: int, name: Any) -> list[list]:
     for a diffusers UNet's int timestep), which the trace holds as a constant: one
     ``scalar_tensor`` per element, stacked and shaped. ``first`` is the value index of the
     first node; the last one is the tensor."""
+    if isinstance(value, torch.Generator):
+        raise Unsupported("it draws from a torch.Generator it is given (a graph cannot hold one)")
     if not (isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.device.type == "cpu"
             and 0 < value.numel() <= MAX_CONSTANT and value.is_contiguous()):
         raise Unsupported(f"the graph has a get_attr node ({name})")
