@@ -25,9 +25,11 @@ aten = torch.ops.aten
 MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
 
 
-def _bind(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+def _bind(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
           scale: float | None = None, enable_gqa: bool = False) -> tuple:
-    return q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    """The arguments by ``F.scaled_dot_product_attention``'s own names: diffusers' attention
+    dispatch passes ``query=``, ``key=``, ``value=`` by keyword."""
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
 def _additive(mask: Any, dtype: torch.dtype, fill: float) -> Any:

@@ -75,6 +75,7 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         state = self._state()
+        leaves = _scalars_on_device(leaves, [t for _, _, t in state])
         tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors:  # (nothing for a gateway to run: create_block_mask, say)
             return self.fn(*args, **kwargs)
@@ -104,7 +105,7 @@ class Compiled:
         key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                tuple(x.training for m in self.modules for x in m.modules()),
                tuple((i, n, id(t)) for i, n, t in state), tuple((t._k, t.requires_grad) for t in tensors),
-               tuple(None if isinstance(x, torch.Tensor) else (type(x), x) for x in leaves), spec)
+               tuple(None if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves), spec)
         try:
             hash(key)
         except TypeError:
@@ -173,6 +174,18 @@ def _content(cell: Any) -> Any:
         return None
 
 
+def _scalars_on_device(leaves: list, state: list) -> list:
+    """0-d CPU tensor arguments put on the call's 'cuda' device. A GPU's compiled graph takes them
+    as they are, as eager ops do (the timestep a diffusers pipeline passes its UNet from a
+    scheduler's CPU ``timesteps``); one graph holds one device's tensors here, and a scalar's
+    values are the same on either, so without this the call would run eagerly."""
+    remote = next((t for t in (*state, *leaves) if isinstance(t, RemoteTensor)), None)
+    if remote is None:
+        return leaves
+    return [x.to(remote.device) if type(x) is torch.Tensor and x.dim() == 0 and x.device.type == "cpu"
+            and not x.requires_grad else x for x in leaves]
+
+
 def _why_eager(tensors: list) -> str | None:
     s = getattr(tensors[0], "_s", None)
     if s is None or not all(isinstance(t, RemoteTensor) and t._s is s for t in tensors):
@@ -182,12 +195,21 @@ def _why_eager(tensors: list) -> str | None:
     return None
 
 
+def _leaf_key(x: Any) -> tuple:
+    """A non-tensor argument's part of a trace's key. A generator's is its device only: a graph
+    cannot hold one (a trace that draws from it runs eagerly), so a trace that did not use it
+    serves any (diffusers' pipelines pass theirs to ``vae.decode``, which ignores it)."""
+    if isinstance(x, torch.Generator):
+        return (torch.Generator, x.device.type)
+    return (type(x), x)
+
+
 def _mutable_argument(leaves: list) -> str | None:
     """Why an argument keeps the call from being traced: the trace runs the Python code for real
     on stand-ins, so an object it is given (transformers' KV cache) would be changed by it and
     keep stand-in tensors (Dynamo replays such side effects; this tracer cannot)."""
     for x in leaves:
-        if not isinstance(x, (torch.Tensor, *_PLAIN, torch.nn.Module, type, *_CALLABLES)):
+        if not isinstance(x, (torch.Tensor, *_PLAIN, torch.nn.Module, type, *_CALLABLES, torch.Generator)):
             return f"it takes a {type(x).__name__}, an object the trace would change"
     return None
 
@@ -261,6 +283,9 @@ class _Trace:
                     for k, m in enumerate(modules):
                         state = {n: t for (i, n), t in zip(names, flat) if i == k}
                         stack.enter_context(_reparametrize_module(m, state, tie_weights=True))
+                    # (torch.compiler.is_compiling(), as under Dynamo and non-strict export: libraries
+                    # skip their value checks then, such as transformers' packed-sequence test)
+                    stack.enter_context(torch.compiler._compile_session_context())
                     out = fn(*args, **kwargs)
                 outs, out_spec = pytree.tree_flatten(out)
                 for x in outs:
@@ -332,8 +357,14 @@ def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
             index[node] = n_in
             n_in += 1
         elif node.op == "call_function":
-            nodes.append([_op_name(node.target), _wire(list(node.args), index),
-                          {k: _wire(v, index) for k, v in node.kwargs.items()}])
+            name, args = _op_name(node.target), list(node.args)
+            traced = _traced_view_strides(node)
+            if traced is not None:
+                name, args = _op_name(torch.ops.aten._reshape_alias.default), [args[0], list(args[1]), traced]
+            nodes.append([name, _wire(args, index), {k: _wire(v, index) for k, v in node.kwargs.items()}])
+            index[node] = n_in + len(nodes) - 1
+        elif node.op == "get_attr":
+            nodes += _constant(getattr(gm, str(node.target)), n_in + len(nodes), node.target)
             index[node] = n_in + len(nodes) - 1
         elif node.op == "output":
             outs = node.args[0]
@@ -353,6 +384,51 @@ def _nodes(gm: torch.fx.GraphModule) -> tuple[int, list, list, list]:
         values.append(index[o])
         lays.append(layout(val.shape, val.stride(), int(val.storage_offset()), val.dtype))
     return n_in, nodes, values, lays
+
+
+#: the most elements of a tensor made in the traced code that the graph builds one by one
+MAX_CONSTANT = 64
+
+
+def _constant(value: Any, first: int, name: Any) -> list[list]:
+    """Nodes that build a tensor the traced code made from Python numbers (``torch.tensor([t])``
+    for a diffusers UNet's int timestep), which the trace holds as a constant: one
+    ``scalar_tensor`` per element, stacked and shaped. ``first`` is the value index of the
+    first node; the last one is the tensor."""
+    if isinstance(value, torch.Generator):
+        raise Unsupported("it draws from a torch.Generator it is given (a graph cannot hold one)")
+    if not (isinstance(value, torch.Tensor) and type(value) is torch.Tensor and value.device.type == "cpu"
+            and 0 < value.numel() <= MAX_CONSTANT and value.is_contiguous()):
+        raise Unsupported(f"the graph has a get_attr node ({name})")
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():  # (the compilers run under the trace's fake mode)
+        numbers = value.reshape(-1).tolist()
+    kw = {"dtype": value.dtype, "device": torch.device("cpu")}  # (any device named is the gateway's)
+    made = [[_op_name(torch.ops.aten.scalar_tensor.default), [x], kw] for x in numbers]
+    if value.dim() == 0:
+        return made
+    return made + [[_op_name(torch.ops.aten.stack.default), [[Handle(first + i) for i in range(len(made))]], {}],
+                   [_op_name(torch.ops.aten.view.default), [Handle(first + len(made)), list(value.shape)], {}]]
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _traced_view_strides(node: torch.fx.Node) -> list | None:
+    """The strides the trace gave a view whose eager kernel gives others, or None. The fake
+    tensors' view can stride a size-1 dim unlike C++'s (``(1024, 1, 256, 64)`` for C++'s
+    ``(64, 1, 256, 64)``): the same elements, but a kernel that checks its input's memory format
+    (CPU ``native_group_norm``, after a UNet's attention block at batch 1) then finds it neither
+    contiguous nor channels-last, where the trace had left out the copy it needed. The graph
+    keeps the trace's strides instead."""
+    val = node.meta.get("val")
+    src = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    if node.target not in _VIEWS or not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return None
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        eager = node.target(torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta"), node.args[1])
+    return None if eager.stride() == val.stride() else list(val.stride())
 
 
 class _Program:

@@ -182,6 +182,105 @@ def test_local_inputs_run_eagerly(remote):
     torch.testing.assert_close(out, torch.ones(3).sin() + 1)
 
 
+def test_a_cpu_scalar_argument_is_traced_not_run_eagerly(remote):
+    """A diffusers pipeline calls its compiled UNet with a timestep from the scheduler's CPU
+    ``timesteps``: a GPU's compiled graph takes a 0-d CPU tensor beside 'cuda' ones."""
+    torch.manual_seed(0)
+    local = nn.Linear(4, 4)
+    lin = copy.deepcopy(local).cuda()
+
+    def f(x, t):
+        return lin(x * t)
+
+    x, ts = torch.randn(2, 4), (torch.tensor(3.0), torch.tensor(5.0))
+    compiled = torch.compile(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback
+        got = [compiled(x.cuda(), t).cpu() for t in ts]
+    for g, t in zip(got, ts):
+        torch.testing.assert_close(g, local(x * t))
+
+
+def test_tensors_made_from_numbers_inside_the_call_are_built_in_the_graph(remote):
+    """``torch.tensor([t], device=x.device)`` in a traced forward (a diffusers UNet given an int
+    timestep) is a constant of the graph; the call ran eagerly with a warning."""
+    torch.manual_seed(0)
+    local = nn.Linear(4, 4)
+    lin = copy.deepcopy(local).cuda()
+
+    def step(model, x, t):
+        ts = torch.tensor([t], dtype=torch.long, device=x.device)
+        return model(x) * ts.float() + torch.tensor([[1.0, 2.0, 3.0, 4.0]], device=x.device) + torch.tensor(0.5)
+
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.compile(lambda x, t: step(lin, x, t))(x.cuda(), 3)
+        got.sum().backward()
+    want = step(local, x, 3)
+    want.sum().backward()
+    torch.testing.assert_close(got.cpu(), want)
+    torch.testing.assert_close(lin.weight.grad.cpu(), local.weight.grad)
+
+
+def test_a_causal_lm_is_traced_as_under_dynamo(remote):
+    """transformers skips its checks of values (the position ids' packed-sequence test) while
+    ``torch.compiler.is_compiling()``, as it is under Dynamo; the call read one and ran eagerly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    local = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         hidden_size=16, intermediate_size=32, vocab_size=64))
+    model, ids = copy.deepcopy(local).cuda(), torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(model)(input_ids=ids.cuda(), labels=ids.cuda(), use_cache=False)
+        got.loss.backward()
+    assert not [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    want = local(input_ids=ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    torch.testing.assert_close(got.logits.detach().cpu(), want.logits.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.lm_head.weight.grad.cpu(), local.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_generator_argument_is_traced_past_unless_drawn_from(remote):
+    """diffusers' pipelines pass their generator to a compiled ``vae.decode``, which ignores it:
+    that call ran eagerly. One that draws from it still does, and its draws are eager's."""
+    torch.manual_seed(0)
+    local = nn.Linear(4, 4)
+    lin = copy.deepcopy(local).cuda()
+
+    def unused(x, generator=None):
+        return lin(x) + 1
+
+    def used(x, generator=None):
+        return lin(x) + torch.randn(x.shape, generator=generator).to(x.device)
+
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(unused)
+        got = [compiled(x.cuda(), generator=torch.Generator().manual_seed(i)).cpu() for i in range(2)]
+        drawn = torch.compile(used)(x.cuda(), generator=torch.Generator().manual_seed(3)).cpu()
+    eager = [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    assert len(eager) == 1 and ".used eagerly: it draws from a torch.Generator" in eager[0], eager
+    for g in got:
+        torch.testing.assert_close(g, local(x) + 1)
+    torch.testing.assert_close(drawn, local(x) + torch.randn(x.shape, generator=torch.Generator().manual_seed(3)))
+
+
+def test_a_view_keeps_the_traced_strides_of_its_size_one_dims(remote):
+    """A fake tensor's view strides a size-1 dim unlike C++'s; the CPU group norm after it (a
+    diffusers UNet's attention block at batch 1) checked its input's memory format and failed."""
+    def f(x):
+        return F.group_norm(x.transpose(1, 2).view(1, 16, 2, 2) + 1, 4)
+
+    x = torch.randn(1, 4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.compile(f)(x.cuda())
+    torch.testing.assert_close(got.cpu(), f(x))
+
+
 @pytest.mark.parametrize("nodes, says", [
     ([["aten::save.default", [Handle(0), "/tmp/x"], {}]], "not allowed"),
     ([["os::system", ["true"], {}]], "namespace 'os' is not allowed"),

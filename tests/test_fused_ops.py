@@ -87,6 +87,18 @@ def test_sdpa_variants_match_local(case):
         torch.testing.assert_close(g, r)
 
 
+def test_sdpa_takes_its_arguments_by_keyword():
+    """diffusers' attention dispatch (Flux, Wan, QwenImage...) calls it with ``query=``, ``key=``, ``value=``."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+    mask = _padding_mask(2, 1, 5, 5, [5, 2])
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for dev in ("cpu", "cuda"):
+        got = F.scaled_dot_product_attention(query=q.to(dev), key=k.to(dev), value=v.to(dev), attn_mask=mask.to(dev),
+                                             dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False)
+        torch.testing.assert_close(got.cpu(), want)
+
+
 def test_sdpa_dropout_with_boolean_mask_keeps_masked_keys_out():
     torch.manual_seed(2)
     q, k = torch.randn(2, 2, 4, 8, device="cuda"), torch.randn(2, 2, 4, 8, device="cuda")
