@@ -37,6 +37,11 @@ from . import flex_attention
 from .dispatch import DeviceMismatch, library_kernels
 from .tensor import RemoteTensor, layout, wrap
 
+#: torch's own ``torch.compile`` (interception replaces it with ``compile``), for calls on CPU tensors
+_torch_compile = torch.compile
+#: what CPU-only torch says when the code torch's own torch.compile runs asks for 'cuda' (a
+#: ``.cuda()`` or a factory inside: remotecuda's mode, that makes them remote, is stepped aside)
+_NO_CUDA_HERE = ("not linked with support for cuda", "Torch not compiled with CUDA", "from the 'CUDA' backend")
 #: traces kept per compiled object, as Dynamo's ``cache_size_limit``; past it, new signatures run eagerly
 MAX_TRACES = 8
 _ids = itertools.count(1)
@@ -56,8 +61,8 @@ def compile(model: Any = None, **kwargs: Any) -> Any:
     if kwargs.get("disable") or flex_attention.compiles_to_itself(model):
         return model
     if isinstance(model, torch.nn.Module):
-        return CompiledModule(model)
-    compiled = Compiled(model)
+        return CompiledModule(model, kwargs)
+    compiled = Compiled(model, kwargs)
     functools.update_wrapper(compiled, model)
     return compiled
 
@@ -65,16 +70,29 @@ def compile(model: Any = None, **kwargs: Any) -> Any:
 class Compiled:
     """A compiled callable: its traces per input signature, or why a signature runs eagerly."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, options: dict[str, Any]) -> None:
         self.fn = fn
         #: the modules whose parameters and buffers become graph inputs (see ``_modules``)
         self.modules = _modules(fn)
         self.traces: dict[tuple, _Trace | str] = {}
         self.warned = False
+        self.options = options  # (torch.compile's own, for calls on CPU tensors)
+        #: torch's own compiled ``fn`` once called on CPU tensors; False once it met 'cuda' inside
+        self.local: Callable | None | bool = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         state = self._state()
+        if self.local is not False and _all_cpu(leaves, state) and _only_mode_is_remotecudas():
+            try:
+                return self._on_cpu(args, kwargs)
+            except Exception as e:
+                if not any(s in str(e) for s in _NO_CUDA_HERE):
+                    raise
+                self.local = False
+                self._warn("it makes 'cuda' tensors from CPU ones, which torch's own torch.compile (that takes "
+                           "calls on CPU tensors) cannot do here")
+                return self.fn(*args, **kwargs)
         leaves = _scalars_on_device(leaves, [t for _, _, t in state])
         tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors:  # (nothing for a gateway to run: create_block_mask, say)
@@ -95,6 +113,19 @@ class Compiled:
             why = entry
         self._warn(why)
         return self.fn(*args, **kwargs)
+
+    def _on_cpu(self, args: tuple, kwargs: dict) -> Any:
+        """A call on CPU tensors only: torch's own ``torch.compile`` (Dynamo, inductor) with
+        remotecuda's dispatch mode stepped aside, as plain PyTorch compiles it (Dynamo skips a
+        frame while a dispatch mode is on; nothing here is the gateway's)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+        if self.local is None:
+            _prime_dynamo()
+            if self.options.get("backend", "inductor") == "inductor":
+                _prime_inductor()
+            self.local = _torch_compile(self.fn, **self.options)
+        with _disable_current_modes():
+            return cast(Callable, self.local)(*args, **kwargs)
 
     def _state(self) -> list[tuple[int, str, torch.Tensor]]:
         """(module index, name, tensor) for each parameter and buffer of the modules."""
@@ -132,10 +163,10 @@ class CompiledModule(torch.nn.Module):
     ``_orig_mod`` (its parameters, state_dict and attributes reached through it), called
     through its traces."""
 
-    def __init__(self, mod: torch.nn.Module) -> None:
+    def __init__(self, mod: torch.nn.Module, options: dict[str, Any]) -> None:
         super().__init__()
         self._orig_mod = mod
-        self.__dict__["_compiled"] = Compiled(mod)
+        self.__dict__["_compiled"] = Compiled(mod, options)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.__dict__["_compiled"](*args, **kwargs)
@@ -145,6 +176,58 @@ class CompiledModule(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_orig_mod"], name)
+
+
+def _all_cpu(leaves: list, state: list) -> bool:
+    """Whether a call's tensors (arguments, the modules' parameters and buffers) are all plain
+    CPU ones, and there is at least one."""
+    tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
+    return bool(tensors) and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+                                 for t in tensors)
+
+
+def _only_mode_is_remotecudas() -> bool:
+    """Whether remotecuda's dispatch mode is the only one on this thread's stack (under a
+    user's own mode, Dynamo skips the frames as plain PyTorch's does: the call runs eagerly)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from .interception import RemoteDispatchMode
+    return torch._C._len_torch_dispatch_stack() == 1 and isinstance(_get_current_dispatch_mode(),
+                                                                    RemoteDispatchMode)
+
+
+@functools.cache
+def _prime_dynamo() -> None:
+    """Dynamo's tables of torch functions, built at its first use, built from torch's own:
+    built from remotecuda's replacements, one that stands for two torch functions
+    (``torch.cuda.current_stream`` and ``torch.accelerator.current_stream``) stops it, and
+    they would outlive ``deactivate()``."""
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    from . import runtime
+    with cast(Any, runtime.current().interception).originals():
+        TorchInGraphFunctionVariable._get_handlers()
+        trace_rules.get_torch_obj_rule_map()
+
+
+@functools.cache
+def _prime_inductor() -> None:
+    """inductor's cache key, read once from torch's own ``torch.cuda``: this machine's devices
+    (none), not the gateway's (whose properties a CPU gateway's GPU lacks)."""
+    from torch._inductor.codecache import CacheBase
+
+    from . import runtime
+    with cast(Any, runtime.current().interception).originals():
+        CacheBase.get_system()
+
+
+def forget_dynamo_code() -> None:
+    """At deactivation: the code Dynamo compiled while active dropped (``torch._dynamo.reset``).
+    Its guards read state through remotecuda's replacements (the current 'cuda' stream), which
+    plain torch then fails to give ("Accelerator expected")."""
+    if _prime_dynamo.cache_info().currsize:
+        torch._dynamo.reset()
 
 
 def _modules(fn: Callable) -> list[torch.nn.Module]:

@@ -21,6 +21,7 @@ needs; the ``Interception`` it returns belongs to the runtime, whose ``close`` c
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -29,7 +30,7 @@ import re
 import threading
 import types
 import warnings
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -1003,6 +1004,20 @@ def _thread_start(original: Callable, dispatcher: Dispatcher, installed: _Instal
 
 # ---------------------------------------------------------------------- install / uninstall
 
+def _entry(obj: Any, name: str) -> tuple[Any, bool]:
+    """An attribute as ``_Patches`` saves it: the raw entry of a class or module, and whether it is there."""
+    if isinstance(obj, (type, types.ModuleType)):
+        return vars(obj).get(name), name in vars(obj)
+    return getattr(obj, name, None), hasattr(obj, name)
+
+
+def _put(obj: Any, name: str, value: Any, had: bool) -> None:
+    if had:
+        setattr(obj, name, value)
+    elif _entry(obj, name)[1]:
+        delattr(obj, name)
+
+
 class _Patches:
     """Attribute replacements, remembered so that uninstall restores torch exactly.
 
@@ -1037,6 +1052,18 @@ class _Patches:
         """``table[key] = value`` (``copyreg.dispatch_table``, ``os.environ``), undone by restore."""
         self.items.append((table, key, table.get(key), key in table))
         table[key] = value
+
+    @contextlib.contextmanager
+    def originals(self) -> Iterator[None]:
+        """torch's own attributes (``set``, ``remove``) for the block, the replacements after."""
+        now = [(obj, name, *_entry(obj, name)) for obj, name, _, _ in self.saved]
+        for obj, name, value, had in reversed(self.saved):
+            _put(obj, name, value, had)
+        try:
+            yield
+        finally:
+            for obj, name, value, had in now:
+                _put(obj, name, value, had)
 
     def restore(self) -> None:
         for obj, name, value, had in reversed(self.saved):
@@ -1175,6 +1202,10 @@ class Interception:
                  installed: _Installed) -> None:
         self.patches, self.mode, self.foreach, self.installed = patches, mode, foreach, installed
 
+    def originals(self) -> contextlib.AbstractContextManager[None]:
+        """torch's own functions and attributes for a block (see ``_Patches.originals``)."""
+        return self.patches.originals()
+
     def remove(self) -> None:
         self.installed.on = False
         if _get_current_dispatch_mode() is self.mode:  # (not in another thread, or a forked child of one)
@@ -1183,6 +1214,7 @@ class Interception:
             lst.remove(RemoteTensor)
         self.foreach = []
         self.patches.restore()
+        compiled.forget_dynamo_code()
         library_caches.clear()
         uninstall_excepthook()
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from remotecuda_wire.protocol import Handle
 
-from conftest import ROOT, GatewayProcess
+from conftest import ROOT, GatewayProcess, interception_removed
 
 
 def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
@@ -175,11 +175,37 @@ def test_a_branch_on_a_value_runs_eagerly_with_one_warning(remote):
         torch.testing.assert_close(g, f(x))
 
 
-def test_local_inputs_run_eagerly(remote):
-    compiled = torch.compile(lambda x: x.sin() + 1)
-    with pytest.warns(UserWarning, match="eagerly"):
+def test_a_cpu_model_goes_to_torchs_own_compile(remote):
+    """A model on the CPU (``Trainer(torch_compile=True, use_cpu=True)``) is compiled by Dynamo, as
+    plain PyTorch compiles it, with remotecuda's mode stepped aside; it ran eagerly with a warning."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    local = copy.deepcopy(model)
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    graphs = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _train(torch.compile(model, backend="eager"), x, y, 3)
+        scaled = torch.compile(lambda t: t.sin() + 1, backend="eager")(torch.ones(3))
+    assert counters["stats"]["unique_graphs"] > graphs
+    torch.testing.assert_close(got, _train(local, x, y, 3))
+    for (name, a), (_, b) in zip(local.state_dict().items(), model.state_dict().items()):
+        torch.testing.assert_close(b, a, msg=name)
+    torch.testing.assert_close(scaled, torch.ones(3).sin() + 1)
+    with interception_removed():  # (what Dynamo compiled while active is dropped: its guards read 'cuda' state)
+        torch.testing.assert_close(torch.compile(copy.deepcopy(local), backend="eager")(x), local(x))
+
+
+def test_a_cpu_call_that_makes_cuda_tensors_runs_eagerly_with_a_warning(remote):
+    def f(x):
+        return (x.cuda() * 2 + torch.ones(3, device="cuda")).cpu()
+
+    compiled = torch.compile(f, backend="eager")
+    with pytest.warns(UserWarning, match="eagerly: it makes 'cuda' tensors"):
         out = compiled(torch.ones(3))
-    torch.testing.assert_close(out, torch.ones(3).sin() + 1)
+    torch.testing.assert_close(out, torch.full((3,), 3.0))
+    torch.testing.assert_close(compiled(torch.zeros(3)), torch.ones(3))
 
 
 def test_a_cpu_scalar_argument_is_traced_not_run_eagerly(remote):
