@@ -15,6 +15,7 @@ modules' training flags, the other arguments), as Dynamo's guards do. A call the
 take — a branch on a tensor's value, ``.item()``, an op outside the allowlist, inputs not all
 on one gateway, autocast — runs eagerly instead, with one warning saying why: never a wrong
 result. Randomness (dropout) draws from the gateway's default generator, as eager ops do.
+A call on CPU tensors only goes to torch's own ``torch.compile`` (``Compiled._on_cpu``).
 """
 from __future__ import annotations
 
