@@ -922,7 +922,7 @@ class RemoteDispatchMode(TorchDispatchMode):
             if d.type == "cuda":
                 return self.dispatcher.factory(func, args, kwargs, d.index)
             local = self.dispatcher.local
-            if d.type == "meta" and not local.user_meta:
+            if d.type == "meta" and not local.user_meta and not _scalar_tangent(func, args):
                 target = local.target
                 if target is None and len(runtime.current().pool.sessions) > 1:
                     target = backward_device.current()  # (made by a backward formula: its node's device)
@@ -951,6 +951,12 @@ class RemoteDispatchMode(TorchDispatchMode):
             return fn()
         with RemoteDispatchMode(self.dispatcher):
             return fn()
+
+
+def _scalar_tangent(func: Any, args: tuple) -> bool:
+    """Whether a 'meta' factory is forward-mode AD's zero tangent of a Python number moved to
+    'meta' (``mul_zerotensor``: ``dual * 2``), for a shape check that must stay on 'meta'."""
+    return func is torch.ops.aten._efficientzerotensor.default and not args[0]
 
 
 def _refuse_remote_higher_order(op: HigherOrderOperator) -> None:

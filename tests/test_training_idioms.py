@@ -72,6 +72,25 @@ def forward_mode_ad_through_a_gru(dev):
 
 
 @case
+def forward_mode_ad_with_python_numbers(dev):
+    """``dual * 2``, ``dual + 1``, ``dual / 3`` (forward-mode PINN derivatives: jvp, jacfwd):
+    the Python number's zero tangent, moved to 'meta' by C++ for a shape check, became a remote
+    tensor and torch's assertion on wrapped numbers failed, on CPU tensors too while active."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import hessian, jacfwd, jvp, vmap
+    x = D(5).to(dev)
+    with fwAD.dual_level():
+        dx = fwAD.make_dual(x, torch.ones_like(x))
+        primal, tangent = fwAD.unpack_dual((dx * 2 + 1) / 3 - 0.5 * dx ** 2)
+
+    def u(t):
+        return (2 * t.sin() + 1) / 3 - t ** 2 * 0.5
+    _, j = jvp(u, (x,), (torch.ones_like(x),))
+    lap = vmap(hessian(lambda t: (u(t) * 2.0).sum()))(x[:, None])
+    return [primal, tangent, j, jacfwd(u)(x), lap]
+
+
+@case
 def ctc_loss_under_torch_func_grad(dev):
     """torch.func.grad of a CTC loss by its log-probabilities, lengths as CPU (and 'cuda')
     tensors: the transform's wrapper met the CPU lengths as tensors of another device."""
