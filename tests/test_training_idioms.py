@@ -87,7 +87,10 @@ def forward_mode_ad_with_python_numbers(dev):
         return (2 * t.sin() + 1) / 3 - t ** 2 * 0.5
     _, j = jvp(u, (x,), (torch.ones_like(x),))
     lap = vmap(hessian(lambda t: (u(t) * 2.0).sum()))(x[:, None])
-    return [primal, tangent, j, jacfwd(u)(x), lap]
+    from torch.autograd.functional import jacobian
+    fm = [jacobian(lambda t: t[0] * 2 + t.sum() / 3, x.to(dt), vectorize=True, strategy="forward-mode")
+          for dt in (torch.float32, torch.float64)]
+    return [primal, tangent, j, jacfwd(u)(x), lap, *fm]
 
 
 @case
