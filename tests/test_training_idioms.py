@@ -77,7 +77,8 @@ def forward_mode_ad_with_python_numbers(dev):
     the Python number's zero tangent, moved to 'meta' by C++ for a shape check, became a remote
     tensor and torch's assertion on wrapped numbers failed, on CPU tensors too while active."""
     import torch.autograd.forward_ad as fwAD
-    from torch.func import hessian, jacfwd, jvp, vmap
+    from torch.autograd.functional import jacobian
+    from torch.func import jacfwd, jvp
     x = D(5).to(dev)
     with fwAD.dual_level():
         dx = fwAD.make_dual(x, torch.ones_like(x))
@@ -86,11 +87,14 @@ def forward_mode_ad_with_python_numbers(dev):
     def u(t):
         return (2 * t.sin() + 1) / 3 - t ** 2 * 0.5
     _, j = jvp(u, (x,), (torch.ones_like(x),))
-    lap = vmap(hessian(lambda t: (u(t) * 2.0).sum()))(x[:, None])
-    from torch.autograd.functional import jacobian
     fm = [jacobian(lambda t: t[0] * 2 + t.sum() / 3, x.to(dt), vectorize=True, strategy="forward-mode")
           for dt in (torch.float32, torch.float64)]
-    return [primal, tangent, j, jacfwd(u)(x), lap, *fm]
+    zero_dim = []  # (0-dim results in a Python number's dtypes: their zero tangents too)
+    for dt in (torch.float64, torch.complex128):
+        with fwAD.dual_level():
+            d = fwAD.make_dual(torch.tensor(0.7, device=dev, dtype=dt), torch.tensor(1.0, device=dev, dtype=dt))
+            zero_dim += [torch.view_as_real(t) if t.is_complex() else t for t in fwAD.unpack_dual(d * 2.5 - d / 4 + 3)]
+    return [primal, tangent, j, jacfwd(u)(x), *fm, *zero_dim]
 
 
 @case
