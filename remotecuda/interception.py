@@ -923,7 +923,7 @@ class RemoteDispatchMode(TorchDispatchMode):
             if d.type == "cuda":
                 return self.dispatcher.factory(func, args, kwargs, d.index)
             local = self.dispatcher.local
-            if d.type == "meta" and not local.user_meta:
+            if d.type == "meta" and not local.user_meta and not _stays_meta(func, args, kwargs):
                 target = local.target
                 if target is None and len(runtime.current().pool.sessions) > 1:
                     target = backward_device.current()  # (made by a backward formula: its node's device)
@@ -952,6 +952,19 @@ class RemoteDispatchMode(TorchDispatchMode):
             return fn()
         with RemoteDispatchMode(self.dispatcher):
             return fn()
+
+
+#: the dtypes of a Python number made a tensor (a "wrapped number")
+_NUMBER_DTYPES = (torch.int64, torch.float64, torch.complex128, torch.bool)
+
+
+def _stays_meta(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a 'meta' factory of C++ is one of forward-mode AD's shape checks on 'meta'
+    (``mul_zerotensor``: ``dual * 2``): the zero tangent of a Python number moved there, or a
+    plain meta tensor's copy. (The zero result then made for a remote tensor becomes remote.)"""
+    if func is torch.ops.aten._efficientzerotensor.default:
+        return not args[0] and kwargs.get("dtype") in _NUMBER_DTYPES
+    return any(type(a) is torch.Tensor and a.is_meta for a in args)
 
 
 def _refuse_remote_higher_order(op: HigherOrderOperator) -> None:

@@ -72,6 +72,32 @@ def forward_mode_ad_through_a_gru(dev):
 
 
 @case
+def forward_mode_ad_with_python_numbers(dev):
+    """``dual * 2``, ``dual + 1``, ``dual / 3`` (forward-mode PINN derivatives: jvp, jacfwd):
+    the Python number's zero tangent, moved to 'meta' by C++ for a shape check, became a remote
+    tensor and torch's assertion on wrapped numbers failed, on CPU tensors too while active."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.autograd.functional import jacobian
+    from torch.func import jacfwd, jvp
+    x = D(5).to(dev)
+    with fwAD.dual_level():
+        dx = fwAD.make_dual(x, torch.ones_like(x))
+        primal, tangent = fwAD.unpack_dual((dx * 2 + 1) / 3 - 0.5 * dx ** 2)
+
+    def u(t):
+        return (2 * t.sin() + 1) / 3 - t ** 2 * 0.5
+    _, j = jvp(u, (x,), (torch.ones_like(x),))
+    fm = [jacobian(lambda t: t[0] * 2 + t.sum() / 3, x.to(dt), vectorize=True, strategy="forward-mode")
+          for dt in (torch.float32, torch.float64)]
+    zero_dim = []  # (0-dim results in a Python number's dtypes: their zero tangents too)
+    for dt in (torch.float64, torch.complex128):
+        with fwAD.dual_level():
+            d = fwAD.make_dual(torch.tensor(0.7, device=dev, dtype=dt), torch.tensor(1.0, device=dev, dtype=dt))
+            zero_dim += [torch.view_as_real(t) if t.is_complex() else t for t in fwAD.unpack_dual(d * 2.5 - d / 4 + 3)]
+    return [primal, tangent, j, jacfwd(u)(x), *fm, *zero_dim]
+
+
+@case
 def ctc_loss_under_torch_func_grad(dev):
     """torch.func.grad of a CTC loss by its log-probabilities, lengths as CPU (and 'cuda')
     tensors: the transform's wrapper met the CPU lengths as tensors of another device."""
