@@ -499,6 +499,8 @@ class Dispatcher:
 
     def _cross_check(self, m: OpMeta, key: tuple, entry: Entry, args: tuple, kwargs: dict) -> None:
         """Cross-check mode: the metadata computed afresh for this call must be the cached entry."""
+        if torch._C._get_tracing_state() is not None:
+            return  # (see _refused)
         try:
             fresh = self._compute(m, args, kwargs)
         except Exception:
@@ -521,7 +523,8 @@ class Dispatcher:
             raise meta_error from None  # no gateway to ask
         except Exception as e:
             raise e from None  # (not "during handling of" the meta kernel's error)
-        self.cache.store(key, _META_REFUSED)
+        if torch._C._get_tracing_state() is None:  # (torch.jit.trace makes sizes tensors: meta kernels refuse them)
+            self.cache.store(key, _META_REFUSED)
         return out
 
     def _bypassed(self, reason: str, m: OpMeta, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict) -> Any:

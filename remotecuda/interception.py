@@ -873,6 +873,7 @@ def _autocast_exit(original: Callable) -> Callable:
 
 
 _REMOTE_ONLY = (RemoteTensor,)
+_UNRECORDED = torchscript.UNRECORDED
 _NUMBERS = (bool, int, float, complex)
 
 
@@ -910,6 +911,9 @@ class RemoteDispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _UNRECORDED and torch._C._get_tracing_state() is not None:  # (torch.jit.trace)
+            return torchscript.record(torch._C._get_tracing_state(), func, args, lambda: self.dispatch(
+                func, args, kwargs) if RemoteTensor in types else func(*args, **kwargs))
         if types == _REMOTE_ONLY:  # (one comparison on the common path)
             return self.dispatch(func, args, kwargs)
         if types:

@@ -6,6 +6,10 @@ their local metadata stand-ins (a corrupt archive), so ``torch.jit.save`` refuse
 remedy. Loading goes through the CPU: an archive loaded with ``map_location`` naming 'cuda',
 or one saved on a GPU machine (storages located on 'cuda', which a CPU-only torch cannot make),
 is loaded onto the CPU and its module moved to the device, as ``ScriptModule.to`` moves it.
+
+``torch.jit.trace`` records a convolution only below ``aten::convolution`` (its tracer kernel
+leaves it to ``_convolution``), which an active dispatch mode never lets run under the tracer:
+the mode records it itself (``record``), or the trace would lose every conv layer.
 """
 from __future__ import annotations
 
@@ -20,6 +24,38 @@ import torch
 
 from .device_type import DEVICE
 from .tensor import RemoteTensor
+
+#: the op the tracer leaves unrecorded that reaches the dispatch mode (see ``record``)
+UNRECORDED = torch.ops.aten.convolution.default
+
+
+def record(state: torch._C.TracingState, func: Any, args: tuple, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``run()``, the op ``func(*args)``, appended to the graph ``torch.jit.trace`` is recording.
+    ``run`` may compute metadata with Python code whose ``size()`` calls the tracer records:
+    those dead nodes are dropped, or a first trace and its check would name the parameters
+    differently; the arguments' graph values (a parameter's ``GetAttr``) are taken before, so
+    that they are not among them."""
+    graph = state.graph()
+    inputs = [torch._C._get_value_trace(a) if isinstance(a, torch.Tensor) else None for a in args]
+    last = graph.insertPoint().prev()
+    out = run()
+    _drop_since(last, graph.insertPoint())
+    node = graph.create(func._schema.name, 1)
+    for a, v in zip(args, inputs):
+        node.addInput(v if v is not None else graph.insertConstant(a))
+    graph.insertNode(node)
+    node.output().inferTypeFrom(out)
+    torch._C._set_value_trace(out, node.output())
+    return out
+
+
+def _drop_since(last: torch._C.Node, point: torch._C.Node) -> None:
+    """The nodes recorded after ``last`` (the metadata code's dead ``size()`` calls) removed, so
+    the names they took (a parameter's, say) are free again, as in a trace that ran none."""
+    node = point.prev()
+    while node != last and not any(v.uses() for v in node.outputs()):
+        node, dead = node.prev(), node
+        dead.destroy()
 
 
 def _refuse_remote_save(original: Any) -> Any:

@@ -51,6 +51,25 @@ def test_traced_and_scripted_modules_and_functions_match_the_cpu():
     torch.testing.assert_close([t.cpu() for t in cuda], cpu)
 
 
+def test_traced_convolutions_are_in_the_graph():
+    """The tracer leaves a convolution to ``aten::_convolution`` below it, which never runs under
+    an active dispatch mode: without remotecuda recording it, every conv net's trace failed (a
+    parameter "inserted as a constant", an output with no "data dependence" on the inputs), on
+    'cuda' and on the CPU alike. Shapes no other test uses: the first trace computes their
+    metadata (recorded ``size()`` calls, dropped), and its check must still see the same graph."""
+    def run(dev: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Conv2d(3, 5, 3, stride=2, dilation=2, padding=1), nn.ReLU(), nn.Conv2d(5, 5, 1),
+                          nn.ConvTranspose2d(5, 2, 3, stride=2, output_padding=1)).to(dev)
+        conv1d = nn.Conv1d(3, 2, 3, padding=1, bias=False).to(dev)
+        x, s = _x().reshape(1, 4, 5)[:, :3].reshape(1, 3, 5, 1).repeat(1, 1, 1, 7).to(dev), _x()[:3].to(dev)
+        traced, traced1d = torch.jit.trace(m, x), torch.jit.trace(conv1d, s.unsqueeze(0))
+        assert "aten::convolution" in str(traced1d.graph)
+        return [traced(x), traced(x + 1), traced1d(s.unsqueeze(0) * 2)]
+    cuda, cpu = run("cuda"), run("cpu")
+    torch.testing.assert_close([t.cpu() for t in cuda], cpu)
+
+
 def test_a_script_module_moved_to_cuda_keeps_its_gradients():
     """A TorchScript module's tensors are its C++ module's attributes, which no swap can make
     remote: ``.cuda()`` replaces each, and parameters still train."""
