@@ -105,4 +105,6 @@ def test_a_warning_before_a_long_run_of_ops_is_not_lost():
         for _ in range(2 * RUN_AHEAD + 1):
             x.add_(1)
         assert x.item() == 2 * RUN_AHEAD + 1 and out.tolist() == [2.0, 2.0, 2.0]
-    assert [str(w.message)[:39] for w in caught] == ["An output with one or more elements was"]
+    # (a ResourceWarning of an earlier test's file, collected meanwhile, is not the gateway's)
+    assert [str(w.message)[:39] for w in caught if not issubclass(w.category, ResourceWarning)] == \
+        ["An output with one or more elements was"]

@@ -281,6 +281,8 @@ def test_linearize_says_it_cannot_trace_rather_than_return_a_constant():
 def test_messages_name_a_cuda_tensor_tensor():
     """torch's messages that name the argument's type say Tensor, as on a GPU."""
     with pytest.raises(ValueError, match=r"Expected parameter scale \(Tensor of shape \(1,\)\)"):
-        torch.distributions.Normal(torch.zeros(1, device="cuda"), torch.tensor([-1.0], device="cuda"))
+        # (validate_args named: Dynamo's first compile in this process turns the default off, as in torch)
+        torch.distributions.Normal(torch.zeros(1, device="cuda"), torch.tensor([-1.0], device="cuda"),
+                                   validate_args=True)
     with pytest.raises(TypeError, match=r"got \(Tensor, out=Tensor\)"):
         torch.argsort(torch.ones(3, device="cuda"), out=torch.empty(3, dtype=torch.long, device="cuda"))
