@@ -112,6 +112,28 @@ def fresh_gateway():
     gw.stop()
 
 
+@contextmanager
+def active_over(addresses):
+    """remotecuda active over ``addresses`` only (every device visible) for a block, then the
+    activation that was there before (the run's own), as a module fixture of its own pool needs."""
+    import remotecuda
+    from remotecuda import visible_devices
+    previous = remotecuda.runtime.active()
+    restore = previous and list(dict.fromkeys(d.endpoint.removeprefix("tcp://") for d in previous.pool.devices))
+    remotecuda.deactivate()
+    hidden = os.environ.pop(visible_devices.VAR, None)
+    try:
+        remotecuda.activate(addresses, fallback="error")
+        yield
+    finally:
+        remotecuda.deactivate()
+        os.environ.pop(visible_devices.VAR, None)  # (the block may have set it, as a program does)
+        if hidden is not None:
+            os.environ[visible_devices.VAR] = hidden
+        if restore:
+            remotecuda.activate(restore, fallback="error")
+
+
 def run_python(code: str, env: dict | None = None, timeout: float = 300, args: list | None = None):
     """Run Python code in a fresh interpreter (for behaviour that needs a clean torch)."""
     e = dict(os.environ)

@@ -21,7 +21,7 @@ import remotecuda
 from remotecuda.tensor import make
 from remotecuda_wire import protocol
 
-from conftest import GatewayProcess, run_python, wait_for
+from conftest import GatewayProcess, active_over, run_python, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +31,13 @@ def pool():
     with ThreadPoolExecutor(3) as starting:  # (each takes seconds to import torch)
         gateways = list(starting.map(lambda extra: GatewayProcess("--spare", "0", *extra),
                                      [("--gpus", "1"), ("--gpus", "2"), ()]))
-    previous = remotecuda.runtime.active()
-    restore = previous and list(dict.fromkeys(d.endpoint.removeprefix("tcp://") for d in previous.pool.devices))
-    remotecuda.deactivate()
     a, b, c = gateways
-    remotecuda.activate([a.address, b.address, c.address], fallback="error")
     try:
-        yield a, b, c
+        with active_over([a.address, b.address, c.address]):
+            yield a, b, c
     finally:
-        remotecuda.deactivate()
         for g in gateways:
             g.stop()
-        if restore:
-            remotecuda.activate(restore, fallback="error")
 
 
 def _client_bytes() -> int:

@@ -15,34 +15,21 @@ import torch
 import remotecuda
 from remotecuda import cuda_api, visible_devices
 
-from conftest import GatewayProcess, reset_fp32_precision, run_python
+from conftest import GatewayProcess, active_over, reset_fp32_precision, run_python
 
 MiB = 2**20
 
 
 @pytest.fixture(scope="module")
-def sim(monkeypatch_module):
+def sim():
     """The simulated gateway, and remotecuda active over it (its three GPUs as cuda:0..2); the
     run's own activation after."""
     gw = GatewayProcess("--spare", "1", "--gpus", "3", "--gpu-memory", "256MiB")
-    previous = remotecuda.runtime.active()
-    restore = previous and list(dict.fromkeys(d.endpoint.removeprefix("tcp://") for d in previous.pool.devices))
-    remotecuda.deactivate()
-    monkeypatch_module.delenv(visible_devices.VAR, raising=False)
-    remotecuda.activate(gw.address, fallback="error")
     try:
-        yield gw
+        with active_over(gw.address):
+            yield gw
     finally:
-        remotecuda.deactivate()
         gw.stop()
-        if restore:
-            remotecuda.activate(restore, fallback="error")
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def _reactivate(sim: GatewayProcess, visible: str | None) -> None:

@@ -12,29 +12,18 @@ import torch.nn.functional as F
 from local_parity import data
 from torch import nn
 
-import remotecuda
-from remotecuda import visible_devices
-
-from conftest import GatewayProcess
+from conftest import GatewayProcess, active_over
 
 
 @pytest.fixture(scope="module")
 def two_gpus():
     """A gateway with two simulated GPUs and remotecuda active over it; the run's own activation after."""
     gw = GatewayProcess("--spare", "2", "--gpus", "2")  # (a worker ready for each device)
-    previous = remotecuda.runtime.active()
-    restore = previous and list(dict.fromkeys(d.endpoint.removeprefix("tcp://") for d in previous.pool.devices))
-    remotecuda.deactivate()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(visible_devices.VAR, raising=False)
-        remotecuda.activate(gw.address, fallback="error")
-        try:
+    try:
+        with active_over(gw.address):
             yield gw
-        finally:
-            remotecuda.deactivate()
-            gw.stop()
-    if restore:
-        remotecuda.activate(restore, fallback="error")
+    finally:
+        gw.stop()
 
 
 class _WithUnused(nn.Module):

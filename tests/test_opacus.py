@@ -45,24 +45,24 @@ def _private(dev, model, **kw):
             **{"noise_multiplier": 0.0, "poisson_sampling": False, **kw})
 
 
-@case
-def per_sample_grads_hooks(dev):
-    _, model, opt, dl = _private(dev, _cnn())
+def _per_sample_step(dev, module, **kw):
+    """One private step: the per-sample gradients it computed and the parameters after it."""
+    _, model, opt, dl = _private(dev, module, **kw)
     x, y = next(iter(dl))
     F.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
     grads = [p.grad_sample for p in model.parameters()]
     opt.step()
     return grads, [p.detach() for p in model.parameters()]
+
+
+@case
+def per_sample_grads_hooks(dev):
+    return _per_sample_step(dev, _cnn())
 
 
 @case
 def per_sample_grads_functorch(dev):
-    _, model, opt, dl = _private(dev, _mlp(), grad_sample_mode="functorch")
-    x, y = next(iter(dl))
-    F.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
-    grads = [p.grad_sample for p in model.parameters()]
-    opt.step()
-    return grads, [p.detach() for p in model.parameters()]
+    return _per_sample_step(dev, _mlp(), grad_sample_mode="functorch")
 
 
 @case
