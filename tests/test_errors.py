@@ -252,8 +252,8 @@ def test_an_interrupted_read_lets_the_queued_work_run(remote):
         h = torch.tanh(h @ m)
         count += 1
     timer = threading.Timer(0.2, signal.raise_signal, (signal.SIGINT,))
-    timer.start()
     with pytest.raises(KeyboardInterrupt):
+        timer.start()  # inside the block: a stalled main thread cannot take the interrupt before it
         h.sum().item()
         time.sleep(5)  # (a gateway that finished first: the interrupt lands here)
     assert count.item() == 300.0
