@@ -11,10 +11,11 @@ builds, one for ``loss.backward()``: a training step costs the client a few ops 
 one per aten op. On a CUDA gateway the graphs are compiled there by inductor.
 
 A trace is kept per input signature (shapes, strides, dtypes, requires_grad, grad mode, the
-modules' training flags, the other arguments), as Dynamo's guards do. A call the trace cannot
-take — a branch on a tensor's value, ``.item()``, an op outside the allowlist, inputs not all
-on one gateway, autocast — runs eagerly instead, with one warning saying why: never a wrong
-result. Randomness (dropout) draws from the gateway's default generator, as eager ops do.
+modules' training flags, autocast's state, the other arguments), as Dynamo's guards do; under
+``torch.autocast('cuda')`` the graph holds CUDA autocast's casts (``autocast.stand_ins``). A
+call the trace cannot take — a branch on a tensor's value, ``.item()``, an op outside the
+allowlist, inputs not all on one gateway — runs eagerly instead, with one warning saying why:
+never a wrong result. Randomness (dropout) draws from the gateway's default generator, as eager ops do.
 A call on CPU tensors only goes to torch's own ``torch.compile`` (``Compiled._on_cpu``).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.utils._pytree as pytree
 
 from remotecuda_wire.protocol import Handle
 
-from . import flex_attention
+from . import autocast, flex_attention
 from .dispatch import DeviceMismatch, library_kernels
 from .tensor import RemoteTensor, layout, wrap
 
@@ -134,7 +135,8 @@ class Compiled:
                 for n, t in itertools.chain(m.named_parameters(), m.named_buffers())]
 
     def _key(self, state: list, leaves: list, spec: Any, tensors: list) -> tuple | None:
-        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cuda"),
+               torch.get_autocast_dtype("cuda"),
                tuple(x.training for m in self.modules for x in m.modules()),
                tuple((i, n, id(t)) for i, n, t in state), tuple((t._k, t.requires_grad) for t in tensors),
                tuple(None if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves), spec)
@@ -274,8 +276,6 @@ def _why_eager(tensors: list) -> str | None:
     s = getattr(tensors[0], "_s", None)
     if s is None or not all(isinstance(t, RemoteTensor) and t._s is s for t in tensors):
         return "its tensors (arguments, parameters and buffers) are not all on one 'cuda' device"
-    if torch.is_autocast_enabled("cuda"):
-        return "autocast is on (the trace does not apply it)"
     return None
 
 
@@ -387,7 +387,7 @@ class _Trace:
             return _Program(self.session, gm)
 
         fake = FakeTensorMode()  # static shapes: another shape is another trace
-        with _disable_current_modes(), _device_neutral():
+        with _disable_current_modes(), _device_neutral(), autocast.stand_ins():
             fakes = []
             for t in tensors:
                 dtype, shape, stride, _ = t._k

@@ -157,6 +157,44 @@ def test_dropout_draws_from_the_gateway_generator_as_eager_does(remote):
     assert (got == 0).any() and (got != 0).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_is_traced_with_cudas_casts(remote, dtype):
+    """nanoGPT's GPU path: a compiled model called inside ``torch.autocast('cuda')``. The graph
+    holds CUDA autocast's casts (linear in the low dtype, layer_norm and the loss in float32,
+    their gradients cast back), so a step equals eager autocast's and runs as graphs, not eagerly;
+    a call outside autocast is another trace, in float32."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.ln, self.head = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)
+
+        def forward(self, x, y):
+            h = self.ln(F.gelu(self.fc(x)))
+            logits = self.head((h @ h.mT).softmax(-1) @ h)
+            return logits, F.cross_entropy(logits, y)
+
+    torch.manual_seed(4)
+    eager = Net().cuda()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model)
+    x, y = torch.randn(4, 16).cuda(), torch.randint(0, 8, (4,)).cuda()
+    results = []
+    for net, call in ((eager, eager), (model, compiled)):
+        with torch.autocast("cuda", dtype=dtype):
+            logits, loss = call(x, y)
+        loss.backward()
+        results.append([logits.dtype, loss.dtype, logits.float().cpu(), loss.cpu(),
+                        *(p.grad.cpu() for p in net.parameters())])
+    assert results[0][:2] == [dtype, torch.float32]
+    assert results[1][:2] == results[0][:2]
+    torch.testing.assert_close(results[1][2:], results[0][2:], rtol=0, atol=0)
+    with enqueued() as names, torch.autocast("cuda", dtype=dtype):
+        compiled(x, y)
+    assert names == ["rc::program_run"], names
+    assert compiled(x, y)[0].dtype == torch.float32
+    assert not compiled.__dict__["_compiled"].warned
+
+
 def test_a_branch_on_a_value_runs_eagerly_with_one_warning(remote):
     def f(x):
         if x.sum() > 0:
