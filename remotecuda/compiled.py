@@ -50,6 +50,8 @@ _ids = itertools.count(1)
 _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
           torch.layout)
 _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+#: where a traced call's output has a tensor, among its other leaves (which may be None: ``return logits, None``)
+_TENSOR = object()
 
 
 class Unsupported(Exception):
@@ -350,7 +352,8 @@ class _Trace:
         from torch.utils._python_dispatch import _disable_current_modes
 
         self.session = tensors[0]._s
-        self.out: tuple[Any, list] | None = None  # the outputs' pytree spec, and their non-tensor leaves
+        #: the outputs' pytree spec, and their leaves: the non-tensor ones, ``_TENSOR`` where a tensor goes
+        self.out: tuple[Any, list] | None = None
         n_state = len(names)
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         trace = self
@@ -375,7 +378,7 @@ class _Trace:
                 for x in outs:
                     if not isinstance(x, (torch.Tensor, *_PLAIN)):
                         raise Unsupported(f"it returns a {type(x).__name__}, which the trace cannot carry")
-                trace.out = (out_spec, [None if isinstance(x, torch.Tensor) else x for x in outs])
+                trace.out = (out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in outs])
                 return tuple(x for x in outs if isinstance(x, torch.Tensor))
 
         def partition(joint: Any, inputs: Any, **kw: Any) -> Any:
@@ -407,7 +410,7 @@ class _Trace:
         assert self.out is not None
         spec, leaves = self.out
         got = iter(out)
-        return pytree.tree_unflatten([next(got) if x is None else x for x in leaves], spec)
+        return pytree.tree_unflatten([next(got) if x is _TENSOR else x for x in leaves], spec)
 
 
 def _wire(v: Any, index: dict) -> Any:

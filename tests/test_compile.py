@@ -80,6 +80,33 @@ def test_inference_function_with_pytree_outputs(remote):
     torch.testing.assert_close(got["sum"].cpu(), expected["sum"])
 
 
+def test_a_none_among_the_outputs_is_returned_as_none(remote):
+    """nanoGPT's and llm.c's forward returns ``(logits, None)`` without targets and ``(None, loss)``
+    with ``return_logits=False``: a None output kept its place (it was taken for a tensor's, and
+    the call failed with StopIteration)."""
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 8), nn.Linear(8, 10)
+
+        def forward(self, idx, targets=None, return_logits=True):
+            logits = self.head(self.emb(idx))
+            loss = None if targets is None else F.cross_entropy(logits.view(-1, 10), targets.view(-1))
+            return (logits if return_logits else None), loss
+
+    torch.manual_seed(5)
+    local = LM()
+    compiled = torch.compile(copy.deepcopy(local).cuda())
+    idx, targets = torch.randint(0, 10, (2, 3)), torch.randint(0, 10, (2, 3))
+    logits, loss = compiled(idx.cuda())
+    assert loss is None
+    torch.testing.assert_close(logits.cpu(), local(idx)[0])
+    logits, loss = compiled(idx.cuda(), targets.cuda(), return_logits=False)
+    assert logits is None
+    torch.testing.assert_close(loss.cpu(), local(idx, targets)[1])
+    assert not compiled.__dict__["_compiled"].warned
+
+
 @contextmanager
 def enqueued():
     """The names of the ops queued in the block (on any session)."""
