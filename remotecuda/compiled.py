@@ -137,8 +137,8 @@ class Compiled:
                 for n, t in itertools.chain(m.named_parameters(), m.named_buffers())]
 
     def _key(self, state: list, leaves: list, spec: Any, tensors: list) -> tuple | None:
-        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cuda"),
-               torch.get_autocast_dtype("cuda"),
+        autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast_dtype,
                tuple(x.training for m in self.modules for x in m.modules()),
                tuple((i, n, id(t)) for i, n, t in state), tuple((t._k, t.requires_grad) for t in tensors),
                tuple(None if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves), spec)
