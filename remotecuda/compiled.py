@@ -310,10 +310,15 @@ def _reason(e: Exception) -> str:
         # (the trace's stand-ins met a remote tensor: one held elsewhere, e.g. in a static KV cache)
         return ("it uses a 'cuda' tensor that is neither its argument nor a parameter or buffer of a module "
                 "it names (compile the module, or pass the tensor)")
+    frames = traceback.extract_tb(e.__traceback__)
     if any(f.filename.endswith(("_higher_order_ops/cond.py", "_higher_order_ops/while_loop.py",
-                                "_higher_order_ops/map.py")) for f in traceback.extract_tb(e.__traceback__)):
+                                "_higher_order_ops/map.py")) for f in frames):
         # (eagerly, control_flow.py runs them)
         return "it calls torch.cond, while_loop or map on a tensor (the graph cannot hold their functions)"
+    if any(f.name == "_engine_run_backward" and f.filename.endswith("autograd/graph.py") for f in frames):
+        # (a whole training step compiled: AOTAutograd's trace cannot run autograd's engine inside;
+        # Dynamo would split the graph at the call. PyTorch's own message blames a bug in itself.)
+        return "it runs backward() or autograd.grad() inside (compile the model, and step outside)"
     return f"its trace failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
 
 

@@ -240,6 +240,37 @@ def test_a_branch_on_a_value_runs_eagerly_with_one_warning(remote):
         torch.testing.assert_close(g, f(x))
 
 
+def test_a_compiled_training_step_runs_eagerly_saying_it_runs_backward(remote):
+    """``@torch.compile`` on a whole step (forward, ``loss.backward()``, ``opt.step()``), as
+    compiled-optimizer tutorials write it: the step runs eagerly, with the same values, and the
+    warning says why (PyTorch's own message, "Cannot backprop through mirrored meta, file a bug
+    in PyTorch", said nothing the user could act on)."""
+    torch.manual_seed(6)
+    local = nn.Linear(8, 2)
+    model = copy.deepcopy(local).cuda()
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+
+    def make_step(net: nn.Module) -> object:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    step, expected = torch.compile(make_step(model)), make_step(local)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [step(x.cuda(), y.cuda()).item() for _ in range(2)]
+    torch.testing.assert_close(got, [expected(x, y).item() for _ in range(2)])
+    torch.testing.assert_close(model.weight.cpu(), local.weight)
+    eager = [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    assert len(eager) == 1 and "runs backward() or autograd.grad() inside" in eager[0], eager
+
+
 def test_a_cpu_model_goes_to_torchs_own_compile(remote):
     """A model on the CPU (``Trainer(torch_compile=True, use_cpu=True)``) is compiled by Dynamo, as
     plain PyTorch compiles it, with remotecuda's mode stepped aside; it ran eagerly with a warning."""
