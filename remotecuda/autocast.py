@@ -8,9 +8,11 @@ casts in the graph exactly as CUDA autocast does.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import types
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -55,10 +57,29 @@ _PROMOTE: list[Callable] = [  # run in the widest floating type among the inputs
 _BANNED: list[Callable] = [F.binary_cross_entropy]
 
 _LOW = (torch.float16, torch.bfloat16)
+#: the tensors the policies cast: remote ones, and any while a compiled call is traced (``stand_ins``)
+_cast = threading.local()
+
+
+@contextlib.contextmanager
+def stand_ins() -> Iterator[None]:
+    """While ``torch.compile`` traces a call (compiled.py): its tensors are CPU stand-ins for
+    remote ones, so the policies cast them as CUDA autocast casts the device's tensors, and the
+    graph holds the casts (the conversions, and their gradients' in the backward)."""
+    before = getattr(_cast, "kinds", (RemoteTensor,))
+    _cast.kinds = (torch.Tensor,)
+    try:
+        yield
+    finally:
+        _cast.kinds = before
+
+
+def _castable(x: Any) -> TypeGuard[torch.Tensor]:
+    return isinstance(x, getattr(_cast, "kinds", (RemoteTensor,)))
 
 
 def _map(args: Any, fn: Callable) -> Any:
-    if isinstance(args, RemoteTensor):
+    if _castable(args):
         return fn(args)
     if type(args) in (list, tuple):
         return type(args)(_map(a, fn) for a in args)
@@ -88,7 +109,7 @@ def _fp32(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _fp32_dtype(func: Callable, args: tuple, kwargs: dict) -> Any:
     x = args[0] if args else kwargs.get("input")
-    if isinstance(x, RemoteTensor) and x.dtype in _LOW and kwargs.get("dtype") is None:
+    if _castable(x) and x.dtype in _LOW and kwargs.get("dtype") is None:
         kwargs = dict(kwargs, dtype=torch.float32)
     return func(*args, **kwargs)
 

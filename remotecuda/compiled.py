@@ -11,10 +11,11 @@ builds, one for ``loss.backward()``: a training step costs the client a few ops 
 one per aten op. On a CUDA gateway the graphs are compiled there by inductor.
 
 A trace is kept per input signature (shapes, strides, dtypes, requires_grad, grad mode, the
-modules' training flags, the other arguments), as Dynamo's guards do. A call the trace cannot
-take — a branch on a tensor's value, ``.item()``, an op outside the allowlist, inputs not all
-on one gateway, autocast — runs eagerly instead, with one warning saying why: never a wrong
-result. Randomness (dropout) draws from the gateway's default generator, as eager ops do.
+modules' training flags, autocast's state, the other arguments), as Dynamo's guards do; under
+``torch.autocast('cuda')`` the graph holds CUDA autocast's casts (``autocast.stand_ins``). A
+call the trace cannot take — a branch on a tensor's value, ``.item()``, an op outside the
+allowlist, inputs not all on one gateway — runs eagerly instead, with one warning saying why:
+never a wrong result. Randomness (dropout) draws from the gateway's default generator, as eager ops do.
 A call on CPU tensors only goes to torch's own ``torch.compile`` (``Compiled._on_cpu``).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.utils._pytree as pytree
 
 from remotecuda_wire.protocol import Handle
 
-from . import flex_attention
+from . import autocast, flex_attention
 from .dispatch import DeviceMismatch, library_kernels
 from .tensor import RemoteTensor, layout, wrap
 
@@ -49,6 +50,8 @@ _ids = itertools.count(1)
 _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format,
           torch.layout)
 _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+#: where a traced call's output has a tensor, among its other leaves (which may be None: ``return logits, None``)
+_TENSOR = object()
 
 
 class Unsupported(Exception):
@@ -134,7 +137,8 @@ class Compiled:
                 for n, t in itertools.chain(m.named_parameters(), m.named_buffers())]
 
     def _key(self, state: list, leaves: list, spec: Any, tensors: list) -> tuple | None:
-        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+        autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast_dtype,
                tuple(x.training for m in self.modules for x in m.modules()),
                tuple((i, n, id(t)) for i, n, t in state), tuple((t._k, t.requires_grad) for t in tensors),
                tuple(None if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves), spec)
@@ -274,8 +278,6 @@ def _why_eager(tensors: list) -> str | None:
     s = getattr(tensors[0], "_s", None)
     if s is None or not all(isinstance(t, RemoteTensor) and t._s is s for t in tensors):
         return "its tensors (arguments, parameters and buffers) are not all on one 'cuda' device"
-    if torch.is_autocast_enabled("cuda"):
-        return "autocast is on (the trace does not apply it)"
     return None
 
 
@@ -308,10 +310,15 @@ def _reason(e: Exception) -> str:
         # (the trace's stand-ins met a remote tensor: one held elsewhere, e.g. in a static KV cache)
         return ("it uses a 'cuda' tensor that is neither its argument nor a parameter or buffer of a module "
                 "it names (compile the module, or pass the tensor)")
+    frames = traceback.extract_tb(e.__traceback__)
     if any(f.filename.endswith(("_higher_order_ops/cond.py", "_higher_order_ops/while_loop.py",
-                                "_higher_order_ops/map.py")) for f in traceback.extract_tb(e.__traceback__)):
+                                "_higher_order_ops/map.py")) for f in frames):
         # (eagerly, control_flow.py runs them)
         return "it calls torch.cond, while_loop or map on a tensor (the graph cannot hold their functions)"
+    if any(f.name == "_engine_run_backward" and f.filename.endswith("autograd/graph.py") for f in frames):
+        # (a whole training step compiled: AOTAutograd's trace cannot run autograd's engine inside;
+        # Dynamo would split the graph at the call. PyTorch's own message blames a bug in itself.)
+        return "it runs backward() or autograd.grad() inside (compile the model, and step outside)"
     return f"its trace failed ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
 
 
@@ -350,7 +357,8 @@ class _Trace:
         from torch.utils._python_dispatch import _disable_current_modes
 
         self.session = tensors[0]._s
-        self.out: tuple[Any, list] | None = None  # the outputs' pytree spec, and their non-tensor leaves
+        #: the outputs' pytree spec, and their leaves: the non-tensor ones, ``_TENSOR`` where a tensor goes
+        self.out: tuple[Any, list] | None = None
         n_state = len(names)
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         trace = self
@@ -375,7 +383,7 @@ class _Trace:
                 for x in outs:
                     if not isinstance(x, (torch.Tensor, *_PLAIN)):
                         raise Unsupported(f"it returns a {type(x).__name__}, which the trace cannot carry")
-                trace.out = (out_spec, [None if isinstance(x, torch.Tensor) else x for x in outs])
+                trace.out = (out_spec, [_TENSOR if isinstance(x, torch.Tensor) else x for x in outs])
                 return tuple(x for x in outs if isinstance(x, torch.Tensor))
 
         def partition(joint: Any, inputs: Any, **kw: Any) -> Any:
@@ -387,7 +395,7 @@ class _Trace:
             return _Program(self.session, gm)
 
         fake = FakeTensorMode()  # static shapes: another shape is another trace
-        with _disable_current_modes(), _device_neutral():
+        with _disable_current_modes(), _device_neutral(), autocast.stand_ins():
             fakes = []
             for t in tensors:
                 dtype, shape, stride, _ = t._k
@@ -407,7 +415,7 @@ class _Trace:
         assert self.out is not None
         spec, leaves = self.out
         got = iter(out)
-        return pytree.tree_unflatten([next(got) if x is None else x for x in leaves], spec)
+        return pytree.tree_unflatten([next(got) if x is _TENSOR else x for x in leaves], spec)
 
 
 def _wire(v: Any, index: dict) -> Any:

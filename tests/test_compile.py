@@ -80,6 +80,33 @@ def test_inference_function_with_pytree_outputs(remote):
     torch.testing.assert_close(got["sum"].cpu(), expected["sum"])
 
 
+def test_a_none_among_the_outputs_is_returned_as_none(remote):
+    """nanoGPT's and llm.c's forward returns ``(logits, None)`` without targets and ``(None, loss)``
+    with ``return_logits=False``: a None output kept its place (it was taken for a tensor's, and
+    the call failed with StopIteration)."""
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(10, 8), nn.Linear(8, 10)
+
+        def forward(self, idx, targets=None, return_logits=True):
+            logits = self.head(self.emb(idx))
+            loss = None if targets is None else F.cross_entropy(logits.view(-1, 10), targets.view(-1))
+            return (logits if return_logits else None), loss
+
+    torch.manual_seed(5)
+    local = LM()
+    compiled = torch.compile(copy.deepcopy(local).cuda())
+    idx, targets = torch.randint(0, 10, (2, 3)), torch.randint(0, 10, (2, 3))
+    logits, loss = compiled(idx.cuda())
+    assert loss is None
+    torch.testing.assert_close(logits.cpu(), local(idx)[0])
+    logits, loss = compiled(idx.cuda(), targets.cuda(), return_logits=False)
+    assert logits is None
+    torch.testing.assert_close(loss.cpu(), local(idx, targets)[1])
+    assert not compiled.__dict__["_compiled"].warned
+
+
 @contextmanager
 def enqueued():
     """The names of the ops queued in the block (on any session)."""
@@ -157,6 +184,44 @@ def test_dropout_draws_from_the_gateway_generator_as_eager_does(remote):
     assert (got == 0).any() and (got != 0).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_is_traced_with_cudas_casts(remote, dtype):
+    """nanoGPT's GPU path: a compiled model called inside ``torch.autocast('cuda')``. The graph
+    holds CUDA autocast's casts (linear in the low dtype, layer_norm and the loss in float32,
+    their gradients cast back), so a step equals eager autocast's and runs as graphs, not eagerly;
+    a call outside autocast is another trace, in float32."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.ln, self.head = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)
+
+        def forward(self, x, y):
+            h = self.ln(F.gelu(self.fc(x)))
+            logits = self.head((h @ h.mT).softmax(-1) @ h)
+            return logits, F.cross_entropy(logits, y)
+
+    torch.manual_seed(4)
+    eager = Net().cuda()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model)
+    x, y = torch.randn(4, 16).cuda(), torch.randint(0, 8, (4,)).cuda()
+    results = []
+    for net, call in ((eager, eager), (model, compiled)):
+        with torch.autocast("cuda", dtype=dtype):
+            logits, loss = call(x, y)
+        loss.backward()
+        results.append([logits.dtype, loss.dtype, logits.float().cpu(), loss.cpu(),
+                        *(p.grad.cpu() for p in net.parameters())])
+    assert results[0][:2] == [dtype, torch.float32]
+    assert results[1][:2] == results[0][:2]
+    torch.testing.assert_close(results[1][2:], results[0][2:], rtol=0, atol=0)
+    with enqueued() as names, torch.autocast("cuda", dtype=dtype):
+        compiled(x, y)
+    assert names == ["rc::program_run"], names
+    assert compiled(x, y)[0].dtype == torch.float32
+    assert not compiled.__dict__["_compiled"].warned
+
+
 def test_a_branch_on_a_value_runs_eagerly_with_one_warning(remote):
     def f(x):
         if x.sum() > 0:
@@ -173,6 +238,37 @@ def test_a_branch_on_a_value_runs_eagerly_with_one_warning(remote):
     assert "reads a tensor's value" in eager[0]
     for x, g in zip(xs, got):
         torch.testing.assert_close(g, f(x))
+
+
+def test_a_compiled_training_step_runs_eagerly_saying_it_runs_backward(remote):
+    """``@torch.compile`` on a whole step (forward, ``loss.backward()``, ``opt.step()``), as
+    compiled-optimizer tutorials write it: the step runs eagerly, with the same values, and the
+    warning says why (PyTorch's own message, "Cannot backprop through mirrored meta, file a bug
+    in PyTorch", said nothing the user could act on)."""
+    torch.manual_seed(6)
+    local = nn.Linear(8, 2)
+    model = copy.deepcopy(local).cuda()
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+
+    def make_step(net: nn.Module) -> object:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    step, expected = torch.compile(make_step(model)), make_step(local)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [step(x.cuda(), y.cuda()).item() for _ in range(2)]
+    torch.testing.assert_close(got, [expected(x, y).item() for _ in range(2)])
+    torch.testing.assert_close(model.weight.cpu(), local.weight)
+    eager = [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    assert len(eager) == 1 and "runs backward() or autograd.grad() inside" in eager[0], eager
 
 
 def test_a_cpu_model_goes_to_torchs_own_compile(remote):

@@ -47,6 +47,8 @@ PROGRAMS = [
     case("amp_scaler", F16),
     case("dataloader"),
     case("checkpoint"),
+    case("nanogpt"),
+    case("llm_c"),
 ]
 
 
