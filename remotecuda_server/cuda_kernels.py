@@ -87,3 +87,36 @@ def _batch_norm(a: dict) -> Callable | None:
                                                              training, momentum, eps)
         return out, running_mean.clone(), (running_var + eps).rsqrt()
     return batch_norm
+
+
+@_instead("mm", "bmm", "addmm", "baddbmm")
+def _matmul_out_dtype(a: dict) -> Callable | None:
+    """``torch.mm(a, b, out_dtype=torch.float32)`` (and bmm, addmm, baddbmm's ``out_dtype``
+    overloads) has only CUDA kernels: a half or bfloat16 product accumulated and returned in
+    float32, not rounded to the inputs' dtype. Models take that path on 'cuda' (Kolibri's and
+    Ergo's routers under ``no_grad``). On the CPU the same product is the float32 one of the
+    inputs made float32 (exactly representable), checked as CUDA checks the dtypes."""
+    out_dtype = a.get("out_dtype")
+    mats = [a[k] for k in ("mat1", "mat2", "batch1", "batch2", "self") if isinstance(a.get(k), torch.Tensor)]
+    if out_dtype is None or any(t.device.type != "cpu" for t in mats):
+        return None
+
+    def matmul(*args: Any, out: Any = None, **kwargs: Any) -> Any:
+        kwargs.pop("out_dtype", None)
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        self, operands = (None, tensors) if len(tensors) == 2 else (tensors[0], tensors[1:])
+        dtype = operands[0].dtype
+        if operands[1].dtype != dtype:
+            raise RuntimeError("input dtypes must be the same")
+        if out_dtype != dtype and not (out_dtype == torch.float32 and dtype in (torch.float16, torch.bfloat16)):
+            raise RuntimeError("out_dtype must be the same as input dtype or fp32 for fp16/bf16 inputs")
+        wide = [t.to(out_dtype) for t in operands]
+        if self is None:
+            result = (torch.mm if wide[0].dim() == 2 else torch.bmm)(*wide)
+        else:
+            add = torch.addmm if wide[0].dim() == 2 else torch.baddbmm
+            result = add(self.to(out_dtype), *wide, **kwargs)
+        if out is None:
+            return result
+        return out.resize_(result.shape).copy_(result)
+    return matmul
