@@ -28,3 +28,41 @@ def test_matmul_out_dtype_as_cuda_computes_it(op):
     torch.testing.assert_close(got.cpu(), expected)
     with pytest.raises(RuntimeError, match="out_dtype must be the same as input dtype or fp32"):
         fn(*(t.cuda().float() for t in operands), out_dtype=torch.bfloat16).cpu()
+
+
+ELEMENTWISE = {
+    "softplus_backward": lambda g, x: torch.ops.aten.softplus_backward(g, x, 1.0, 20.0),
+    "hardsigmoid_backward": torch.ops.aten.hardsigmoid_backward,
+    "hardswish_backward": torch.ops.aten.hardswish_backward,
+    "logit_backward": lambda g, x: torch.ops.aten.logit_backward(g, x.sigmoid()),
+    "xlogy": torch.xlogy,
+    "special_xlog1py": torch.special.xlog1py,
+    "copysign": torch.copysign,
+    "floor_divide": torch.floor_divide,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
+def test_elementwise_output_follows_inputs_layout(name):
+    """These ops' meta kernels return contiguous outputs where their kernels (TensorIterator, on
+    the CPU as on a GPU) follow a transposed input: the client must know the gateway's layout, or
+    ``reshape`` takes a view the gateway's tensor cannot give."""
+    g = torch.randn(2, 4, 10, generator=torch.Generator().manual_seed(0)).transpose(1, 2)
+    x = torch.rand(2, 10, 4, generator=torch.Generator().manual_seed(1)) + 0.5
+    op = ELEMENTWISE[name]
+    expected = op(g, x)
+    got = op(g.cuda(), x.cuda())
+    assert got.stride() == expected.stride()
+    torch.testing.assert_close(got.reshape(-1).cpu(), expected.reshape(-1))
+
+
+def test_softplus_gradient_of_transposed_use_views():
+    """Doge's dynamic mask: softplus of a projection, used transposed. The gradient reaching the
+    projection is transposed on a GPU, so autograd copies it into the parameter's layout; told
+    it was contiguous, the client kept it as ``.grad`` and ``grad.view`` failed on the gateway."""
+    def run(dev):
+        x = torch.randn(2, 10, 4, generator=torch.Generator().manual_seed(0)).to(dev).requires_grad_()
+        w = torch.randn(2, 4, 10, generator=torch.Generator().manual_seed(1)).to(dev)
+        (torch.nn.functional.softplus(x).transpose(1, 2) * w).sum().backward()
+        return x.grad.view(20, 4)
+    torch.testing.assert_close(run("cuda").cpu(), run("cpu"))
