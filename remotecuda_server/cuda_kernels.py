@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 #: op name (all overloads) → the CUDA kernel's computation, called with the op's arguments when
-#: the CPU kernel would refuse them (``None``: it takes them, run it)
+#: the CPU kernel would refuse them or give otherwise (``None``: it gives what CUDA's does, run it)
 INSTEAD: dict[str, Callable[[dict], Callable | None]] = {}
 #: the integer dtypes of CUDA's ``AT_DISPATCH_ALL_TYPES``
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -120,3 +121,19 @@ def _matmul_out_dtype(a: dict) -> Callable | None:
             return result
         return out.resize_(result.shape).copy_(result)
     return matmul
+
+
+@_instead("native_dropout_backward")
+def _dropout_backward(a: dict) -> Callable | None:
+    """CUDA's dropout backward allocates its result in the gradient's suggested memory format
+    (contiguous for a transposed gradient), as torch's meta kernel, and so the client's metadata,
+    does; the CPU's is a TensorIterator product that keeps a transposed gradient transposed, and
+    the next ``view`` of it, valid on a GPU, failed here."""
+    grad = a["grad_output"]
+    if not isinstance(grad, torch.Tensor) or grad.device.type != "cpu":
+        return None
+
+    def dropout_backward(grad_output: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        out = torch.ops.aten.native_dropout_backward.default(grad_output, mask, scale)
+        return out.contiguous(memory_format=suggest_memory_format(grad_output))
+    return dropout_backward

@@ -66,3 +66,15 @@ def test_softplus_gradient_of_transposed_use_views():
         (torch.nn.functional.softplus(x).transpose(1, 2) * w).sum().backward()
         return x.grad.view(20, 4)
     torch.testing.assert_close(run("cuda").cpu(), run("cpu"))
+
+
+def test_dropout_backward_layout_as_cuda_gives_it():
+    """CUDA's dropout backward returns the gradient's suggested memory format (contiguous for a
+    transposed gradient), as the meta kernel the client follows does; a CPU gateway's kernel kept
+    it transposed and a ``view`` valid on a GPU failed there."""
+    g = torch.randn(2, 4, 10, generator=torch.Generator().manual_seed(0)).transpose(1, 2)
+    mask = torch.rand(2, 10, 4, generator=torch.Generator().manual_seed(1)) > 0.5
+    got = torch.ops.aten.native_dropout_backward(g.cuda(), mask.cuda(), 2.0)
+    expected = torch.ops.aten.native_dropout_backward(g, mask, 2.0).contiguous()
+    assert got.is_contiguous()
+    torch.testing.assert_close(got.view(-1).cpu(), expected.view(-1))
