@@ -14,7 +14,10 @@ loops whose output follows the inputs' layout: ``softplus_backward`` of a transp
 transposed on the CPU and on a GPU, contiguous on 'meta'. The client's metadata follows
 TensorIterator's rule for these (``ELEMENTWISE``); the gateway's kernel already does. Left as
 the meta kernel said, autograd keeps such a gradient as ``.grad`` (its layout looks like the
-parameter's) and a later ``.grad.view(...)`` fails on the gateway.
+parameter's) and a later ``.grad.view(...)`` fails on the gateway. The reverse holds for three
+losses' backward (``CONTIGUOUS``): their kernels (Loss.cpp, shared by CPU and CUDA) write into
+``zeros_like(input, contiguous)``, their meta kernels follow a transposed input, and
+``F.mse_loss(pred.transpose(1, 2), ...)`` then failed its backward's ``view`` on the gateway.
 """
 from __future__ import annotations
 
@@ -35,6 +38,10 @@ ELEMENTWISE = frozenset({
     "aten::softplus_backward.default", "aten::hardsigmoid_backward.default", "aten::hardswish_backward.default",
     "aten::logit_backward.default", "aten::xlogy.Tensor", "aten::special_xlog1py.default",
     "aten::copysign.Tensor", "aten::floor_divide.default"})
+
+#: ops whose kernels, on every device, return a contiguous tensor where their meta kernels do not
+CONTIGUOUS = frozenset({"aten::mse_loss_backward.default", "aten::huber_loss_backward.default",
+                        "aten::smooth_l1_loss_backward.default"})
 
 
 def elementwise(args: Sequence[Any], out: torch.Tensor) -> torch.Tensor:

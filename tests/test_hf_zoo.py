@@ -78,3 +78,18 @@ def test_dropout_backward_layout_as_cuda_gives_it():
     expected = torch.ops.aten.native_dropout_backward(g, mask, 2.0).contiguous()
     assert got.is_contiguous()
     torch.testing.assert_close(got.view(-1).cpu(), expected.view(-1))
+
+
+@pytest.mark.parametrize("loss", ["mse_loss", "huber_loss", "smooth_l1_loss"])
+def test_loss_of_transposed_prediction_backward(loss):
+    """These losses' backward kernels (shared by CPU and CUDA) return a contiguous gradient, their
+    meta kernels one laid out as the transposed prediction: the client's idea of the layout was
+    wrong the other way round, and the backward of ``Linear`` (a ``view``) failed on the gateway."""
+    def run(dev):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 4).to(dev)
+        x = torch.randn(2, 10, 8, generator=torch.Generator().manual_seed(1)).to(dev)
+        target = torch.rand(2, 4, 10, generator=torch.Generator().manual_seed(2)).to(dev)
+        getattr(torch.nn.functional, loss)(lin(x).transpose(1, 2), target).backward()
+        return lin.weight.grad
+    torch.testing.assert_close(run("cuda").cpu(), run("cpu"))
