@@ -482,6 +482,10 @@ class Dispatcher:
             warnings.showwarning = shown
         if m.name in layouts.CONVOLUTIONS:  # (its layout is the backend's choice: the shared rule)
             out = layouts.conform(m.name, margs, mkw, out)
+        elif m.name in layouts.ELEMENTWISE:  # (its meta kernel forgets the layout its kernels give)
+            out = layouts.elementwise(margs, out)
+        elif m.name in layouts.CONTIGUOUS:
+            out = out.contiguous()
         rets = out if m.multi else (out,)
         items: list[Any] = []
         for r, alias in zip(rets, m.ret_alias):

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 #: op name (all overloads) → the CUDA kernel's computation, called with the op's arguments when
-#: the CPU kernel would refuse them (``None``: it takes them, run it)
+#: the CPU kernel would refuse them or give otherwise (``None``: it gives what CUDA's does, run it)
 INSTEAD: dict[str, Callable[[dict], Callable | None]] = {}
 #: the integer dtypes of CUDA's ``AT_DISPATCH_ALL_TYPES``
 _INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -87,3 +88,52 @@ def _batch_norm(a: dict) -> Callable | None:
                                                              training, momentum, eps)
         return out, running_mean.clone(), (running_var + eps).rsqrt()
     return batch_norm
+
+
+@_instead("mm", "bmm", "addmm", "baddbmm")
+def _matmul_out_dtype(a: dict) -> Callable | None:
+    """``torch.mm(a, b, out_dtype=torch.float32)`` (and bmm, addmm, baddbmm's ``out_dtype``
+    overloads) has only CUDA kernels: a half or bfloat16 product accumulated and returned in
+    float32, not rounded to the inputs' dtype. Models take that path on 'cuda' (Kolibri's and
+    Ergo's routers under ``no_grad``). On the CPU the same product is the float32 one of the
+    inputs made float32 (exactly representable), checked as CUDA checks the dtypes."""
+    out_dtype = a.get("out_dtype")
+    mats = [a[k] for k in ("mat1", "mat2", "batch1", "batch2", "self") if isinstance(a.get(k), torch.Tensor)]
+    if out_dtype is None or any(t.device.type != "cpu" for t in mats):
+        return None
+
+    def matmul(*args: Any, out: Any = None, **kwargs: Any) -> Any:
+        kwargs.pop("out_dtype", None)
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        self, operands = (None, tensors) if len(tensors) == 2 else (tensors[0], tensors[1:])
+        dtype = operands[0].dtype
+        if operands[1].dtype != dtype:
+            raise RuntimeError("input dtypes must be the same")
+        if out_dtype != dtype and not (out_dtype == torch.float32 and dtype in (torch.float16, torch.bfloat16)):
+            raise RuntimeError("out_dtype must be the same as input dtype or fp32 for fp16/bf16 inputs")
+        wide = [t.to(out_dtype) for t in operands]
+        if self is None:
+            result = (torch.mm if wide[0].dim() == 2 else torch.bmm)(*wide)
+        else:
+            add = torch.addmm if wide[0].dim() == 2 else torch.baddbmm
+            result = add(self.to(out_dtype), *wide, **kwargs)
+        if out is None:
+            return result
+        return out.resize_(result.shape).copy_(result)
+    return matmul
+
+
+@_instead("native_dropout_backward")
+def _dropout_backward(a: dict) -> Callable | None:
+    """CUDA's dropout backward allocates its result in the gradient's suggested memory format
+    (contiguous for a transposed gradient), as torch's meta kernel, and so the client's metadata,
+    does; the CPU's is a TensorIterator product that keeps a transposed gradient transposed, and
+    the next ``view`` of it, valid on a GPU, failed here."""
+    grad = a["grad_output"]
+    if not isinstance(grad, torch.Tensor) or grad.device.type != "cpu":
+        return None
+
+    def dropout_backward(grad_output: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        out = torch.ops.aten.native_dropout_backward.default(grad_output, mask, scale)
+        return out.contiguous(memory_format=suggest_memory_format(grad_output))
+    return dropout_backward

@@ -1,4 +1,4 @@
-"""The memory layout of a convolution's output, as client and gateway both give it.
+"""Output layouts that torch's meta kernels get wrong, as client and gateway both give them.
 
 A convolution's output layout is chosen by its backend at run time (cuDNN, oneDNN, the slow
 path), so no meta kernel knows it: torch's own meta kernel returns a contiguous tensor and
@@ -7,6 +7,17 @@ whose layout differed from the client's idea of it would run later views on othe
 (``y.view(-1)`` of a channels-last output fails there). So both sides follow one rule, cuDNN's
 (what a GPU gives): channels-last when the input or the weight is laid out so, except in
 float64; the gateway makes its output conform where its backend chose otherwise.
+
+A few elementwise ops have Python meta kernels (decompositions registered over the structured
+C++ ones) that return contiguous outputs, where their kernels on every device are TensorIterator
+loops whose output follows the inputs' layout: ``softplus_backward`` of a transposed gradient is
+transposed on the CPU and on a GPU, contiguous on 'meta'. The client's metadata follows
+TensorIterator's rule for these (``ELEMENTWISE``); the gateway's kernel already does. Left as
+the meta kernel said, autograd keeps such a gradient as ``.grad`` (its layout looks like the
+parameter's) and a later ``.grad.view(...)`` fails on the gateway. The reverse holds for three
+losses' backward (``CONTIGUOUS``): their kernels (Loss.cpp, shared by CPU and CUDA) write into
+``zeros_like(input, contiguous)``, their meta kernels follow a transposed input, and
+``F.mse_loss(pred.transpose(1, 2), ...)`` then failed its backward's ``view`` on the gateway.
 """
 from __future__ import annotations
 
@@ -14,11 +25,32 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch._prims_common import suggest_memory_format
+from torch._prims_common import compute_elementwise_output_strides, suggest_memory_format
 
 #: the convolution ops a client sends (conv1d/2d/3d and transposed ones arrive as these)
 CONVOLUTIONS = frozenset({"aten::convolution.default", "aten::_convolution.default",
                           "aten::_convolution.deprecated", "aten::convolution_backward.default"})
+
+#: elementwise ops whose meta kernel ignores the layout their TensorIterator kernels give (found by
+#: comparing meta and CPU strides over transposed, channels-last and broadcast inputs; their
+#: CUDA kernels are the same TensorIterator loops)
+ELEMENTWISE = frozenset({
+    "aten::softplus_backward.default", "aten::hardsigmoid_backward.default", "aten::hardswish_backward.default",
+    "aten::logit_backward.default", "aten::xlogy.Tensor", "aten::special_xlog1py.default",
+    "aten::copysign.Tensor", "aten::floor_divide.default"})
+
+#: ops whose kernels, on every device, return a contiguous tensor where their meta kernels do not
+CONTIGUOUS = frozenset({"aten::mse_loss_backward.default", "aten::huber_loss_backward.default",
+                        "aten::smooth_l1_loss_backward.default"})
+
+
+def elementwise(args: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
+    """``out`` (a meta tensor) with the strides TensorIterator gives an op of ``args``."""
+    inputs = [a.expand(out.shape) for a in args if isinstance(a, torch.Tensor)]
+    strides = compute_elementwise_output_strides(*inputs)
+    if tuple(out.stride()) == strides:
+        return out
+    return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device)
 
 
 def conv_memory_format(input: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:

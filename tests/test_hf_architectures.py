@@ -6,7 +6,10 @@ BERT, T5 and the Trainer as whole programs; this covers the variety: vision (ViT
 (Phi), encoder-decoders (BART), and tied MLM heads (RoBERTa); rotary scalings (YaRN, Llama 3),
 QK-norm (Qwen3), data-dependent expert routing (OLMoE, DeepSeek-V3's grouped top-k and latent
 attention), hybrid sliding/full layers (Gemma 3), ALiBi (BLOOM), Mamba-2's chunked scan, ModernBERT's
-local attention and token labels, and UMT5's per-layer relative buckets with beam search."""
+local attention and token labels, and UMT5's per-layer relative buckets with beam search; from the
+registry sweep (tests/test_hf_zoo.py): Doge's dynamic mask and product-key experts (a transposed
+softplus gradient), Kolibri's router (``mm(out_dtype=...)`` on 'cuda' under no_grad) and Qwen3-Next's
+gated delta-rule linear attention."""
 from __future__ import annotations
 
 import os
@@ -98,6 +101,18 @@ MODELS: dict[str, tuple[Callable, Callable]] = {
         pad_token_id=0, eos_token_id=1, feed_forward_proj="gated-gelu", dropout_rate=0.0)),
         lambda m, dev: (m(input_ids=IDS.to(dev), labels=IDS[:, :6].contiguous().to(dev)),
                         lambda: m.generate(IDS.to(dev), max_new_tokens=5, num_beams=2, do_sample=False))),
+    "doge_dynamic_mask": (lambda: T.DogeForCausalLM(T.DogeConfig(
+        **DECODER, num_key_value_heads=2, keep_window_size=4, is_moe=True, num_experts=16, num_experts_per_tok=4)),
+        _causal),
+    "kolibri1_router": (lambda: T.Kolibri1ForCausalLM(T.Kolibri1Config(
+        **DECODER, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"])), _causal),
+    "qwen3_next_linear": (lambda: T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
+        **DECODER, num_key_value_heads=2, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention"])), _causal),
 }
 
 
