@@ -118,3 +118,51 @@ def test_saving_a_script_module_on_cuda_is_refused_with_the_remedy(tmp_path: Pat
             torch.jit.save(module, tmp_path / "m.pt")
         with pytest.raises(NotImplementedError, match="map_location='cuda'"):
             torch.jit.save(module, io.BytesIO())
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_traced_recurrent_layers_hold_the_aten_op_and_match_the_cpu(cls):
+    """``torch.jit.trace`` of an ``nn.LSTM``/``GRU``/``RNN`` on 'cuda' raised "remotecuda cannot send a
+    Tensor to the gateway" (its sizes are tensors while tracing, and the one gateway op that runs
+    the layer put them in its arguments), and left that message queued: every later op of the
+    session failed the same way. The graph holds the one ``aten::lstm`` a GPU's trace holds."""
+    def run(dev: str) -> tuple[list[torch.Tensor], list[str]]:
+        torch.manual_seed(0)
+        m, x = cls(4, 3, num_layers=2, batch_first=True).to(dev), torch.randn(2, 5, 4).to(dev)
+        traced = torch.jit.trace(m, x)
+        out, h = traced(x * 2)
+        kinds = [n.kind() for n in traced.graph.nodes() if n.kind().startswith("aten::")]
+        return [out, *(h if isinstance(h, tuple) else (h,)), m(x)[0]], kinds
+    (cuda, cuda_graph), (cpu, cpu_graph) = run("cuda"), run("cpu")
+    assert cuda_graph == cpu_graph and cuda_graph[-1] in ("aten::lstm", "aten::gru", "aten::rnn_tanh")
+    torch.testing.assert_close([t.cpu() for t in cuda], cpu)
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+def test_a_cuda_storage_reads_and_writes_its_tensors_bytes():
+    """A 'cuda' tensor's ``storage()`` said its device, but every read of its bytes (``cpu()``,
+    ``tolist()``, ``s[i]``, ``float()``, ``clone()``, ``copy.deepcopy``) and ``Tensor.set_(storage)``
+    raised "cannot send an argument of type RemoteStorage": torch reaches a storage's bytes by
+    ``set_`` of a tensor onto it, which now goes to the storage's gateway tensor."""
+    import copy
+
+    def run(dev: str) -> list:
+        x = torch.arange(6.0).to(dev)
+        s = x[1:].storage()
+        s[1] = 7.0
+        view = torch.empty(0, device=dev).set_(s, 2, (2,), (2,))
+        view.add_(1)  # (writes x: one storage)
+        u = torch.UntypedStorage(24)
+        u.copy_(x.untyped_storage())
+        clone = s.clone()
+        s[0] = -1.0  # (not in the copies)
+        return [s.cpu().tolist(), s.tolist(), s[3], s.double().tolist(), clone.tolist(), copy.deepcopy(s).tolist(),
+                x.tolist(), list(u), s.cpu().device.type, s.is_pinned(), view.tolist(),
+                s.cuda().device.type if dev == "cuda" else "cuda", clone.device.type == dev]
+    cuda = run("cuda")
+    assert cuda == run("cpu")
+    x = torch.ones(3, device="cuda")
+    assert x.storage().cuda()._untyped_storage is x.untyped_storage()
+    with pytest.raises(RuntimeError, match='tensor on device "cuda:0" to a storage on different device "cpu"'):
+        torch.empty(0, device="cuda").set_(torch.ones(2).untyped_storage())
