@@ -168,31 +168,35 @@ def test_a_cuda_storage_reads_and_writes_its_tensors_bytes():
         torch.empty(0, device="cuda").set_(torch.ones(2).untyped_storage())
 
 
-class _BiasedAttention(nn.Module):
-    """Attention with a learned additive bias (T5's relative position bias): a mask that needs a
-    gradient while tracing, and not in the trace's check (run without gradients)."""
-
+class _MaskedAttention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.bias = nn.Parameter(torch.randn(1, 1, 6, 6))
+        self.register_buffer("mask", torch.randn(1, 1, 6, 6))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 def test_traced_attention_holds_the_composite_op_as_on_a_gpu():
     """A traced ``F.scaled_dot_product_attention`` on 'cuda' recorded the op of the backend the
-    gateway picked (``_scaled_dot_product_flash_attention_for_cpu``, on a GPU gateway an
-    ``_efficient_attention``: a graph that runs on that device only), and with a mask needing a
-    gradient it picked another in the trace's check: T5's trace failed "Graphs differed across
-    invocations". A GPU's trace holds ``aten::scaled_dot_product_attention``."""
+    gateway picked (``_scaled_dot_product_flash_attention_for_cpu``; on a GPU gateway an
+    ``_efficient_attention``: a graph that runs on that device only), where a GPU's trace holds
+    ``aten::scaled_dot_product_attention``; and as the pick depends on whether the mask needs a
+    gradient, a T5's trace (a learned position bias) failed "Graphs differed across invocations"."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
     def run(dev: str) -> tuple[list[torch.Tensor], list[str]]:
         torch.manual_seed(0)
-        m, (q, k, v) = _BiasedAttention().to(dev), (torch.randn(1, 2, 6, 8).to(dev) for _ in range(3))
+        m, (q, k, v) = _MaskedAttention().to(dev), (torch.randn(1, 2, 6, 8).to(dev) for _ in range(3))
         traced = torch.jit.trace(m, (q, k, v))
-        out = traced(q, k * 2, v)
-        out.sum().backward()
-        return [out, m.bias.grad], [n.kind() for n in traced.graph.nodes() if "attention" in n.kind()]
+        t5 = T5ForConditionalGeneration(T5Config(vocab_size=30, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                                 num_heads=2, use_cache=False, decoder_start_token_id=0,
+                                                 attn_implementation="sdpa")).eval().to(dev)
+        ids = torch.tensor([[1, 5, 7, 9, 2, 0]]).to(dev)
+        logits = torch.jit.trace(t5, (ids, torch.ones_like(ids), ids), strict=False)(ids, torch.ones_like(ids), ids)
+        kinds = [n.kind() for n in traced.graph.nodes() if "attention" in n.kind()]
+        return [traced(q, k * 2, v), logits["logits"]], kinds
     (cuda, cuda_graph), (cpu, cpu_graph) = run("cuda"), run("cpu")
     assert cuda_graph == cpu_graph == ["aten::scaled_dot_product_attention"]
     torch.testing.assert_close([t.cpu() for t in cuda], cpu)
