@@ -200,3 +200,32 @@ def test_traced_attention_holds_the_composite_op_as_on_a_gpu():
     (cuda, cuda_graph), (cpu, cpu_graph) = run("cuda"), run("cpu")
     assert cuda_graph == cpu_graph == ["aten::scaled_dot_product_attention"]
     torch.testing.assert_close([t.cpu() for t in cuda], cpu)
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.gru = nn.LSTM(4, 3, batch_first=True), nn.GRU(3, 2)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(self.drop(self.lstm(x)[0]))[0]
+
+
+def test_scripted_modules_calling_routed_torch_functions_match_the_cpu():
+    """While active, ``torch.jit.script`` of an ``nn.LSTM``/``GRU`` or an ``nn.Dropout`` (their
+    ``torch._VF`` functions are routed, and ``_VF``'s names come from its ``__getattr__``, so the
+    route was not known to TorchScript as ``aten::lstm``) failed "module, class, method, function...
+    was expected, got builtin_function_or_method", CPU modules too; an ``nn.TransformerEncoder``
+    (its routed ``forward`` compiled with remotecuda's globals) failed "undefined value F"."""
+    def run(dev: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        rec = _Recurrent().eval()
+        enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2,
+                                    enable_nested_tensor=False).eval()
+        x, y = torch.randn(2, 5, 4), torch.randn(2, 5, 8)
+        cpu_scripted = torch.jit.script(rec)(x)
+        return [torch.jit.script(rec.to(dev))(x.to(dev)), torch.jit.script(enc.to(dev))(y.to(dev)), cpu_scripted]
+    cuda, cpu = run("cuda"), run("cpu")
+    assert [t.device.type for t in cuda] == ["cuda", "cuda", "cpu"]
+    torch.testing.assert_close([t.cpu() for t in cuda], cpu)
