@@ -75,6 +75,12 @@ def _dense(shape: tuple, dtype: torch.dtype) -> tuple:
 
 
 def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
+    if torch._C._get_tracing_state() is not None:
+        # torch.jit.trace records the one ``aten::scaled_dot_product_attention`` a GPU's trace holds,
+        # which runs anywhere the module goes; a backend's op picked here would tie the graph to the
+        # gateway's device (and a pick that depends on whether the mask needs a gradient gave the
+        # trace's check, run without gradients, another graph)
+        return func(*args, **kwargs)
     q, k, v, mask, p, causal, scale, gqa = _bind(*args, **kwargs)
     if type(q) is not RemoteTensor and nested.inner_remote(q) is not None and q.dim() == 4 and q._ragged_idx == 2:
         return nested.sdpa(F.scaled_dot_product_attention, q, k, v, mask, p, causal, scale, gqa)

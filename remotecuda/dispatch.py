@@ -39,7 +39,7 @@ from .device_type import DEVICE
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import GatewayLostError, RemoteCUDAError
 from .generator import wire_ref
-from .tensor import RemoteTensor, extent, is_pinned, layout, make, refresh_key, wrap
+from .tensor import RemoteStorage, RemoteTensor, extent, is_pinned, layout, make, refresh_key, wrap
 
 aten = torch.ops.aten
 _Tag = torch.Tag
@@ -906,6 +906,21 @@ def _is_pinned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
     return is_pinned(*args, **kwargs)
 
 
+def _set_storage(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``t.set_(storage[, offset, size, stride])``, the way torch reaches a storage's bytes (a
+    TypedStorage's ``cpu()``, ``tolist()``, indexing, ``float()``, ``copy_`` between storages): a
+    'cuda' storage's bytes are its gateway tensor's, so this is ``set_`` onto that tensor."""
+    self, storage, *rest = args
+    if not isinstance(storage, RemoteStorage) or storage.device != self.device:
+        raise RuntimeError(f'Attempted to set the storage of a tensor on device "{self.device}" to a storage on '
+                           f'different device "{storage.device}".  This is no longer allowed; the devices must match.')
+    if m.func is aten.set_.source_Storage:
+        offset, size, stride = 0, [storage.nbytes() // self.element_size()], []
+    else:
+        offset, size, stride = rest[0], rest[1], rest[2] if len(rest) > 2 else kwargs.get("stride", [])
+    return d.dispatch(aten.set_.source_Tensor_storage_offset, (self, storage.tensor(), offset, size, stride), {})
+
+
 def _materialized(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     """``_conj``/``_neg_view`` would set a bit on the gateway's tensor that the wrapper cannot
     carry, so the client's ``resolve_conj`` would skip what the gateway needs (hfft's backward
@@ -1093,6 +1108,8 @@ _SPECIAL = {
     aten.copy_.default: _copy_,
     aten.record_stream.default: _record_stream,
     aten.is_pinned.default: _is_pinned,
+    aten.set_.source_Storage: _set_storage,
+    aten.set_.source_Storage_storage_offset: _set_storage,
     aten._pack_padded_sequence.default: _composite,
     aten._conj.default: _materialized,
     aten._neg_view.default: _materialized,

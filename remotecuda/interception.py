@@ -719,12 +719,24 @@ _ROUTES_EVERY_THREAD: list[tuple[Any, str, Callable]] = [
 def _routed(original: Callable, handler: Callable) -> Callable:
     """``original`` through ``handler`` in threads where remotecuda is active (the dispatch mode
     is per thread; the patch is not): elsewhere plain PyTorch, not a stray meta tensor."""
-    @functools.wraps(original)
+    active_here = _active_here
+
     def routed(*args: Any, **kwargs: Any) -> Any:
-        if _active_here():
+        if active_here():
             return handler(original, args, kwargs)
         return original(*args, **kwargs)
-    return routed
+    return functools.wraps(original)(_with_globals_of(original, routed))
+
+
+def _with_globals_of(original: Callable, fn: Callable) -> Callable:
+    """``fn`` (whose code reads no globals) with ``original``'s module globals, where it has them:
+    ``torch.jit.script`` of a module whose ``forward`` is routed (``nn.TransformerEncoder``)
+    compiles the original's source (found through ``__wrapped__``) with the names of the
+    function it was given, and ``F``, ``Tensor``... are the original module's."""
+    names = getattr(original, "__globals__", None)
+    if names is None:
+        return fn
+    return types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _everywhere(original: Callable, handler: Callable) -> Callable:
@@ -1049,13 +1061,14 @@ class _Patches:
         self.builtins: list[int] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
+        seen = getattr(obj, name, None)  # (what code reads: torch._VF's functions are its __getattr__'s)
         if isinstance(obj, (type, types.ModuleType)):  # the raw entry: a descriptor, not what it gives
             had, old = name in vars(obj), vars(obj).get(name)
         else:
-            had, old = hasattr(obj, name), getattr(obj, name, None)
+            had, old = hasattr(obj, name), seen
         self.saved.append((obj, name, old, had))
         setattr(obj, name, value)
-        op = jit_builtins._find_builtin(old) if callable(old) else None
+        op = jit_builtins._find_builtin(seen) if callable(seen) else None
         if op is not None and jit_builtins._find_builtin(value) is None:
             jit_builtins._register_builtin(value, op)
             self.builtins.append(id(value))

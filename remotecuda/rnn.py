@@ -131,7 +131,10 @@ def _dual(tensors: list) -> bool:
 
 def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``torch._VF.<name>(*args)`` as one gateway op, when all its tensors are on one gateway."""
-    if kwargs or len(args) != 9:
+    if kwargs or len(args) != 9 or torch._C._get_tracing_state() is not None:
+        # torch.jit.trace must record the one ``aten::lstm`` node a GPU's trace holds, which a
+        # gateway op would leave out of the graph (and its sizes are tensors while tracing): torch's
+        # own path, whose ops below the recorded node reach the gateway one by one
         return func(*args, **kwargs)
     if torch.is_autocast_enabled("cuda") and autocast.has_remote(args, kwargs):
         # CUDA autocast runs cuDNN's RNN in the autocast dtype (``_cudnn_rnn_cast_reflatten``)

@@ -30,7 +30,7 @@ import torch
 
 from . import downloads, runtime
 from .device_type import DEVICE
-from .tensor import RemoteTensor, extent
+from .tensor import RemoteStorage, RemoteTensor, extent
 
 #: during torch.load: ``current``, its _Load
 _loading = threading.local()
@@ -109,18 +109,33 @@ def _storage_to(original: Any) -> Any:
     """``storage.to('cuda')`` (what ``storage.cuda()`` calls): inside torch.load, a ``map_location``
     callable's ``lambda storage, loc: storage.cuda()``, whose storage stays on the CPU located on
     the device, and the tensors torch builds on it go there, as for a file's 'cuda' storages.
-    Elsewhere a storage cannot live on a remote device (only tensors do): said plainly."""
+    Elsewhere the storage of a byte tensor viewing it, moved (torch's own move makes a storage on
+    the device, which a CPU-only torch cannot); one already there is itself, as on a GPU."""
     def to(self: Any, *, device: Any, non_blocking: bool = False) -> Any:
         d = device if isinstance(device, torch.device) else torch.device(device)
         if d.type != "cuda":
             return original(self, device=device, non_blocking=non_blocking)
+        d = DEVICE("cuda", runtime.current().current_device if d.index is None else d.index)
         load = getattr(_loading, "current", None)
-        if load is None:
-            raise NotImplementedError("remotecuda: a storage cannot move to a remote 'cuda' device, only tensors "
-                                      "can: move a tensor viewing it (torch.empty(0, dtype=...).set_(storage).cuda())")
-        load.storages[self._cdata] = (runtime.current().current_device if d.index is None else d.index, self)
-        return self
+        if load is not None:
+            load.storages[self._cdata] = (d.index, self)
+            return self
+        if self.device == d:
+            return self
+        viewing = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self)
+        return viewing.to(d, non_blocking=non_blocking).untyped_storage()
     return to
+
+
+def _new_wrapped_storage(original: Any) -> Any:
+    """``TypedStorage``'s wrapping of the untyped storage its ``cuda()``, ``clone()``, ``copy``
+    and ``to`` made, which refuses any class but ``UntypedStorage``: a 'cuda' one is a
+    ``RemoteStorage`` (tensor.py), wrapped as ``Tensor.storage()`` wraps it."""
+    def _new_wrapped_storage(self: Any, untyped_storage: Any) -> Any:
+        if isinstance(untyped_storage, RemoteStorage):
+            return torch.TypedStorage(wrap_storage=untyped_storage, dtype=self.dtype, _internal=True)
+        return original(self, untyped_storage)
+    return _new_wrapped_storage
 
 
 def _restored_on_device(plain: Any) -> Any:
@@ -362,6 +377,8 @@ def install(patches: Any) -> None:
     patches.set(torch, "save", _make_save(torch.save))
     patches.set(RemoteTensor, "__reduce_ex__", _reduce_ex(RemoteTensor.__reduce_ex__))
     patches.set(torch.storage._StorageBase, "to", _storage_to(torch.storage._StorageBase.to))
+    typed = torch.TypedStorage
+    patches.set(typed, "_new_wrapped_storage", _new_wrapped_storage(typed._new_wrapped_storage))
     patches.set(torch._utils, "_restore_device_fake_mode", _restored_on_device(torch._utils._restore_device_fake_mode))
     patches.set(torch.serialization, "save", torch.save)
     patches.set(torch.serialization, "load", torch.load)

@@ -88,11 +88,30 @@ def wrapper_type(types: Any) -> type | None:
 
 class RemoteStorage(torch.UntypedStorage):
     """A remote tensor's storage (``RemoteTensor.untyped_storage``): the wrapper's meta storage,
-    on the tensor's 'cuda:N' as a GPU's storage is (its bytes are read through the tensor)."""
+    on the tensor's 'cuda:N' as a GPU's storage is. Its bytes are on the gateway, in the storage of
+    the tensor that owns it: torch reaches a storage's bytes by ``set_`` of a tensor onto it (a
+    TypedStorage's ``cpu()``, ``tolist()``, indexing and dtype conversions, ``copy_`` between
+    storages), which the dispatcher turns into ``set_`` onto that tensor (``tensor()``)."""
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return self.__dict__["_device"]
+
+    def tensor(self) -> RemoteTensor:
+        """A wrapper of the gateway tensor that owns this storage, as its owner saw it when the
+        storage was asked for. It shares the owner's handle, which this storage keeps, as a GPU's
+        storage keeps its memory (a wrapper of its own, not the owner: that would hold the owner's
+        C++ tensor, which holds this object, in a cycle the collector cannot see)."""
+        session, owner, lay, sid = self.__dict__["_gateway"]
+        t = wrap(session, owner.handle, lay, sid)
+        t.__dict__["_owner"].session = None  # (its own release disarmed: the handle is the owner's)
+        t.__dict__["_owner"] = owner
+        return t
+
+    def clone(self) -> torch.UntypedStorage:
+        """A copy on the same device (torch's makes ``type(self)(n, device=...)``, which a
+        CPU-only torch refuses for 'cuda'); also what ``copy.deepcopy`` of a storage does."""
+        return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self).clone().untyped_storage()
 
 
 class RemoteTensor(torch.Tensor):
@@ -176,6 +195,8 @@ class RemoteTensor(torch.Tensor):
         storage = torch.Tensor.untyped_storage(owner)
         storage.__class__ = RemoteStorage
         storage.__dict__["_device"] = self.device
+        dtype, shape, stride, offset = owner._k
+        storage.__dict__["_gateway"] = (owner._s, owner._owner, layout(shape, stride, offset, dtype), owner._sid)
         storage.data_ptr = functools.partial(_address, self._dev, self._sid)  # type: ignore[method-assign]
         return storage
 

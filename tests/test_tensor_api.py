@@ -70,8 +70,9 @@ def test_map_location_callable_that_moves_storages_to_cuda(saved_on):
         back = torch.load(buf, map_location=to_cuda)
         assert all(v.is_cuda for v in back.values())
         torch.testing.assert_close({k: v.cpu() for k, v in back.items()}, want)
-    with pytest.raises(NotImplementedError, match="remotecuda: a storage cannot move"):
-        torch.ones(2).untyped_storage().cuda()
+    moved = torch.ones(2).untyped_storage().cuda()  # (outside torch.load: a storage on the device, as on a GPU)
+    assert moved.device == torch.device("cuda", 0) and moved.cuda() is moved and list(moved.cpu()) == list(
+        torch.ones(2).untyped_storage())
 
 
 def _saved_on_device_1() -> io.BytesIO:
