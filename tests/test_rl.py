@@ -391,7 +391,12 @@ def test_stable_baselines3_learns_saves_and_loads_on_cuda(algo, tmp_path):
         assert next(loaded.policy.parameters()).device.type == dev
         actions = [torch.as_tensor(m.predict(obs, deterministic=True)[0]) for m in (model, loaded)]
         return [*actions, *(v.detach().cpu() for v in loaded.policy.state_dict().values())]
-    with warnings.catch_warnings():  # (SB3: "You are trying to run PPO on the GPU, but...")
-        warnings.simplefilter("ignore", UserWarning)
-        got = run("cuda")
-    torch.testing.assert_close(got, run("cpu"), rtol=0, atol=0)
+    cudnn = torch.backends.cudnn
+    saved = cudnn.deterministic, cudnn.benchmark  # (SB3's seeding on 'cuda' sets both)
+    try:
+        with warnings.catch_warnings():  # (SB3: "You are trying to run PPO on the GPU, but...")
+            warnings.simplefilter("ignore", UserWarning)
+            got = run("cuda")
+        torch.testing.assert_close(got, run("cpu"), rtol=0, atol=0)
+    finally:
+        cudnn.deterministic, cudnn.benchmark = saved
