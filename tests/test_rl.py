@@ -400,3 +400,38 @@ def test_stable_baselines3_learns_saves_and_loads_on_cuda(algo, tmp_path):
         torch.testing.assert_close(got, run("cpu"), rtol=0, atol=0)
     finally:
         cudnn.deterministic, cudnn.benchmark = saved
+
+
+# ---------------------------------------------------------------------- distributions' checks
+def test_a_distributions_parameter_checks_are_read_in_one_round_trip():
+    """``Normal(loc, scale)`` checks both parameters and reads both verdicts: one wait, not two
+    (a Gaussian policy builds one per action); a failing parameter raises torch's ValueError,
+    the first in torch's order, with its words."""
+    from torch.distributions import Distribution, Normal, Uniform
+
+    import remotecuda
+    loc, scale = torch.zeros(3, device="cuda"), torch.ones(3, device="cuda")
+    torch.cuda.synchronize()
+    before = remotecuda.stats()["blocking_round_trips"]
+    d = Normal(loc, scale)
+    assert remotecuda.stats()["blocking_round_trips"] - before == 1
+    assert "_validate_args" not in vars(d) and d._validate_args is Distribution._validate_args
+    assert vars(Normal(loc, scale, validate_args=False))["_validate_args"] is False
+
+    def error(dev: str, loc: torch.Tensor, scale: torch.Tensor, cls: type = Normal) -> str:
+        with pytest.raises(ValueError) as e:
+            cls(loc.to(dev), scale.to(dev))
+        return str(e.value).replace(", device='cuda:0'", "")
+    nan, neg = torch.tensor([0.0, float("nan")]), torch.tensor([1.0, -1.0])
+    for args in ((nan, neg.abs()), (nan.nan_to_num(), neg), (nan, neg), (neg, neg.abs() - 2, Uniform)):
+        assert error("cuda", *args) == error("cpu", *args)
+    assert "parameter loc" in error("cuda", nan, neg)
+
+    class Custom(Distribution):  # (no arg_constraints: torch warns, and checks nothing)
+        def __init__(self, p: torch.Tensor) -> None:
+            self.p = p
+            super().__init__(p.shape)
+    for dev in ("cuda", "cpu"):
+        with pytest.warns(UserWarning, match="does not define `arg_constraints`") as w:
+            Custom(torch.zeros(2, device=dev))
+        assert w[0].filename == __file__
