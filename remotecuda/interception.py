@@ -55,6 +55,7 @@ from . import (
     decode,
     device_type,
     distributed,
+    distributions,
     downloads,
     expanded_weights,
     flags,
@@ -1340,6 +1341,7 @@ def install(rt: Runtime) -> Interception:
     decode.install(p)
     flex_attention.install(p)
     control_flow.install(p)
+    distributions.install(p)
     downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
     device_type.install(p)
     hub_kernels.install(p)

@@ -213,8 +213,22 @@ class RemoteTensor(torch.Tensor):
     def is_shared(self) -> bool:
         return True  # (torch says so of every CUDA storage)
 
-    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        raise dlpack_error(self)
+    def __dlpack__(self, *, stream: Any = -1, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[Any, int] | None = None, copy: bool | None = None) -> Any:
+        """A capsule of a CPU copy when the consumer asks for one on the CPU (``dl_device``: NumPy's
+        ``from_dlpack(t, device="cpu")``, as gymnasium's ``NumpyToTorch`` returns actions), since
+        torch copies a CUDA tensor there itself; torch's refusals come first, in its order and
+        words. A capsule on the device would point at memory that is not in this process."""
+        if self.requires_grad:
+            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
+        if self._dev != torch.cuda.current_device():
+            raise BufferError("Can't export tensors on a different CUDA device index. "
+                              f"Expected: {self._dev}. Current device: {torch.cuda.current_device()}.")
+        if dl_device is None or int(dl_device[0]) != _DL_CPU:
+            raise dlpack_error(self)
+        if copy is False:
+            raise ValueError(f"cannot move (i.e. copy=False) tensor from {self.device} to cpu without copying.")
+        return self.cpu().__dlpack__(max_version=max_version, dl_device=dl_device)
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -330,6 +344,10 @@ class RemoteTensor(torch.Tensor):
 #: of shape (1,)) of distribution Normal ...", the argument parser's "got (Tensor, out=Tensor)"
 #: (the qualified name, in ``repr(type(t))``, stays RemoteTensor)
 RemoteTensor.__name__ = "Tensor"
+
+
+#: DLPack's device type of the CPU (``torch.utils.dlpack.DLDeviceType.kDLCPU``)
+_DL_CPU = 1
 
 
 def dlpack_error(t: RemoteTensor) -> BufferError:
