@@ -451,6 +451,6 @@ def test_a_read_leaves_its_tensor_free_to_go(read):
         read(t)
         del t
         assert ref() is None
-        assert torch.cuda.memory_allocated() == before
+        assert torch.cuda.memory_allocated() <= before  # (an earlier test's small leftovers may go meanwhile)
     finally:
         gc.enable()
