@@ -67,3 +67,104 @@ def test_the_batch_size_finder_stops_where_the_gpu_runs_out_of_memory(quota_gw):
     with contextlib.redirect_stdout(local), contextlib.redirect_stderr(io.StringIO()):
         exec(FINDER.format(acc="cpu").replace("init_val=256, max_trials=6", "init_val=2, max_trials=3"), {})
     assert "FOUND 8" in local.getvalue()  # (the same program on the CPU: 2, 4, 8)
+
+
+def _fit_and_resume(accelerator: str, root: str) -> dict:
+    """A LightningModule trained in bf16-mixed with gradient clipping, accumulation, a scheduler
+    and checkpoints, resumed from its last checkpoint, validated, and loaded onto the device."""
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    data = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=8)
+
+    class Net(L.LightningModule):
+        def __init__(self, lr: float = 0.05):
+            super().__init__()
+            self.save_hyperparameters()
+            self.lin = torch.nn.Linear(8, 2)
+
+        def training_step(self, batch, i):
+            loss = F.cross_entropy(self.lin(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch, i):
+            self.log("val_loss", F.cross_entropy(self.lin(batch[0]), batch[1]), sync_dist=True)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
+
+    common = dict(accelerator=accelerator, devices=1, precision="bf16-mixed", limit_train_batches=4,
+                  limit_val_batches=2, enable_progress_bar=False, enable_model_summary=False,
+                  default_root_dir=root)
+    ckpt = ModelCheckpoint(dirpath=root, save_last=True)
+    torch.manual_seed(0)
+    net = Net()
+    trainer = L.Trainer(max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2, logger=CSVLogger(root),
+                        callbacks=[ckpt, LearningRateMonitor()], **common)
+    trainer.fit(net, data, data)
+    out = {"fit": {k: float(v) for k, v in trainer.callback_metrics.items()},
+           "weight": net.lin.weight.detach().cpu().clone()}
+    resumed = Net()
+    trainer = L.Trainer(max_epochs=3, logger=False, enable_checkpointing=False, **common)
+    trainer.fit(resumed, data, data, ckpt_path=ckpt.last_model_path)
+    out["resumed"] = resumed.lin.weight.detach().cpu().clone()
+    out["validate"] = trainer.validate(resumed, data, verbose=False)
+    loaded = Net.load_from_checkpoint(ckpt.last_model_path, map_location=accelerator)
+    out["loaded"] = (str(loaded.lin.weight.device), loaded.lin.weight.detach().cpu().clone())
+    return out
+
+
+@pytest.mark.usefixtures("remote")
+def test_a_trainer_fits_resumes_and_loads_as_on_the_cpu(tmp_path):
+    import torch
+    local = _fit_and_resume("cpu", str(tmp_path / "cpu"))
+    remote = _fit_and_resume("cuda", str(tmp_path / "cuda"))
+    assert remote["fit"] == pytest.approx(local["fit"], rel=1e-5)
+    assert remote["validate"][0] == pytest.approx(local["validate"][0], rel=1e-5)
+    for key in ("weight", "resumed"):
+        torch.testing.assert_close(remote[key], local[key])
+    assert remote["loaded"][0] == "cuda:0" and local["loaded"][0] == "cpu"
+    torch.testing.assert_close(remote["loaded"][1], local["loaded"][1])
+
+
+def _metrics(device: str) -> dict:
+    """torchmetrics' classification and regression metrics, forward (a batch's value) and
+    accumulated over batches, in a MetricCollection, then reset."""
+    import torch
+    tm = pytest.importorskip("torchmetrics")
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, MulticlassF1Score
+    from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
+
+    torch.manual_seed(0)
+    probs, target = torch.randn(4, 16, 3).softmax(-1), torch.randint(0, 3, (4, 16))
+    pred, truth = torch.randn(4, 16), torch.randn(4, 16)
+    classes = tm.MetricCollection({"acc": MulticlassAccuracy(3), "f1": MulticlassF1Score(3),
+                                   "auroc": MulticlassAUROC(3)}).to(device)
+    regression = tm.MetricCollection([MeanSquaredError(), PearsonCorrCoef()]).to(device)
+    steps = []
+    for i in range(4):
+        steps.append(classes(probs[i].to(device), target[i].to(device)))
+        regression.update(pred[i].to(device), truth[i].to(device))
+    out = {"step": {k: v.cpu() for k, v in steps[-1].items()},
+           "epoch": {k: v.cpu() for k, v in {**classes.compute(), **regression.compute()}.items()}}
+    classes.reset()
+    classes.update(probs[0].to(device), target[0].to(device))
+    out["after_reset"] = {k: v.cpu() for k, v in classes.compute().items()}
+    out["device"] = str(classes["acc"].tp.device)
+    return out
+
+
+@pytest.mark.usefixtures("remote")
+def test_torchmetrics_on_cuda_give_the_cpu_values():
+    import torch
+    local, remote = _metrics("cpu"), _metrics("cuda")
+    assert (local.pop("device"), remote.pop("device")) == ("cpu", "cuda:0")
+    torch.testing.assert_close(remote, local)
