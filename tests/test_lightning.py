@@ -104,7 +104,7 @@ def _fit_and_resume(accelerator: str, root: str) -> dict:
     common = dict(accelerator=accelerator, devices=1, precision="bf16-mixed", limit_train_batches=4,
                   limit_val_batches=2, enable_progress_bar=False, enable_model_summary=False,
                   default_root_dir=root)
-    ckpt = ModelCheckpoint(dirpath=root, save_last=True)
+    ckpt = ModelCheckpoint(dirpath=f"{root}/checkpoints", save_last=True)
     torch.manual_seed(0)
     net = Net()
     trainer = L.Trainer(max_epochs=2, gradient_clip_val=0.5, accumulate_grad_batches=2, logger=CSVLogger(root),
