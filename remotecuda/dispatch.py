@@ -320,6 +320,10 @@ class Dispatcher:
         #: ``fn()`` as user code runs (interception sets it: with its dispatch mode on, which torch
         #: takes off while the mode handles an op): for a library op's kernel, which makes tensors
         self.as_user: Callable[[Callable[[], Any]], Any] = lambda fn: fn()
+        #: the bytes of the largest tensor an op has made, seen at metadata cache misses (a larger
+        #: tensor has a new signature). A step making one may run out of memory where the steps
+        #: before did not: interception's waits for the gateway's errors look at it
+        self.largest_new = 0
 
     def default_dtype_set(self, dtype: torch.dtype) -> None:
         """Use the metadata cache of ``dtype``, the new default dtype."""
@@ -426,7 +430,9 @@ class Dispatcher:
                     entry = self._compute(m, args, kwargs)
                 except Exception as e:
                     return self._refused(m, key, s, wargs, wkw, args, kwargs, e)
-                _check_fits(entry, s)
+                largest = _check_fits(entry, s)
+                if largest > self.largest_new:
+                    self.largest_new = largest
                 cache.store(key, entry)
                 if type(entry) is not Bypass:
                     cache.misses += 1
@@ -737,20 +743,23 @@ def _view(src: Any, fn: Any, *a: Any) -> RemoteTensor:
 CHECKED_BYTES = 1 << 30
 
 
-def _check_fits(entry: Entry, s: Any) -> None:
+def _check_fits(entry: Entry, s: Any) -> int:
     """An op whose new output is larger than its GPU's whole memory raises
     ``torch.OutOfMemoryError`` here, at the call, as CUDA's allocator does: not at the next
     sync (the gateway's asynchronous error would point at no line of the user's). Only on cache
-    misses: a cached signature's outputs have been checked."""
+    misses: a cached signature's outputs have been checked. Returns the bytes of the largest
+    new output."""
     if type(entry) is NewTensor:
         layouts_: list = [entry.layout]
     elif type(entry) is Outputs:
         layouts_ = [x.layout for it in entry.items for x in (it if type(it) is list else [it])
                     if type(x) is NewOut]
     else:
-        return
+        return 0
+    largest = 0
     for (dtype, shape, stride, offset), _ in layouts_:
         nbytes = (offset + extent(shape, stride)) * dtype.itemsize if 0 not in shape else 0
+        largest = max(largest, nbytes)
         if nbytes < CHECKED_BYTES:
             continue
         from .runtime import active
@@ -761,6 +770,7 @@ def _check_fits(entry: Entry, s: Any) -> None:
                 f"CUDA out of memory. Tried to allocate {nbytes / 2**30:.2f} GiB. GPU {s.vdev} has a "
                 f"total capacity of {total / 2**30:.2f} GiB (remotecuda: refused before it was sent "
                 f"to gateway {s.endpoint})")
+    return largest
 
 
 def _build(entry: Entry, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:

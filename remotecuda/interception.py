@@ -556,7 +556,7 @@ def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
             continue  # (a GradientEdge; a 0-d gradient, which C++ moves; vmap's batched 'cuda' gradient)
         if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and grad.device != out.device:
             raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} but got {grad.device}")
-    _first_backward_waits(outputs)
+    _backward_waits(outputs)
     try:
         return func(*args, **kwargs)
     except RuntimeError as e:
@@ -594,30 +594,36 @@ def _checked_function_backward(original: Callable) -> Callable:
     return apply
 
 
-def _first_backward_waits(outputs: Any) -> None:
-    """The first backward pass on 'cuda' tensors waits for its forward pass's work, until one has
-    succeeded. A GPU raises an out-of-memory error at the forward's failing line, inside the
+def _backward_waits(outputs: Any) -> None:
+    """A backward pass on 'cuda' tensors waits for its forward pass's work, until one has
+    succeeded, and again once the program has made a tensor larger than any before it (a larger
+    batch: Lightning's batch-size finder doubles it until a trial runs out of memory). A GPU
+    raises an out-of-memory error at the forward's failing line, inside the
     ``try: loss = model(batch); loss.backward() except torch.cuda.OutOfMemoryError:`` that
     retries with a smaller batch; here it came at a later read, outside it. Raised here, before the
-    backward runs (so no gradient is made from skipped ops); later passes do not wait."""
+    backward runs (so no gradient is made from skipped ops); passes making nothing larger do not
+    wait."""
     rt = runtime.current()
-    if rt.backward_waited or rt.capturing is not None or not _active_here():
+    largest = rt.dispatcher.largest_new
+    if rt.backward_waited_at >= largest or rt.capturing is not None or not _active_here():
         return
     out = next((o for o in outputs if isinstance(o, RemoteTensor)), None)
     if out is not None:
         torch.cuda.synchronize(out.device)
-        rt.backward_waited = True
+        rt.backward_waited_at = largest
 
 
-def _first_step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
-    """An optimizer's first step on 'cuda' parameters waits for the work queued before it. A GPU
-    raises an error at the failing line: out of memory in the forward pass, caught to retry with
-    a smaller batch (``except torch.cuda.OutOfMemoryError``). Here it came at a later sync, and the
-    step between made the optimizer's state (``exp_avg``...) from ops skipped after the failure:
-    the retry's step then failed on tensors "never computed". Raised here, before the state is
-    made; later steps do not wait."""
+def _step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
+    """An optimizer's first step on 'cuda' parameters waits for the work queued before it, and
+    so does its first step after the program has made a tensor larger than any before (as
+    ``_backward_waits``). A GPU raises an error at the failing line: out of memory in the forward
+    or backward pass, caught to retry with a smaller batch (``except torch.cuda.OutOfMemoryError``).
+    Here it came at a later sync, and the step between made the optimizer's state (``exp_avg``...)
+    from ops skipped after the failure: the retry's step then failed on tensors "never computed".
+    Raised here, before the state is made; other steps do not wait."""
     rt = runtime.current()
-    if opt in rt.stepped or rt.capturing is not None or not _active_here():
+    largest = rt.dispatcher.largest_new
+    if rt.stepped.get(opt, -1) >= largest or rt.capturing is not None or not _active_here():
         return  # (nothing may wait while a CUDA graph is captured)
     for group in opt.param_groups:
         for p in group["params"]:
@@ -627,7 +633,7 @@ def _first_step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
                 except Exception:
                     _forget_uncomputed_grads(opt)
                     raise
-                rt.stepped.add(opt)
+                rt.stepped[opt] = largest
                 return
 
 
@@ -1329,7 +1335,7 @@ def install(rt: Runtime) -> Interception:
     from torch.utils import _foreach_utils as foreach_utils
     # the C++ function itself: every Python binding of it (clip_grad, the optimizers, swa_utils)
     # calls through torch._C
-    p.set_item(optimizer._global_optimizer_pre_hooks, "remotecuda", _first_step_waits)
+    p.set_item(optimizer._global_optimizer_pre_hooks, "remotecuda", _step_waits)
     backward_node = torch.autograd.function.BackwardCFunction
     p.set(backward_node, "apply", _checked_function_backward(backward_node.apply))
     p.set(torch._C, "_group_tensors_by_device_and_dtype", _group_by_device(torch._C._group_tensors_by_device_and_dtype))

@@ -80,10 +80,12 @@ class Runtime:
         self.default_type_cuda = False
         #: (device kind, input layouts and options) → the attention backend the gateway picked
         self.sdpa_choices: dict[tuple, int] = {}
-        #: the optimizers whose first step on 'cuda' parameters waited for the work before it (interception)
-        self.stepped: weakref.WeakSet = weakref.WeakSet()
-        #: whether a backward pass on 'cuda' tensors waited for its forward pass's work (interception)
-        self.backward_waited = False
+        #: each optimizer whose step on 'cuda' parameters waited for the work before it → the
+        #: dispatcher's ``largest_new`` then (interception: it waits again once that grows)
+        self.stepped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        #: the dispatcher's ``largest_new`` when a backward pass on 'cuda' tensors last waited for
+        #: its forward pass's work; -1 before the first (interception)
+        self.backward_waited_at = -1
         self.codecs = protocol.enabled_codecs(os.environ.get("REMOTECUDA_CODECS"))
         check = os.environ.get("REMOTECUDA_CHECK_CACHE", "") not in ("", "0")
         self.dispatcher = Dispatcher(self.session, DispatchCache(check=check))

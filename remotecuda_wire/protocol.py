@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import warnings
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -353,6 +354,22 @@ def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES,
     return out
 
 
+def _spend_torch_readonly_buffer_warning() -> None:
+    """Have torch say, once and unheard, that a read-only buffer makes a read-only tensor.
+
+    Received frames and decompressed payloads are read-only, and ``torch.frombuffer`` warns of it
+    once per process (C++ ``TORCH_WARN_ONCE``). Silencing each call instead would change the
+    warning filters at every download, and each change clears Python's record of the lines that
+    already warned: the program's once-per-line warnings would come back after every ``.item()``.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+
+
+_spend_torch_readonly_buffer_warning()
+
+
 def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     """A CPU tensor over ``buf`` (no copy); the caller copies it if it outlives the frame."""
     numel = 1
@@ -363,10 +380,7 @@ def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: Sequence[int])
     itemsize = torch.empty((), dtype=dtype).element_size()
     if buf.nbytes != numel * itemsize:
         raise ProtocolError(f"payload of {buf.nbytes} bytes cannot hold {tuple(shape)} {dtype}")
-    import warnings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # zmq frames are read-only buffers
-        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
     if flat.data_ptr() % itemsize:
         # frame memory is only 8-byte aligned (zmq keeps its bookkeeping in front of the
         # data): typed kernels on e.g. complex128 (alignas 16) crash on it; copy as bytes

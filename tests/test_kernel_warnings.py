@@ -108,3 +108,22 @@ def test_a_warning_before_a_long_run_of_ops_is_not_lost():
     # (a ResourceWarning of an earlier test's file, collected meanwhile, is not the gateway's)
     assert [str(w.message)[:39] for w in caught if not issubclass(w.category, ResourceWarning)] == \
         ["An output with one or more elements was"]
+
+
+def _warn_in_a_reading_loop(device: str) -> list:
+    """One warning line run three times, a value read after each, under Python's default action
+    (a warning shown once per line: Lightning's and transformers' deprecations in a training loop)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            warnings.warn("this argument is deprecated", FutureWarning, stacklevel=1)
+            torch.randn(4, device=device).sum().item()
+    return _said(caught)
+
+
+def test_reading_values_keeps_a_warning_once_per_line():
+    """Every download went through ``warnings.catch_warnings`` (to hide torch.frombuffer's
+    read-only-buffer warning), and each change to the warning filters clears Python's record of
+    the lines that already warned: a warning shown once on a GPU came back at every ``.item()``."""
+    assert _warn_in_a_reading_loop("cuda") == _warn_in_a_reading_loop("cpu")
+    assert len(_warn_in_a_reading_loop("cpu")) == 1
