@@ -1,0 +1,106 @@
+"""The warnings a program sees under remotecuda are those it sees on a GPU machine: the same
+category and words, at the same line (the user's, where torch's ``stacklevel`` or a C++
+``TORCH_WARN`` puts it), as often under the default once-per-location filter, and raised at the
+same call under ``simplefilter("error")``.
+
+One program of snippets runs in two fresh interpreters, on the CPU and on 'cuda' through the
+session's gateway; each snippet runs twice under the "default" filter (once-per-location: the
+second run shows nothing new) and once under "error"; the two records must be equal.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import run_python
+
+#: each ``def name(dev)`` is a snippet (the warnings of the gateway's kernels, raised at a sync
+#: point, are tests/test_kernel_warnings.py's)
+PROGRAM = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+
+
+def download_between(dev):
+    a, b = torch.randn(3, 1, device=dev), torch.randn(3, device=dev)
+    F.mse_loss(a, b)
+    torch.randn(1000, device=dev).cpu()
+
+
+def softmax_without_dim(dev):
+    F.softmax(torch.randn(2, 3, device=dev))
+
+
+def scheduler_before_optimizer(dev):
+    opt = torch.optim.SGD(nn.Linear(2, 2).to(dev).parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, 1).step()
+'''
+
+RUNNER = '''
+import importlib.util, json, os, sys, traceback, warnings
+import torch
+mode, path = sys.argv[1], sys.argv[2]
+if mode == "remote":
+    import remotecuda
+    remotecuda.activate(fallback="error")
+spec = importlib.util.spec_from_file_location("program", path)
+program = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(program)
+dev = "cuda" if mode == "remote" else "cpu"
+out = {}
+for name in [n for n, f in vars(program).items() if callable(f) and getattr(f, "__module__", "") == "program"]:
+    f = getattr(program, name)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        f(dev)
+        f(dev)
+    shown = [[w.category.__name__, str(w.message), os.path.basename(w.filename), w.lineno] for w in seen]
+    raised = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            f(dev)
+        except Warning as e:
+            lines = [t.lineno for t in traceback.extract_tb(e.__traceback__) if t.filename == path]
+            raised = [type(e).__name__, str(e), lines[-1] if lines else None]
+    out[name] = {"shown": shown, "raised": raised}
+print("RESULT" + json.dumps(out))
+'''
+
+
+def _run(mode: str, path: str, env: dict) -> dict:
+    r = run_python(RUNNER, env=env, args=["-c", RUNNER, mode, path], timeout=240)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    return json.loads(lines[0][len("RESULT"):])
+
+
+@pytest.fixture(scope="module")
+def records(gateway, tmp_path_factory):
+    """Each snippet's warnings, on the CPU and on 'cuda': ``{name: (local, remote)}``."""
+    path = os.path.join(str(tmp_path_factory.mktemp("warnings")), "program.py")
+    with open(path, "w") as f:
+        f.write(PROGRAM)
+    local = _run("local", path, {})
+    remote = _run("remote", path, {"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error"})
+    return {name: (local[name], remote.get(name)) for name in local}
+
+
+def _check(records: dict, name: str) -> None:
+    local, remote = records[name]
+    assert local["shown"], f"{name} warns of nothing on the CPU: the snippet checks nothing"
+    assert remote == local
+
+
+def test_a_download_does_not_show_shown_once_warnings_again(records):
+    """A download (``.cpu()``, ``print``) between two runs of a warning line: shown once, as on a
+    GPU. Each download entered ``warnings.catch_warnings`` to silence torch's note that a zmq frame
+    is read-only, which marks the filters changed: every once-per-location warning of the program
+    was shown again after it (a loss-shape warning at every step of a training loop)."""
+    _check(records, "download_between")
+
+
+@pytest.mark.parametrize("name", ["softmax_without_dim", "scheduler_before_optimizer"])
+def test_warnings_that_were_already_at_the_users_line(records, name):
+    _check(records, name)
