@@ -73,6 +73,7 @@ from . import (
     torchscript,
     transfer,
     transformer_encoder,
+    warning_location,
 )
 from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
@@ -323,6 +324,14 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+def _warn_copy_construct(name: str) -> None:
+    """torch's C++ warning for ``torch.tensor(t)`` / ``t.new_tensor(t)`` of a tensor, which the call
+    made here never reaches (placed here, shown at the program's line: warning_location.py)."""
+    warnings.warn("To copy construct from a tensor, it is recommended to use sourceTensor.detach().clone() or "
+                  f"sourceTensor.detach().clone().requires_grad_(True), rather than {name}(sourceTensor).",
+                  UserWarning, stacklevel=1)
+
+
 def _sparse_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     """torch.sparse_*_tensor on 'cuda', or of 'cuda' indices and values: a COO one is a
     RemoteSparse (sparse.py); C++ would say of the others that the device is absent: say why."""
@@ -373,9 +382,7 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     kw.setdefault("dtype", self.dtype)
     data = args[1] if len(args) > 1 else kw.pop("data")
     if isinstance(data, torch.Tensor):
-        warnings.warn("To copy construct from a tensor, it is recommended to use sourceTensor.detach().clone() or "
-                      "sourceTensor.detach().clone().requires_grad_(True), rather than "
-                      "tensor.new_tensor(sourceTensor).", UserWarning, stacklevel=3)  # (torch's, at the user's line)
+        _warn_copy_construct("tensor.new_tensor")
         cpu = data.detach().cpu().to(kw["dtype"]).clone()
     else:
         cpu = torch.tensor(data, **kw)
@@ -1360,6 +1367,8 @@ def install(rt: Runtime) -> Interception:
     amp = torch.amp.autocast_mode.autocast
     p.set(amp, "__enter__", _autocast_enter(amp.__enter__))
     p.set(amp, "__exit__", _autocast_exit(amp.__exit__))
+    # (torch's warnings placed in remotecuda's frames - routes, the autocast mode - at the program's line)
+    p.set(warnings, "_showwarnmsg", warning_location.relocating(warnings._showwarnmsg))  # type: ignore[attr-defined]
     install_excepthook()
     installed = _Installed()
     p.set(threading.Thread, "start", _thread_start(threading.Thread.start, rt.dispatcher, installed))

@@ -35,6 +35,36 @@ def softmax_without_dim(dev):
 def scheduler_before_optimizer(dev):
     opt = torch.optim.SGD(nn.Linear(2, 2).to(dev).parameters(), lr=0.1)
     torch.optim.lr_scheduler.StepLR(opt, 1).step()
+
+
+def autocast_softmax_without_dim(dev):
+    with torch.autocast(dev):
+        F.softmax(torch.randn(2, 3, device=dev))
+
+
+def autocast_loss_module(dev):
+    with torch.autocast(dev):
+        nn.MSELoss()(torch.randn(3, 1, device=dev), torch.randn(3, device=dev))
+
+
+def autocast_cpp_warning(dev):
+    x = torch.ones(2, 3, 4, device=dev)
+    with torch.autocast(dev):
+        x.T
+
+
+def tensor_of_a_tensor(dev):
+    torch.tensor(torch.ones(3, device=dev))
+
+
+def generate_with_a_deprecated_argument(dev):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).to(dev).eval()
+    ids = torch.tensor([[3, 4, 5]], device=dev)
+    model.generate(ids, max_new_tokens=2, past_key_values=None, attention_mask=torch.ones_like(ids), pad_token_id=2)
 '''
 
 RUNNER = '''
@@ -103,4 +133,15 @@ def test_a_download_does_not_show_shown_once_warnings_again(records):
 
 @pytest.mark.parametrize("name", ["softmax_without_dim", "scheduler_before_optimizer"])
 def test_warnings_that_were_already_at_the_users_line(records, name):
+    _check(records, name)
+
+
+@pytest.mark.parametrize("name", ["autocast_softmax_without_dim", "autocast_loss_module", "autocast_cpp_warning",
+                                  "tensor_of_a_tensor", "generate_with_a_deprecated_argument"])
+def test_warnings_made_under_remotecudas_frames_are_at_the_programs_line(records, name):
+    """torch's stacklevels count a plain call's frames, and remotecuda's own sat between the
+    program and torch: the autocast mode's ``__torch_function__`` (with torch's hand-over to it),
+    a route's handler calling the original (``torch.tensor``), ``generate()``'s wrapper. The
+    warning was shown at remotecuda's line, and counted once per remotecuda line
+    (remotecuda/warning_location.py)."""
     _check(records, name)
