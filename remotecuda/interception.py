@@ -85,6 +85,8 @@ _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this th
 _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
 #: the unpatched ``Tensor.to``, for calls made on the user's behalf
 _TO = torch._C.TensorBase.to
+#: torch.tensor itself (the name ``torch.tensor`` is the route while active)
+_TENSOR = torch._C._VariableFunctions.tensor
 
 
 class _UserMeta:
@@ -312,7 +314,10 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     requires_grad = kw.pop("requires_grad", False)
     src = args[0] if args else kw.get("obj", kw.get("data"))
     if isinstance(src, RemoteTensor):
-        out = src if func is not torch.tensor else src.detach().clone()
+        copies = func is _TENSOR  # (as_tensor and asarray give ``src`` itself)
+        if copies:
+            _warn_copy_construct("torch.tensor")
+        out = src.detach().clone() if copies else src
         dtype = kw.get("dtype")
         out = out.to(dtype) if dtype is not None else out
     else:

@@ -57,6 +57,10 @@ def tensor_of_a_tensor(dev):
     torch.tensor(torch.ones(3, device=dev))
 
 
+def tensor_of_a_tensor_on_the_device(dev):
+    torch.tensor(torch.ones(3, device=dev), device=dev)
+
+
 def generate_with_a_deprecated_argument(dev):
     import transformers
     transformers.logging.set_verbosity_error()
@@ -145,3 +149,9 @@ def test_warnings_made_under_remotecudas_frames_are_at_the_programs_line(records
     warning was shown at remotecuda's line, and counted once per remotecuda line
     (remotecuda/warning_location.py)."""
     _check(records, name)
+
+
+def test_a_tensor_copied_onto_the_device_warns_as_torch_does(records):
+    """``torch.tensor(t, device='cuda')`` of a 'cuda' tensor: torch's copy-construct warning,
+    which the call made on the client never reached."""
+    _check(records, "tensor_of_a_tensor_on_the_device")
