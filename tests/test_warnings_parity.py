@@ -53,6 +53,20 @@ def autocast_cpp_warning(dev):
         x.T
 
 
+def autocast_under_the_programs_own_filter(dev):
+    import warnings
+    raised = None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", module="program")
+        try:
+            with torch.autocast(dev):
+                F.softmax(torch.randn(2, 3, device=dev))
+        except UserWarning as e:
+            raised = e
+    if raised is not None:
+        warnings.warn(f"raised: {raised}")
+
+
 def tensor_of_a_tensor(dev):
     torch.tensor(torch.ones(3, device=dev))
 
@@ -149,6 +163,12 @@ def test_warnings_made_under_remotecudas_frames_are_at_the_programs_line(records
     warning was shown at remotecuda's line, and counted once per remotecuda line
     (remotecuda/warning_location.py)."""
     _check(records, name)
+
+
+def test_the_programs_filters_meet_such_warnings_at_its_line(records):
+    """A filter for the program's own module (``filterwarnings("error", module=...)``) applies to
+    them, as it does on a GPU; it did not match remotecuda's module, where they were placed."""
+    _check(records, "autocast_under_the_programs_own_filter")
 
 
 def test_a_tensor_copied_onto_the_device_warns_as_torch_does(records):
