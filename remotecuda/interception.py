@@ -314,12 +314,11 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     requires_grad = kw.pop("requires_grad", False)
     src = args[0] if args else kw.get("obj", kw.get("data"))
     if isinstance(src, RemoteTensor):
-        copies = func is _TENSOR  # (as_tensor and asarray give ``src`` itself)
+        copies = func is _TENSOR  # (as_tensor and asarray give ``src`` itself, when it is already as asked)
         if copies:
             _warn_copy_construct("torch.tensor")
-        out = src.detach().clone() if copies else src
-        dtype = kw.get("dtype")
-        out = out.to(dtype) if dtype is not None else out
+        out = (src.detach() if copies else src).to(device=torch.device("cuda", _cuda_index(d)),
+                                                   dtype=kw.get("dtype"), copy=copies)
     else:
         out = to_cuda(func(*args, **kw), _cuda_index(d))
     if requires_grad:
