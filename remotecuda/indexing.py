@@ -28,7 +28,7 @@ def index_parts(idx: Any) -> Any:
     if type(idx) is tuple:
         return tuple(_part(i) for i in idx)
     if _is_sequence(idx) and _as_tuple(idx):
-        warnings.warn(_AS_TUPLE_WARNING, UserWarning, stacklevel=4)
+        warnings.warn(_AS_TUPLE_WARNING, UserWarning, stacklevel=1)  # (at the program's line: warning_location.py)
         return tuple(_part(i) for i in idx)
     return _part(idx)
 

@@ -74,6 +74,7 @@ from . import (
     torchscript,
     transfer,
     transformer_encoder,
+    warning_location,
 )
 from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
@@ -85,6 +86,8 @@ _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this th
 _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
 #: the unpatched ``Tensor.to``, for calls made on the user's behalf
 _TO = torch._C.TensorBase.to
+#: torch.tensor itself (the name ``torch.tensor`` is the route while active)
+_TENSOR = torch._C._VariableFunctions.tensor
 
 
 class _UserMeta:
@@ -312,9 +315,11 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     requires_grad = kw.pop("requires_grad", False)
     src = args[0] if args else kw.get("obj", kw.get("data"))
     if isinstance(src, RemoteTensor):
-        out = src if func is not torch.tensor else src.detach().clone()
-        dtype = kw.get("dtype")
-        out = out.to(dtype) if dtype is not None else out
+        copies = func is _TENSOR  # (as_tensor and asarray give ``src`` itself, when it is already as asked)
+        if copies:
+            _warn_copy_construct("torch.tensor")
+        out = (src.detach() if copies else src).to(device=torch.device("cuda", _cuda_index(d)),
+                                                   dtype=kw.get("dtype"), copy=copies)
     else:
         out = to_cuda(func(*args, **kw), _cuda_index(d))
     if requires_grad:
@@ -322,6 +327,14 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
             raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
         out.requires_grad_(True)
     return out
+
+
+def _warn_copy_construct(name: str) -> None:
+    """torch's C++ warning for ``torch.tensor(t)`` / ``t.new_tensor(t)`` of a tensor, which the call
+    made here never reaches (placed here, shown at the program's line: warning_location.py)."""
+    warnings.warn("To copy construct from a tensor, it is recommended to use sourceTensor.detach().clone() or "
+                  f"sourceTensor.detach().clone().requires_grad_(True), rather than {name}(sourceTensor).",
+                  UserWarning, stacklevel=1)
 
 
 def _sparse_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -374,9 +387,7 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
     kw.setdefault("dtype", self.dtype)
     data = args[1] if len(args) > 1 else kw.pop("data")
     if isinstance(data, torch.Tensor):
-        warnings.warn("To copy construct from a tensor, it is recommended to use sourceTensor.detach().clone() or "
-                      "sourceTensor.detach().clone().requires_grad_(True), rather than "
-                      "tensor.new_tensor(sourceTensor).", UserWarning, stacklevel=3)  # (torch's, at the user's line)
+        _warn_copy_construct("tensor.new_tensor")
         cpu = data.detach().cpu().to(kw["dtype"]).clone()
     else:
         cpu = torch.tensor(data, **kw)
@@ -1381,6 +1392,8 @@ def install(rt: Runtime) -> Interception:
     amp = torch.amp.autocast_mode.autocast
     p.set(amp, "__enter__", _autocast_enter(amp.__enter__))
     p.set(amp, "__exit__", _autocast_exit(amp.__exit__))
+    # (torch's warnings placed in remotecuda's frames - routes, the autocast mode - at the program's line)
+    p.set(warnings, "_showwarnmsg", warning_location.relocating(warnings._showwarnmsg))  # type: ignore[attr-defined]
     install_excepthook()
     installed = _Installed()
     p.set(threading.Thread, "start", _thread_start(threading.Thread.start, rt.dispatcher, installed))

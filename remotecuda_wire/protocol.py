@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import warnings
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -354,20 +353,19 @@ def decode_payload(desc: Any, frame: Any, max_bytes: int = MAX_PAYLOAD_BYTES,
     return out
 
 
-def _spend_torch_readonly_buffer_warning() -> None:
-    """Have torch say, once and unheard, that a read-only buffer makes a read-only tensor.
-
-    Received frames and decompressed payloads are read-only, and ``torch.frombuffer`` warns of it
-    once per process (C++ ``TORCH_WARN_ONCE``). Silencing each call instead would change the
-    warning filters at every download, and each change clears Python's record of the lines that
-    already warned: the program's once-per-line warnings would come back after every ``.item()``.
-    """
+def _read_only_bytes(buf: memoryview) -> torch.Tensor:
+    """``torch.frombuffer`` of a read-only buffer (a zmq frame), without torch's note that it is
+    read-only. The note is C++'s ``TORCH_WARN_ONCE``, so it is silenced once, at import, and
+    ``catch_warnings`` is not entered for each download: entering it marks the filters changed,
+    and with that every warning the program was shown once (once per location, the default)
+    would be shown again after each download."""
+    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.frombuffer(b"\0", dtype=torch.uint8)
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-_spend_torch_readonly_buffer_warning()
+_read_only_bytes(memoryview(b"\0"))  # (the note, made and silenced once for the process)
 
 
 def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -380,7 +378,8 @@ def tensor_from_bytes(buf: memoryview, dtype: torch.dtype, shape: Sequence[int])
     itemsize = torch.empty((), dtype=dtype).element_size()
     if buf.nbytes != numel * itemsize:
         raise ProtocolError(f"payload of {buf.nbytes} bytes cannot hold {tuple(shape)} {dtype}")
-    flat = torch.frombuffer(buf, dtype=torch.uint8)
+    # (under warn_always, torch's note that a zmq frame is read-only comes every time)
+    flat = _read_only_bytes(buf) if torch.is_warn_always_enabled() else torch.frombuffer(buf, dtype=torch.uint8)
     if flat.data_ptr() % itemsize:
         # frame memory is only 8-byte aligned (zmq keeps its bookkeeping in front of the
         # data): typed kernels on e.g. complex128 (alignas 16) crash on it; copy as bytes

@@ -5,6 +5,7 @@ on the local CPU."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -204,3 +205,18 @@ def test_from_pretrained_split_over_two_devices_and_the_cpu_generates_as_local(t
         halves = [local(input_ids=ids[i:i + 1], labels=ids[i:i + 1]) for i in range(2)]
     torch.testing.assert_close(out.logits.cpu(), torch.cat([h.logits for h in halves]))
     torch.testing.assert_close(out.loss.cpu(), torch.stack([h.loss for h in halves]))
+
+
+def test_tensor_factories_of_a_cuda_tensor_move_it_to_the_device_named(two_gpus):
+    """``torch.tensor`` / ``as_tensor`` / ``asarray`` of a cuda:0 tensor with ``device='cuda:1'``
+    are on cuda:1, as on two GPUs; they stayed on cuda:0 (the route took the source as it was).
+    ``as_tensor`` of a tensor already as asked is the tensor itself."""
+    t = torch.arange(3.0, device="cuda:0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.tensor's advice to clone: test_warnings_parity.py)
+        made = [torch.tensor(t, device="cuda:1"), torch.as_tensor(t, device="cuda:1"),
+                torch.asarray(t, device="cuda:1", dtype=torch.float64)]
+    assert [(m.device, m.dtype) for m in made] == [(torch.device("cuda:1"), torch.float32)] * 2 + \
+        [(torch.device("cuda:1"), torch.float64)]
+    assert all(m.tolist() == [0.0, 1.0, 2.0] for m in made)
+    assert torch.as_tensor(t, device="cuda:0") is t

@@ -174,6 +174,22 @@ def test_torch_tensor_of_a_list_of_zero_dim_tensors():
         torch.tensor([losses, losses])
 
 
+
+def test_torch_tensor_of_a_cuda_tensor_onto_cuda_is_a_copy():
+    """``torch.tensor(t, device='cuda')`` of a 'cuda' tensor is a new leaf without gradient, as
+    torch makes it; it was ``t`` itself (a write to it wrote to ``t``, its ``requires_grad`` was
+    ``t``'s): the route compared torch's function with ``torch.tensor``, which is the route itself
+    while active. ``torch.as_tensor`` of it is ``t``, as torch gives it."""
+    def run(device):
+        t = torch.ones(3, device=device, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch's advice to clone: test_warnings_parity.py)
+            u = torch.tensor(t, device=device)
+        with torch.no_grad():
+            u[0] = 5.0
+        return u is t, u.requires_grad, t.tolist(), torch.as_tensor(t, device=device) is t
+    assert run("cuda") == run("cpu") == (False, False, [1.0, 1.0, 1.0], True)
+
 def test_new_tensor_is_a_cuda_tensor_with_the_values():
     x = torch.ones(2, device="cuda", dtype=torch.float64)
     y = x.new_tensor([1.5, 2.5])

@@ -1,0 +1,177 @@
+"""The warnings a program sees under remotecuda are those it sees on a GPU machine: the same
+category and words, at the same line (the user's, where torch's ``stacklevel`` or a C++
+``TORCH_WARN`` puts it), as often under the default once-per-location filter, and raised at the
+same call under ``simplefilter("error")``.
+
+One program of snippets runs in two fresh interpreters, on the CPU and on 'cuda' through the
+session's gateway; each snippet runs twice under the "default" filter (once-per-location: the
+second run shows nothing new) and once under "error"; the two records must be equal.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import run_python
+
+#: each ``def name(dev)`` is a snippet (the warnings of the gateway's kernels, raised at a sync
+#: point, are tests/test_kernel_warnings.py's)
+PROGRAM = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+
+
+def download_between(dev):
+    a, b = torch.randn(3, 1, device=dev), torch.randn(3, device=dev)
+    F.mse_loss(a, b)
+    torch.randn(1000, device=dev).cpu()
+
+
+def softmax_without_dim(dev):
+    F.softmax(torch.randn(2, 3, device=dev))
+
+
+def scheduler_before_optimizer(dev):
+    opt = torch.optim.SGD(nn.Linear(2, 2).to(dev).parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, 1).step()
+
+
+def autocast_softmax_without_dim(dev):
+    with torch.autocast(dev):
+        F.softmax(torch.randn(2, 3, device=dev))
+
+
+def autocast_loss_module(dev):
+    with torch.autocast(dev):
+        nn.MSELoss()(torch.randn(3, 1, device=dev), torch.randn(3, device=dev))
+
+
+def autocast_cpp_warning(dev):
+    x = torch.ones(2, 3, 4, device=dev)
+    with torch.autocast(dev):
+        x.T
+
+
+def autocast_under_the_programs_own_filter(dev):
+    import warnings
+    raised = None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", module="program")
+        try:
+            with torch.autocast(dev):
+                F.softmax(torch.randn(2, 3, device=dev))
+        except UserWarning as e:
+            raised = e
+    if raised is not None:
+        warnings.warn(f"raised: {raised}")
+
+
+def tensor_of_a_tensor(dev):
+    torch.tensor(torch.ones(3, device=dev))
+
+
+def tensor_of_a_tensor_on_the_device(dev):
+    torch.tensor(torch.ones(3, device=dev), device=dev)
+
+
+def generate_with_a_deprecated_argument(dev):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).to(dev).eval()
+    ids = torch.tensor([[3, 4, 5]], device=dev)
+    model.generate(ids, max_new_tokens=2, past_key_values=None, attention_mask=torch.ones_like(ids), pad_token_id=2)
+'''
+
+RUNNER = '''
+import importlib.util, json, os, sys, traceback, warnings
+import torch
+mode, path = sys.argv[1], sys.argv[2]
+if mode == "remote":
+    import remotecuda
+    remotecuda.activate(fallback="error")
+spec = importlib.util.spec_from_file_location("program", path)
+program = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(program)
+dev = "cuda" if mode == "remote" else "cpu"
+out = {}
+for name in [n for n, f in vars(program).items() if callable(f) and getattr(f, "__module__", "") == "program"]:
+    f = getattr(program, name)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        f(dev)
+        f(dev)
+    shown = [[w.category.__name__, str(w.message), os.path.basename(w.filename), w.lineno] for w in seen]
+    raised = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            f(dev)
+        except Warning as e:
+            lines = [t.lineno for t in traceback.extract_tb(e.__traceback__) if t.filename == path]
+            raised = [type(e).__name__, str(e), lines[-1] if lines else None]
+    out[name] = {"shown": shown, "raised": raised}
+print("RESULT" + json.dumps(out))
+'''
+
+
+def _run(mode: str, path: str, env: dict) -> dict:
+    r = run_python(RUNNER, env=env, args=["-c", RUNNER, mode, path], timeout=240)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    return json.loads(lines[0][len("RESULT"):])
+
+
+@pytest.fixture(scope="module")
+def records(gateway, tmp_path_factory):
+    """Each snippet's warnings, on the CPU and on 'cuda': ``{name: (local, remote)}``."""
+    path = os.path.join(str(tmp_path_factory.mktemp("warnings")), "program.py")
+    with open(path, "w") as f:
+        f.write(PROGRAM)
+    local = _run("local", path, {})
+    remote = _run("remote", path, {"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error"})
+    return {name: (local[name], remote.get(name)) for name in local}
+
+
+def _check(records: dict, name: str) -> None:
+    local, remote = records[name]
+    assert local["shown"], f"{name} warns of nothing on the CPU: the snippet checks nothing"
+    assert remote == local
+
+
+def test_a_download_does_not_show_shown_once_warnings_again(records):
+    """A download (``.cpu()``, ``print``) between two runs of a warning line: shown once, as on a
+    GPU. Each download entered ``warnings.catch_warnings`` to silence torch's note that a zmq frame
+    is read-only, which marks the filters changed: every once-per-location warning of the program
+    was shown again after it (a loss-shape warning at every step of a training loop)."""
+    _check(records, "download_between")
+
+
+@pytest.mark.parametrize("name", ["softmax_without_dim", "scheduler_before_optimizer"])
+def test_warnings_that_were_already_at_the_users_line(records, name):
+    _check(records, name)
+
+
+@pytest.mark.parametrize("name", ["autocast_softmax_without_dim", "autocast_loss_module", "autocast_cpp_warning",
+                                  "tensor_of_a_tensor", "generate_with_a_deprecated_argument"])
+def test_warnings_made_under_remotecudas_frames_are_at_the_programs_line(records, name):
+    """torch's stacklevels count a plain call's frames, and remotecuda's own sat between the
+    program and torch: the autocast mode's ``__torch_function__`` (with torch's hand-over to it),
+    a route's handler calling the original (``torch.tensor``), ``generate()``'s wrapper. The
+    warning was shown at remotecuda's line, and counted once per remotecuda line
+    (remotecuda/warning_location.py)."""
+    _check(records, name)
+
+
+def test_the_programs_filters_meet_such_warnings_at_its_line(records):
+    """A filter for the program's own module (``filterwarnings("error", module=...)``) applies to
+    them, as it does on a GPU; it did not match remotecuda's module, where they were placed."""
+    _check(records, "autocast_under_the_programs_own_filter")
+
+
+def test_a_tensor_copied_onto_the_device_warns_as_torch_does(records):
+    """``torch.tensor(t, device='cuda')`` of a 'cuda' tensor: torch's copy-construct warning,
+    which the call made on the client never reached."""
+    _check(records, "tensor_of_a_tensor_on_the_device")
