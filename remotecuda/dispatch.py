@@ -480,7 +480,7 @@ class Dispatcher:
             raise
         finally:
             warnings.showwarning = shown
-        if m.name in layouts.CONVOLUTIONS:  # (its layout is the backend's choice: the shared rule)
+        if m.name in layouts.CHOSEN:  # (its layout is the backend's choice: the shared rule)
             out = layouts.conform(m.name, margs, mkw, out)
         rets = out if m.multi else (out,)
         items: list[Any] = []

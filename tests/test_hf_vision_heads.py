@@ -5,7 +5,8 @@ Mask2Former's semantic/instance/panoptic maps, SegFormer's resized argmax with a
 DPT's depth, SAM's upscaled masks, OWL-ViT's image-guided detection with its NMS), the deformable
 attention of Grounding DINO and of a two-stage Deformable DETR over a padded batch, Wav2Vec2's
 contrastive pre-training on masks and negatives drawn by numpy, Whisper's token timestamps (its
-cross-attention aligned by dynamic time warping), and ``pipeline(..., device=0)`` for object
+cross-attention aligned by dynamic time warping), SuperGlue's matching (a batch norm's output
+laid out as on a GPU), and ``pipeline(..., device=0)`` for object
 detection, panoptic segmentation and chunked CTC speech recognition. Each case returns what a
 user reads: losses, gradient norms, the post-processed dicts."""
 from __future__ import annotations
@@ -253,6 +254,22 @@ def whisper_token_timestamps(dev):
     return [out["sequences"], out["token_timestamps"]]
 
 
+@case
+def superglue_matching(dev):
+    """(SuperGlue's keypoint encoder runs a Linear on a BatchNorm1d's output of a transposed input:
+    a view that holds only on the strides a GPU's batch norm gives, contiguous.)"""
+    detector = T.SuperPointConfig(encoder_hidden_sizes=[8, 8, 16, 16], decoder_hidden_size=32,
+                                  keypoint_decoder_dim=65, descriptor_decoder_dim=16, max_keypoints=20,
+                                  keypoint_threshold=0.0)
+    model = T.SuperGlueForKeypointMatching(T.SuperGlueConfig(
+        keypoint_detector_config=detector, hidden_size=16, keypoint_encoder_sizes=[8, 16],
+        gnn_layers_types=["self", "cross"], num_attention_heads=2, sinkhorn_iterations=5,
+        matching_threshold=0.0)).to(dev).eval()
+    with torch.no_grad():
+        out = model(pixel_values=D(2, 2, 1, 64, 64).abs().to(dev))
+    return [out.matches, out.matching_scores, out.keypoints, out.mask]
+
+
 def _pipeline(task: str, model: torch.nn.Module, dev: str, **processors):
     return T.pipeline(task, model=model.eval(), device=0 if dev == "cuda" else "cpu", **processors)
 
@@ -295,6 +312,25 @@ def pipeline_chunked_ctc(dev):
     wave = np.random.RandomState(0).randn(16000).astype(np.float32)
     return [pipe([wave, wave[:5000]], chunk_length_s=0.4, stride_length_s=0.1, batch_size=3),
             pipe(wave[:4000], return_timestamps="word")]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_batch_norm_of_a_transposed_input_is_laid_out_as_on_a_gpu(train):
+    """cuDNN (and the CPU's kernel) give a batch norm's output, and the input's gradient, in the
+    input's suggested memory format, where the meta kernel keeps its strides: a Linear after it
+    (a matmul's view) and the strides a program reads must be the GPU's."""
+    found = []
+    for dev in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        bn, linear = torch.nn.BatchNorm1d(8).to(dev).train(train), torch.nn.Linear(8, 4).to(dev)
+        x = D(2, 20, 8).to(dev).requires_grad_()
+        y = bn(x.transpose(1, 2))
+        out = linear(torch.relu(y.transpose(1, 2)))
+        out.square().sum().backward()
+        seen = [y.stride(), out.detach().cpu(), x.grad.stride(), x.grad.cpu(), bn.weight.grad.cpu().clone()]
+        bn(D(2, 20, 8).to(dev).transpose(1, 2)).square().sum().backward()  # (an input that needs no gradient)
+        found.append([*seen, bn.weight.grad.cpu()])
+    _assert_same(*(_plain(f) for f in found))
 
 
 @pytest.mark.parametrize("name", list(CASES))
