@@ -333,6 +333,34 @@ def test_batch_norm_of_a_transposed_input_is_laid_out_as_on_a_gpu(train):
     _assert_same(*(_plain(f) for f in found))
 
 
+#: ops whose CPU kernel lays a channels-last (or transposed) input's output out otherwise than
+#: CUDA's, as super-resolution upsamplers and padded vision backbones run them
+LAID_OUT = {
+    "pixel_shuffle": lambda x: torch.nn.functional.pixel_shuffle(x, 2),
+    "pixel_unshuffle": lambda x: torch.nn.functional.pixel_unshuffle(x, 2),
+    "channel_shuffle": lambda x: torch.nn.functional.channel_shuffle(x, 2),
+    "reflection_pad": lambda x: torch.nn.functional.pad(x, (1, 1, 1, 1), mode="reflect"),
+    "replication_pad": lambda x: torch.nn.functional.pad(x, (1, 1, 1, 1), mode="replicate"),
+    "log_sigmoid": lambda x: torch.nn.functional.logsigmoid(x.flatten(2)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAID_OUT))
+def test_output_storage_is_laid_out_as_the_client_was_told(name):
+    """The gateway's storage is in the strides the client's metadata gives (CUDA's), so what is
+    planned on them (a view, ``as_strided``, a reshape) reads the values in the right order."""
+    op = LAID_OUT[name]
+    x = D(2, 8, 6, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    want = op(x)
+    want.backward(D(*want.shape, seed=1))
+    xc = x.detach().cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
+    got = op(xc)
+    got.backward(D(*got.shape, seed=1).cuda())
+    for y, expected in ((got, want), (xc.grad, x.grad)):
+        torch.testing.assert_close(y.as_strided(y.shape, y.stride()).cpu(), expected.detach())
+        torch.testing.assert_close(y.reshape(-1).cpu(), expected.detach().reshape(-1))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_vision_audio_head_matches_local(name):
     if name in NEEDS_SCIPY:
