@@ -33,13 +33,13 @@ def _instead(*names: str) -> Callable:
 #: ops whose CPU kernel lays a non-contiguous input's output out otherwise than CUDA's, whose
 #: layout the meta kernel (and so the client's metadata) gives: the CPU's keeps a channels-last
 #: input's layout for pixel and channel shuffles and reflection/replication pads and their
-#: gradients (CUDA's: contiguous), and makes log-sigmoid's and rrelu's outputs contiguous (the
-#: meta kernel: the input's strides). Left so, a view or an ``as_strided`` the client plans on its strides reads
-#: the gateway's storage in another order.
+#: gradients (CUDA's: contiguous), and makes log-sigmoid's and rrelu's outputs and glu's input
+#: gradient contiguous (the meta kernel: the input's strides). Left so, a view or an
+#: ``as_strided`` the client plans on its strides reads the gateway's storage in another order.
 META_LAYOUT = frozenset({
-    "log_sigmoid_forward", "rrelu_with_noise", "pixel_shuffle", "channel_shuffle", "native_channel_shuffle",
-    *(f"{kind}_pad{n}d{grad}" for kind in ("reflection", "replication") for n in (1, 2, 3)
-      for grad in ("", "_backward"))})
+    "log_sigmoid_forward", "rrelu_with_noise", "glu_backward", "pixel_shuffle", "channel_shuffle",
+    "native_channel_shuffle", *(f"{kind}_pad{n}d{grad}" for kind in ("reflection", "replication")
+                                for n in (1, 2, 3) for grad in ("", "_backward"))})
 
 
 def cuda_like(op: Any, fn: Callable) -> Callable:

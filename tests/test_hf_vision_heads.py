@@ -343,6 +343,7 @@ LAID_OUT = {
     "replication_pad": lambda x: torch.nn.functional.pad(x, (1, 1, 1, 1), mode="replicate"),
     "log_sigmoid": lambda x: torch.nn.functional.logsigmoid(x.flatten(2)),
     "rrelu_eval": lambda x: torch.nn.functional.rrelu(x.flatten(2), training=False),
+    "glu": lambda x: torch.nn.functional.glu(x, 1),
 }
 
 
