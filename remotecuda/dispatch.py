@@ -486,7 +486,7 @@ class Dispatcher:
             raise
         finally:
             warnings.showwarning = shown
-        if m.name in layouts.CONVOLUTIONS:  # (its layout is the backend's choice: the shared rule)
+        if m.name in layouts.CHOSEN:  # (its layout is the backend's choice: the shared rule)
             out = layouts.conform(m.name, margs, mkw, out)
         elif m.name in layouts.ELEMENTWISE:  # (its meta kernel forgets the layout its kernels give)
             out = layouts.elementwise(margs, out)

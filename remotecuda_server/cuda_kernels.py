@@ -31,10 +31,26 @@ def _instead(*names: str) -> Callable:
     return register
 
 
+#: ops whose CPU kernel lays a non-contiguous input's output out otherwise than CUDA's, whose
+#: layout the meta kernel (and so the client's metadata) gives: the CPU's keeps a channels-last
+#: input's layout for pixel and channel shuffles and reflection/replication pads and their
+#: gradients (CUDA's: contiguous), and makes log-sigmoid's and rrelu's outputs and glu's input
+#: gradient contiguous (the meta kernel: the input's strides). Left so, a view or an
+#: ``as_strided`` the client plans on its strides reads the gateway's storage in another order.
+META_LAYOUT = frozenset({
+    "log_sigmoid_forward", "rrelu_with_noise", "glu_backward", "pixel_shuffle", "channel_shuffle",
+    "native_channel_shuffle", *(f"{kind}_pad{n}d{grad}" for kind in ("reflection", "replication")
+                                for n in (1, 2, 3) for grad in ("", "_backward"))})
+
+
 def cuda_like(op: Any, fn: Callable) -> Callable:
     """``fn`` (the op's callable), or, for an op CUDA takes in more dtypes than the CPU, ``fn``
-    with the CUDA kernel's computation on the CPU tensors its CPU kernel refuses."""
-    pick = INSTEAD.get(op._schema.name.split("::", 1)[1])
+    with the CUDA kernel's computation on the CPU tensors its CPU kernel refuses; for one of
+    ``META_LAYOUT``, with its outputs laid out as CUDA's."""
+    name = op._schema.name.split("::", 1)[1]
+    if name in META_LAYOUT:
+        fn = _laid_out_as_meta(op, fn)
+    pick = INSTEAD.get(name)
     if pick is None:
         return fn
     names = [a.name for a in op._schema.arguments]
@@ -43,6 +59,29 @@ def cuda_like(op: Any, fn: Callable) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         instead = pick(dict(defaults, **dict(zip(names, args)), **kwargs))
         return (instead or fn)(*args, **kwargs)
+    return run
+
+
+def _laid_out_as_meta(op: Any, fn: Callable) -> Callable:
+    """``fn`` whose tensor outputs take the strides op's meta kernel gives (a copy only where the
+    CPU's differ)."""
+    def as_meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return [as_meta(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+    def conform(out: Any, meta: Any) -> Any:
+        if isinstance(out, torch.Tensor) and out.stride() != meta.stride():
+            return torch.empty_strided(out.shape, meta.stride(), dtype=out.dtype, device=out.device).copy_(out)
+        if isinstance(out, tuple):
+            return tuple(conform(o, m) for o, m in zip(out, meta))
+        return out
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if kwargs.get("out") is not None:  # (an out= variant writes where it is told)
+            return out
+        return conform(out, op(*as_meta(args), **{k: as_meta(v) for k, v in kwargs.items()}))
     return run
 
 

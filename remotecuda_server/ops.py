@@ -70,7 +70,7 @@ class OpResolver:
             fn = guarded(op)
             if self.on_cpu:
                 fn = cuda_like(op, fn)
-            if name in layouts.CONVOLUTIONS:
+            if name in layouts.CHOSEN:
                 fn = _conforming(name, fn)
             self._callables[name] = fn
         return fn
@@ -101,7 +101,7 @@ class OpResolver:
 
 
 def _conforming(name: str, fn: Callable) -> Callable:
-    """A convolution whose outputs take the layout the client expects (remotecuda_wire/layouts.py)."""
+    """A convolution or batch norm whose outputs take the layout the client expects (remotecuda_wire/layouts.py)."""
     def run(*args: object, **kwargs: object) -> object:
         return layouts.conform(name, args, kwargs, fn(*args, **kwargs))
     return run

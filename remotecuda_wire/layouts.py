@@ -8,6 +8,12 @@ whose layout differed from the client's idea of it would run later views on othe
 (what a GPU gives): channels-last when the input or the weight is laid out so, except in
 float64; the gateway makes its output conform where its backend chose otherwise.
 
+Batch norm likewise: its meta kernel keeps the input's strides, but a GPU runs it by cuDNN on
+``input.contiguous(input.suggest_memory_format())`` and the CPU's kernel lays its output out so
+too, so a transposed input (``bn(x.transpose(1, 2))``, as SuperGlue's keypoint encoder feeds a
+``BatchNorm1d``) gives a contiguous output, which a later ``view`` relies on. The rule: outputs
+(forward) and input gradients (backward) in the input's suggested memory format.
+
 A few elementwise ops have Python meta kernels (decompositions registered over the structured
 C++ ones) that return contiguous outputs, where their kernels on every device are TensorIterator
 loops whose output follows the inputs' layout: ``softplus_backward`` of a transposed gradient is
@@ -30,6 +36,14 @@ from torch._prims_common import compute_elementwise_output_strides, suggest_memo
 #: the convolution ops a client sends (conv1d/2d/3d and transposed ones arrive as these)
 CONVOLUTIONS = frozenset({"aten::convolution.default", "aten::_convolution.default",
                           "aten::_convolution.deprecated", "aten::convolution_backward.default"})
+#: the batch norm ops a client sends, by where their input is among the arguments (the output,
+#: or the input gradient of a backward, is their first result)
+BATCH_NORMS = {"aten::native_batch_norm.default": 0, "aten::_native_batch_norm_legit.default": 0,
+               "aten::_native_batch_norm_legit.no_stats": 0, "aten::_native_batch_norm_legit_no_training.default": 0,
+               "aten::_batch_norm_with_update.default": 0, "aten::_batch_norm_no_update.default": 0,
+               "aten::native_batch_norm_backward.default": 1, "aten::batch_norm_backward.default": 1}
+#: the ops whose output layout is the backend's choice, made the rule's on both sides
+CHOSEN = CONVOLUTIONS | frozenset(BATCH_NORMS)
 
 #: elementwise ops whose meta kernel ignores the layout their TensorIterator kernels give (found by
 #: comparing meta and CPU strides over transposed, channels-last and broadcast inputs; their
@@ -64,8 +78,13 @@ def conv_memory_format(input: torch.Tensor, weight: torch.Tensor) -> torch.memor
 
 
 def conform(name: str, args: Sequence[Any], kwargs: dict, out: Any) -> Any:
-    """``out`` of convolution op ``name`` in the rule's layout: for conv_backward the input and
-    weight gradients (the bias gradient is 1-d), else the output. ``args`` are the op's own."""
+    """``out`` of op ``name`` (one of ``CHOSEN``) in the rule's layout: for conv_backward the input
+    and weight gradients (the bias gradient is 1-d), for a batch norm its first result, else the
+    output. ``args`` are the op's own."""
+    if name in BATCH_NORMS:
+        first, *rest = out  # (a backward's input gradient is None where the input needs none)
+        fmt = suggest_memory_format(args[BATCH_NORMS[name]])
+        return (None if first is None else _laid_out(first, fmt), *rest)
     if name == "aten::convolution_backward.default":
         fmt = conv_memory_format(args[1], args[2])
         return tuple(t if t is None or i == 2 else _laid_out(t, fmt) for i, t in enumerate(out))
