@@ -443,3 +443,15 @@ def test_a_seed_the_wire_cannot_carry_does_not_poison_the_session(gateway, sync)
     assert r.returncode == 0, r.stderr
     assert "refused:" in r.stdout and "6.0 torch.Size([2])" in r.stdout, r.stdout
 
+
+def test_attention_takes_a_numpy_scale_as_a_gpu_does(remote):
+    """torch's parser takes a numpy scalar (or a one-element tensor) for ``scale``; passed on to
+    the gateway's ``rc::sdp_choice`` it could not be sent."""
+    import numpy as np
+    q = torch.randn(1, 2, 4, 8)
+    for scale in (np.float32(0.5), torch.tensor(0.25)):
+        local = F.scaled_dot_product_attention(q, q, q, scale=scale, dropout_p=np.float64(0.0))
+        got = F.scaled_dot_product_attention(*(q.cuda(),) * 3, scale=scale, dropout_p=np.float64(0.0))
+        torch.testing.assert_close(got.cpu(), local)
+    with pytest.raises(TypeError, match="is_causal"):  # as torch's parser refuses it
+        F.scaled_dot_product_attention(*(q.cuda(),) * 3, is_causal=np.bool_(True))
