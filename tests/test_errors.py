@@ -455,3 +455,15 @@ def test_attention_takes_a_numpy_scale_as_a_gpu_does(remote):
         torch.testing.assert_close(got.cpu(), local)
     with pytest.raises(TypeError, match="is_causal"):  # as torch's parser refuses it
         F.scaled_dot_product_attention(*(q.cuda(),) * 3, is_causal=np.bool_(True))
+
+
+@pytest.mark.parametrize("seed", [
+    lambda s: torch.cuda.manual_seed(s), lambda s: torch.cuda.manual_seed_all(s),
+    lambda s: torch.Generator(device="cuda").manual_seed(s), lambda s: torch.cuda.default_generators[0].manual_seed(s)])
+def test_a_seed_over_64_bits_is_refused_at_the_call(remote, seed):
+    with pytest.raises(Exception) as local:
+        torch.Generator().manual_seed(2**70)
+    with pytest.raises(type(local.value), match=str(local.value)):
+        seed(2**70)
+    seed(-1)  # (torch takes one down to -2**63)
+    assert torch.rand(2, device="cuda").shape == (2,)
