@@ -82,6 +82,11 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
         # trace's check, run without gradients, another graph)
         return func(*args, **kwargs)
     q, k, v, mask, p, causal, scale, gqa = _bind(*args, **kwargs)
+    if type(causal) is not bool or type(gqa) is not bool:
+        return func(*args, **kwargs)  # torch's argument parser refuses it (a numpy bool): its TypeError
+    # as torch's parser takes them: a numpy scalar or a one-element tensor is a float (each would
+    # reach the gateway's rc:: ops as an argument the wire cannot carry)
+    p, scale = float(p), None if scale is None else float(scale)
     if type(q) is not RemoteTensor and nested.inner_remote(q) is not None and q.dim() == 4 and q._ragged_idx == 2:
         return nested.sdpa(F.scaled_dot_product_attention, q, k, v, mask, p, causal, scale, gqa)
     if not all(isinstance(t, RemoteTensor) for t in (q, k, v)) or \

@@ -19,7 +19,7 @@ import torch
 from . import runtime
 from .cuda_graphs import is_current_stream_capturing
 from .device_type import DEVICE
-from .generator import CudaGenerator
+from .generator import CudaGenerator, seed_value
 from .pool import VirtualDevice
 from .session import Session
 
@@ -575,14 +575,14 @@ def ipc_collect() -> None:
 
 # ---------------------------------------------------------------------- random numbers
 def manual_seed(seed: int) -> None:
-    _session().enqueue("rc::seed", [int(seed)], None, None)
+    _session().enqueue("rc::seed", [seed_value(seed)], None, None)
 
 
 def manual_seed_all(seed: int) -> None:
     rt = _rt()
-    rt.seed = int(seed)
+    rt.seed = seed_value(seed)
     for s in list(rt.pool.sessions.values()):
-        s.enqueue("rc::seed", [int(seed)], None, None)
+        s.enqueue("rc::seed", [rt.seed], None, None)
 
 
 def seed() -> None:

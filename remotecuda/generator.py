@@ -28,6 +28,13 @@ _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 DEFAULT_SEED = 67280421310721  # what a fresh CUDA generator starts from
 
 
+def seed_value(seed: Any) -> int:
+    """``seed`` as torch's ``Generator.manual_seed`` takes it (an int from -2**63 to 2**64 - 1),
+    else torch's own error at the call: one over 64 bits could not be sent to the gateway."""
+    torch.Generator().manual_seed(seed)
+    return int(seed)
+
+
 class CudaGenerator(torch._C.Generator):
     """A generator on ``session``'s device."""
 
@@ -65,7 +72,7 @@ class CudaGenerator(torch._C.Generator):
         return torch.device("cuda", self.index)
 
     def manual_seed(self, seed: int) -> CudaGenerator:  # type: ignore[override]
-        self.user_seed = int(seed)
+        self.user_seed = seed_value(seed)
         self._send("rc::gen_seed", [self.gid, self.user_seed])
         return self
 
@@ -116,7 +123,7 @@ class DefaultCudaGenerator(torch._C.Generator):
         return torch.device("cuda", self.index)
 
     def manual_seed(self, seed: int) -> DefaultCudaGenerator:  # type: ignore[override]
-        self.session_of(self.index).enqueue("rc::seed", [int(seed)], None, None)
+        self.session_of(self.index).enqueue("rc::seed", [seed_value(seed)], None, None)
         return self
 
     def initial_seed(self) -> int:  # type: ignore[override]

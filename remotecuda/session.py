@@ -552,7 +552,7 @@ class Session:
                 self.trace.sending(self, body)
             try:
                 with HeldInterrupts():  # the queue is cleared and sent as one step
-                    frames = protocol.encode(protocol.OPS, body, self._payloads, self._seq + 1)
+                    frames = self._encoded(body)
                     self._seq += 1  # (after the encoding: one that raises sends nothing, skips no number)
                     frames = self._seal(frames, self.sock)
                     self._settled = False
@@ -578,6 +578,16 @@ class Session:
                 self.trace.message(self, "OPS", sum(_size(f) for f in frames))
             if req is None:
                 self._maybe_snapshot()
+
+    def _encoded(self, body: dict) -> list:
+        """The frames of an OPS message. Should an op hold an argument the wire cannot carry (a
+        numpy scalar a module passed on, an int over 64 bits), that op alone is refused: kept in
+        the queue it would fail every later flush, breaking the program for good."""
+        try:
+            return protocol.encode(protocol.OPS, body, self._payloads, self._seq + 1)
+        except UNSENDABLE:
+            self._ops[:] = [_sendable(op) for op in self._ops]
+            return protocol.encode(protocol.OPS, body, self._payloads, self._seq + 1)
 
     def _send_frames(self, sock: zmq.Socket, frames: list, track: bool = False) -> Any:
         """Send without copying; the MessageTracker when ``track``. A send that waited out
@@ -1168,6 +1178,23 @@ class Download:
             return self.assembly.finish(dtype, shape)
         except ProtocolError as e:
             raise GatewayProtocolError(f"a download from the gateway was damaged: {e}") from None
+
+
+#: what msgpack raises for a value it cannot encode (protocol's ``_default``: TypeError; an int
+#: over 64 bits: OverflowError; a str with a lone surrogate: UnicodeEncodeError, a ValueError)
+UNSENDABLE = (TypeError, ValueError, OverflowError)
+
+
+def _sendable(op: list) -> list:
+    """``op``, or where the wire cannot carry its arguments an ``rc::refused`` in its place: the
+    gateway raises the error there, as an op that failed on it (its outputs never computed, the
+    error reported at the next sync point, or at the call under REMOTECUDA_SYNC)."""
+    try:
+        protocol.pack_body({"op": op})
+    except UNSENDABLE as e:
+        kind = next(t.__name__ for t in UNSENDABLE if isinstance(e, t))  # (UnicodeEncodeError: ValueError)
+        return ["rc::refused", [op[0], kind, f"remotecuda could not send op {op[0]} to the gateway: {e}"], None, op[3]]
+    return op
 
 
 def _size(frame: Any) -> int:

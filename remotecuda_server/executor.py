@@ -43,6 +43,10 @@ class RemoteOpError(Exception):
         self.info = {"op": op, "index": index, "type": _error_type(exc), "msg": str(exc)}
 
 
+#: the errors encoding can raise (session.py ``UNSENDABLE``), which ``rc::refused`` raises again
+_REFUSED_TYPES: dict[str, type[Exception]] = {t.__name__: t for t in (TypeError, ValueError, OverflowError)}
+
+
 def _error_type(exc: BaseException) -> str:
     if isinstance(exc, torch.OutOfMemoryError):
         return "OutOfMemoryError"
@@ -433,7 +437,7 @@ class Executor:
                         and isinstance(e, torch.OutOfMemoryError)):
                     e = torch.OutOfMemoryError(f"{e} This session's memory quota is "
                                                f"{fmt_bytes(self.quota.limit)} ({QUOTA_FLAG}).")
-                self.failed = RemoteOpError(name, first + i, e).info
+                self.failed = RemoteOpError(args[0] if name == "rc::refused" else name, first + i, e).info
                 self.stats["errors"] += 1
                 self._poison(outs, f"remotecuda: this tensor was never computed: op {name} failed "
                                    f"({type(e).__name__}: {e})")
@@ -853,6 +857,14 @@ class Executor:
         causal, scale, gqa = args[4:]
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa).contiguous()
+
+    @internal_op("refused", "[op name, error type, message]")
+    def _refused(self, args: list) -> None:
+        """An op the client could not encode, in its place (session.py ``_sendable``): it fails
+        here as the op would have, so its outputs are never computed and the error reaches the
+        user at the next sync point, while the ops around it are sent."""
+        _, kind, msg = args
+        raise _REFUSED_TYPES.get(kind, RuntimeError)(msg)
 
     @internal_op("set_flags", "[{flag: value}]")
     def _set_flags(self, args: list) -> None:

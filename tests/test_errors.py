@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT
+from conftest import ROOT, run_python
 
 BIN = os.path.join(os.path.dirname(sys.executable), "remotecuda")
 
@@ -400,3 +400,70 @@ def test_ipython_traceback_has_no_runtime_frames(gateway):
         assert "m.sum().item()" in shown or "m = torch.tanh(m @ m)" in shown, shown
     finally:
         k.stop()
+
+
+def test_an_op_the_wire_cannot_carry_fails_alone(remote):
+    """An op holding an argument the wire cannot encode (a numpy scalar a module passed on) once
+    stayed queued, so every later flush failed the same way: one bad call broke the program for
+    good. Now that op alone fails, as an op failing on the gateway does; the rest runs."""
+    import numpy as np
+
+    from remotecuda.tensor import wrap
+    x = torch.arange(4.0, device="cuda")
+    before = x * 2
+    s = x._s
+    h = s.new_handle()
+    s.enqueue("aten::mul.Tensor", [x._w, np.float32(2)], None, [h])  # as an rc:: op built from a user's value
+    bad = wrap(s, h, (x._k, True))
+    with pytest.raises(TypeError, match="could not send op aten::mul.Tensor .*float32"):
+        torch.cuda.synchronize()
+    assert before.tolist() == [0.0, 2.0, 4.0, 6.0]  # queued before it: computed
+    assert (x + 1).sum().item() == 10.0  # and the session goes on
+    with pytest.raises(RuntimeError, match="never computed.*aten::mul.Tensor"):
+        bad.cpu()
+
+
+@pytest.mark.parametrize("sync", ["0", "1"])
+def test_a_seed_the_wire_cannot_carry_does_not_poison_the_session(gateway, sync):
+    """``torch.cuda.manual_seed(2**70)``: an error (at the call under REMOTECUDA_SYNC, else at the
+    next sync point at the latest), and the ops after it run."""
+    code = """if True:
+        import torch, remotecuda
+        remotecuda.activate(fallback="error")
+        x = torch.ones(3, device="cuda")
+        try:
+            torch.cuda.manual_seed(2**70)
+            torch.cuda.synchronize()
+        except (TypeError, ValueError, RuntimeError) as e:
+            print("refused:", type(e).__name__)
+        torch.cuda.manual_seed(1)
+        print((x * 2).sum().item(), torch.rand(2, device="cuda").shape)
+    """
+    r = run_python(code, env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_SYNC": sync})
+    assert r.returncode == 0, r.stderr
+    assert "refused:" in r.stdout and "6.0 torch.Size([2])" in r.stdout, r.stdout
+
+
+def test_attention_takes_a_numpy_scale_as_a_gpu_does(remote):
+    """torch's parser takes a numpy scalar (or a one-element tensor) for ``scale``; passed on to
+    the gateway's ``rc::sdp_choice`` it could not be sent."""
+    import numpy as np
+    q = torch.randn(1, 2, 4, 8)
+    for scale in (np.float32(0.5), torch.tensor(0.25)):
+        local = F.scaled_dot_product_attention(q, q, q, scale=scale, dropout_p=np.float64(0.0))
+        got = F.scaled_dot_product_attention(*(q.cuda(),) * 3, scale=scale, dropout_p=np.float64(0.0))
+        torch.testing.assert_close(got.cpu(), local)
+    with pytest.raises(TypeError, match="is_causal"):  # as torch's parser refuses it
+        F.scaled_dot_product_attention(*(q.cuda(),) * 3, is_causal=np.bool_(True))
+
+
+@pytest.mark.parametrize("seed", [
+    lambda s: torch.cuda.manual_seed(s), lambda s: torch.cuda.manual_seed_all(s),
+    lambda s: torch.Generator(device="cuda").manual_seed(s), lambda s: torch.cuda.default_generators[0].manual_seed(s)])
+def test_a_seed_over_64_bits_is_refused_at_the_call(remote, seed):
+    with pytest.raises(Exception) as local:
+        torch.Generator().manual_seed(2**70)
+    with pytest.raises(type(local.value), match=str(local.value)):
+        seed(2**70)
+    seed(-1)  # (torch takes one down to -2**63)
+    assert torch.rand(2, device="cuda").shape == (2,)
