@@ -98,9 +98,11 @@ def _forget(msg: Any, frame: types.FrameType) -> None:
 
 def _issue(msg: Any, frame: types.FrameType) -> None:
     """``msg`` made again at ``frame``, as ``warnings.warn`` places one there: the filters and the
-    registry of that frame's module decide whether it is shown, raised or dropped."""
+    registry of that frame's module decide whether it is shown, raised or dropped. (Not given the
+    module's globals, as ``warnings.warn`` gives none: ``warn_explicit`` would ask their loader for
+    the source, and ``python -c``'s ``__main__`` loader raises ImportError; the line is read from
+    its file as for any warning.)"""
     module_globals = frame.f_globals
     warnings.warn_explicit(msg.message, msg.category, frame.f_code.co_filename, frame.f_lineno,
                            module=module_globals.get("__name__", "<string>"),
-                           registry=module_globals.setdefault("__warningregistry__", {}),
-                           module_globals=module_globals, source=msg.source)
+                           registry=module_globals.setdefault("__warningregistry__", {}), source=msg.source)

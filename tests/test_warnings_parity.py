@@ -175,3 +175,15 @@ def test_a_tensor_copied_onto_the_device_warns_as_torch_does(records):
     """``torch.tensor(t, device='cuda')`` of a 'cuda' tensor: torch's copy-construct warning,
     which the call made on the client never reached."""
     _check(records, "tensor_of_a_tensor_on_the_device")
+
+
+def test_a_program_given_with_dash_c_gets_its_warning_at_its_line(gateway):
+    """``python -c`` (and a kernel's ``__main__``) has a module whose loader cannot give its source:
+    making the warning again at its line asked that loader, which raised ImportError ("'__main__'
+    is not a built-in module") out of the program's call (a failover's warning ended the run)."""
+    code = ("import warnings, torch, remotecuda\nremotecuda.activate()\nt = torch.ones(2, device='cuda')\n"
+            "with warnings.catch_warnings(record=True) as seen:\n    warnings.simplefilter('always')\n"
+            "    torch.tensor(t)\nprint('SEEN', [(w.category.__name__, w.filename, w.lineno) for w in seen])\n")
+    r = run_python(code, env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SEEN [('UserWarning', '<string>', 6)]" in r.stdout, r.stdout
