@@ -24,8 +24,13 @@ np = pytest.importorskip("numpy")
 
 pytestmark = pytest.mark.usefixtures("remote")
 CASES: dict = {}
-#: the cases whose loss matches predictions to targets with scipy's Hungarian solver
-NEEDS_SCIPY = {"detr_boxes_at_cuda_sizes", "rt_detr_denoising_top_k", "deformable_detr_two_stage_padded"}
+#: what cases need beyond transformers: scipy's Hungarian solver (their losses, or Mask2Former's
+#: model) and Pillow (transformers' image processors without torchvision)
+_PIL, _SCIPY = ("PIL",), ("scipy",)
+NEEDS = {"detr_boxes_at_cuda_sizes": _SCIPY + _PIL, "rt_detr_denoising_top_k": _SCIPY + _PIL,
+         "deformable_detr_two_stage_padded": _SCIPY, "mask2former_three_subtasks": _SCIPY + _PIL,
+         "segformer_ignored_label": _PIL, "dpt_depth_resized": _PIL, "sam_masks_at_cuda_sizes": _PIL,
+         "owlvit_image_guided_nms": _PIL, "pipeline_object_detection": _PIL, "pipeline_panoptic_segmentation": _PIL}
 
 
 def case(fn):
@@ -365,8 +370,8 @@ def test_output_storage_is_laid_out_as_the_client_was_told(name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_vision_audio_head_matches_local(name):
-    if name in NEEDS_SCIPY:
-        pytest.importorskip("scipy")
+    for module in NEEDS.get(name, ()):
+        pytest.importorskip(module)
     results = []
     for dev in ("cuda", "cpu"):
         torch.manual_seed(0)

@@ -407,6 +407,17 @@ def test_a_distributions_parameter_checks_are_read_in_one_round_trip():
     """``Normal(loc, scale)`` checks both parameters and reads both verdicts: one wait, not two
     (a Gaussian policy builds one per action); a failing parameter raises torch's ValueError,
     the first in torch's order, with its words."""
+    from torch.distributions import Distribution
+
+    was = Distribution._validate_args  # (Dynamo's first compile in a process turns the default off)
+    Distribution.set_default_validate_args(True)
+    try:
+        _check_distributions_parameter_checks()
+    finally:
+        Distribution.set_default_validate_args(was)
+
+
+def _check_distributions_parameter_checks() -> None:
     from torch.distributions import Distribution, Normal, Uniform
 
     import remotecuda
