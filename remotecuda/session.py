@@ -585,7 +585,7 @@ class Session:
         the queue it would fail every later flush, breaking the program for good."""
         try:
             return protocol.encode(protocol.OPS, body, self._payloads, self._seq + 1)
-        except UNSENDABLE:
+        except protocol.UNSENDABLE:
             self._ops[:] = [_sendable(op) for op in self._ops]
             return protocol.encode(protocol.OPS, body, self._payloads, self._seq + 1)
 
@@ -1180,19 +1180,14 @@ class Download:
             raise GatewayProtocolError(f"a download from the gateway was damaged: {e}") from None
 
 
-#: what msgpack raises for a value it cannot encode (protocol's ``_default``: TypeError; an int
-#: over 64 bits: OverflowError; a str with a lone surrogate: UnicodeEncodeError, a ValueError)
-UNSENDABLE = (TypeError, ValueError, OverflowError)
-
-
 def _sendable(op: list) -> list:
     """``op``, or where the wire cannot carry its arguments an ``rc::refused`` in its place: the
     gateway raises the error there, as an op that failed on it (its outputs never computed, the
     error reported at the next sync point, or at the call under REMOTECUDA_SYNC)."""
     try:
         protocol.pack_body({"op": op})
-    except UNSENDABLE as e:
-        kind = next(t.__name__ for t in UNSENDABLE if isinstance(e, t))  # (UnicodeEncodeError: ValueError)
+    except protocol.UNSENDABLE as e:
+        kind = next(t.__name__ for t in protocol.UNSENDABLE if isinstance(e, t))  # (UnicodeEncodeError: ValueError)
         return ["rc::refused", [op[0], kind, f"remotecuda could not send op {op[0]} to the gateway: {e}"], None, op[3]]
     return op
 

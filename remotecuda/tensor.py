@@ -17,6 +17,7 @@ from typing import Any, SupportsIndex, cast
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+from torch.utils.dlpack import DLDeviceType
 
 from remotecuda_wire.protocol import handle_ext
 
@@ -224,7 +225,7 @@ class RemoteTensor(torch.Tensor):
         if self._dev != torch.cuda.current_device():
             raise BufferError("Can't export tensors on a different CUDA device index. "
                               f"Expected: {self._dev}. Current device: {torch.cuda.current_device()}.")
-        if dl_device is None or int(dl_device[0]) != _DL_CPU:
+        if dl_device is None or int(dl_device[0]) != DLDeviceType.kDLCPU:
             raise dlpack_error(self)
         if copy is False:
             raise ValueError(f"cannot move (i.e. copy=False) tensor from {self.device} to cpu without copying.")
@@ -344,10 +345,6 @@ class RemoteTensor(torch.Tensor):
 #: of shape (1,)) of distribution Normal ...", the argument parser's "got (Tensor, out=Tensor)"
 #: (the qualified name, in ``repr(type(t))``, stays RemoteTensor)
 RemoteTensor.__name__ = "Tensor"
-
-
-#: DLPack's device type of the CPU (``torch.utils.dlpack.DLDeviceType.kDLCPU``)
-_DL_CPU = 1
 
 
 def dlpack_error(t: RemoteTensor) -> BufferError:

@@ -43,8 +43,8 @@ class RemoteOpError(Exception):
         self.info = {"op": op, "index": index, "type": _error_type(exc), "msg": str(exc)}
 
 
-#: the errors encoding can raise (session.py ``UNSENDABLE``), which ``rc::refused`` raises again
-_REFUSED_TYPES: dict[str, type[Exception]] = {t.__name__: t for t in (TypeError, ValueError, OverflowError)}
+#: the errors encoding can raise, which ``rc::refused`` raises again
+_REFUSED_TYPES: dict[str, type[Exception]] = {t.__name__: t for t in protocol.UNSENDABLE}
 
 
 def _error_type(exc: BaseException) -> str:

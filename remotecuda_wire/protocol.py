@@ -187,6 +187,12 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise ProtocolError(f"unknown extension code {code}")
 
 
+#: what encoding raises for a value the wire cannot carry (``_default``: TypeError; an int over 64
+#: bits: OverflowError; a str with a lone surrogate: UnicodeEncodeError, a ValueError). A client
+#: sends such an op as ``rc::refused``, and the gateway raises the same type again from it.
+UNSENDABLE: tuple[type[Exception], ...] = (TypeError, ValueError, OverflowError)
+
+
 def pack_body(body: dict) -> bytes:
     return msgpack.packb(body, default=_default, use_bin_type=True)
 
