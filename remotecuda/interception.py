@@ -1262,6 +1262,7 @@ class Interception:
             lst.remove(RemoteTensor)
         self.foreach = []
         self.patches.restore()
+        warning_location.uninstall()
         compiled.forget_dynamo_code()
         library_caches.clear()
         uninstall_excepthook()
@@ -1393,7 +1394,7 @@ def install(rt: Runtime) -> Interception:
     p.set(amp, "__enter__", _autocast_enter(amp.__enter__))
     p.set(amp, "__exit__", _autocast_exit(amp.__exit__))
     # (torch's warnings placed in remotecuda's frames - routes, the autocast mode - at the program's line)
-    p.set(warnings, "_showwarnmsg", warning_location.relocating(warnings._showwarnmsg))  # type: ignore[attr-defined]
+    warning_location.install(p)
     install_excepthook()
     installed = _Installed()
     p.set(threading.Thread, "start", _thread_start(threading.Thread.start, rt.dispatcher, installed))

@@ -5,29 +5,37 @@ binding, a ``warnings.warn`` at the frame ``stacklevel`` levels out. torch's sta
 frames of a plain call, and remotecuda puts frames of its own between the program and torch: a
 route's handler calling the original function (``torch.tensor(t)``), the autocast mode's
 ``__torch_function__`` (every torch function inside ``torch.autocast('cuda')``), ``generate()``'s
-wrapper. Such a warning was placed in remotecuda's code: shown there, filtered by the rules for
-remotecuda's modules and counted once per remotecuda line instead of once per line of the program.
+wrapper. Such a warning was placed in remotecuda's code: filtered by the rules for remotecuda's
+modules and lines, counted once per remotecuda line, and shown there.
 
-While active, a warning placed in remotecuda's code is issued again where it belongs: at the
-first frame outside remotecuda, past torch's ``__torch_function__`` hand-over when one led into
-remotecuda (``handle_torch_function`` and the outer call of the function that handed over, which
-a plain call does not have). The program's filters then decide at its own line, as on a GPU
-machine. The hook is ``warnings._showwarnmsg``, which Python calls for every warning to show and
-which ``catch_warnings`` (pytest's capture, ``record=True``) leaves in place. Python has applied
-the filters at remotecuda's line by then: the registry entries that left are removed, so the count
-is the program's; an "error" filter has raised already (the same warning, through remotecuda's
-frames, which the traceback hook hides); an "ignore" of every such warning has dropped it, as it
-would have at the program's line. Warnings of remotecuda's own threads (discovery, liveness),
-with no program frame outside, stay where they are.
+The program's filters must meet it at the program's line, before anything is decided: an "error"
+filter raises there, an "ignore" for the program's module or line drops it there, the default
+filters show a DeprecationWarning placed in ``__main__`` and hide one placed in a library. The one
+hook Python gives before the filters decide is the filters themselves: it asks each entry of
+``warnings.filters`` in turn whether it matches (its message pattern's ``match(text)``, its module
+pattern's ``match(module)``, ``issubclass(category, its category)``). So while active, an entry of
+remotecuda's is first in the list: for a warning placed in remotecuda's code it issues the warning
+again at the first frame outside remotecuda (past torch's ``__torch_function__`` hand-over when
+one led into remotecuda: ``handle_torch_function`` and the outer call of the function that handed
+over, which a plain call does not have), with that frame's module and registry, where the
+program's filters decide and its once-per-location count applies; and it matches the original with
+"ignore", so nothing is decided or recorded at remotecuda's line. It matches nothing else.
+Warnings of remotecuda's own threads (discovery, liveness), with no program frame outside, stay
+where they are.
+
+The entry is kept first by ``warnings._filters_mutated``, which every change of the filters made
+through ``warnings`` calls (``simplefilter``, ``filterwarnings``, ``resetwarnings``,
+``catch_warnings`` entering and leaving).
 """
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch.overrides
 
@@ -35,34 +43,111 @@ import torch.overrides
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: torch's ``handle_torch_function``, through which a Python torch function hands a call to a mode
 _HAND_OVER = os.path.abspath(torch.overrides.__file__)
+#: the warning the filters are being asked about, as far as this thread has been told of it
+_asked = threading.local()
 
 
-def relocating(show: Callable[[Any], None]) -> Callable[[Any], None]:
-    """``warnings._showwarnmsg`` that issues a warning placed in remotecuda's code again at the
-    program's line, and passes every other warning to ``show`` (the one it replaces)."""
-    def _showwarnmsg(msg: Any) -> None:
-        if msg.filename.startswith(_OURS):
-            found = _placed(msg.filename, msg.lineno)
-            outside = found and _outside(*found)
-            if found and outside is not None:
-                _forget(msg, found[0])
-                _issue(msg, outside)
-                return
-        show(msg)
-    return _showwarnmsg
+class _Text:
+    """The entry's message pattern: matches every text, and notes it for the category check."""
+
+    def match(self, text: str) -> bool:
+        _asked.text = text
+        return True
+
+    def __repr__(self) -> str:
+        return "<any text>"
 
 
-def _placed(filename: str, lineno: int) -> tuple[types.FrameType, types.FrameType | None] | None:
-    """The frame a warning was placed at (on this thread's stack: Python shows a warning as it is
-    made), and the innermost frame inside it that is not remotecuda's (the torch function that
-    warned, or that warned through a C++ call), if any."""
+class _Module:
+    """The entry's module pattern: matches remotecuda's modules, and notes the one asked about."""
+
+    def match(self, module: str) -> bool:
+        _asked.module = module
+        return _ours(module)
+
+    def __repr__(self) -> str:
+        return f"<{__package__}'s modules>"
+
+
+class _Relocated:
+    """The entry's category: the warnings, placed in remotecuda's code, that it issued again at the
+    program's line (Python asks it last, after the message and module patterns)."""
+
+    def __subclasscheck__(self, category: type) -> bool:
+        text, module = getattr(_asked, "text", None), getattr(_asked, "module", None)
+        _asked.text = _asked.module = None
+        if not active or text is None or module is None or not _ours(module):
+            return False
+        found = _placed(module)
+        outside = found and _outside(*found)
+        if not found or outside is None:
+            return False
+        _issue(text, category, outside)
+        return True
+
+    def __repr__(self) -> str:
+        return "<warnings made again at the program's line>"
+
+
+#: remotecuda's entry in ``warnings.filters``
+ENTRY = ("ignore", _Text(), _Relocated(), _Module(), 0)
+#: whether the entry acts (a list that ``catch_warnings`` saved may keep it after ``uninstall``)
+active = False
+
+
+def install(patches: Any) -> None:
+    """Put the entry first in ``warnings.filters``, and keep it there (``patches`` undoes that)."""
+    global active
+    active = True
+    patches.set(warnings, "_filters_mutated", _keeping_first(warnings._filters_mutated))  # type: ignore[attr-defined]
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+
+
+def uninstall() -> None:
+    """Take the entry out of ``warnings.filters`` (after ``install``'s patches are undone)."""
+    global active
+    active = False
+    _take_out(_filters())
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+
+
+def _keeping_first(mutated: Callable[[], None]) -> Callable[[], None]:
+    """``warnings._filters_mutated`` that first moves remotecuda's entry to the front of the list."""
+    def _filters_mutated() -> None:
+        filters = _filters()
+        if not filters or filters[0] is not ENTRY:
+            _take_out(filters)
+            filters.insert(0, ENTRY)
+        mutated()
+    return _filters_mutated
+
+
+def _filters() -> list[Any]:
+    """The list of filters Python reads now (``catch_warnings`` puts a copy in place, and back)."""
+    return cast(list, warnings.filters)
+
+
+def _take_out(filters: list[Any]) -> None:
+    while ENTRY in filters:
+        filters.remove(ENTRY)
+
+
+def _ours(module: str) -> bool:
+    """Whether ``module`` is remotecuda's (the name Python gives a warning placed in its code)."""
+    return module == __package__ or module.startswith(f"{__package__}.")
+
+
+def _placed(module: str) -> tuple[types.FrameType, types.FrameType | None] | None:
+    """The frame a warning was placed at (on this thread's stack: the filters are asked as the
+    warning is made): the innermost of ``module``'s, and the innermost frame inside it that is not
+    remotecuda's (the torch function that warned, or that warned through a C++ call), if any."""
     frame: types.FrameType | None = sys._getframe(2)
     inner = None
     while frame is not None:
-        code = frame.f_code
-        if code.co_filename == filename and frame.f_lineno == lineno:
+        ours = frame.f_code.co_filename.startswith(_OURS)
+        if ours and frame.f_globals.get("__name__") == module:
             return frame, inner
-        if not code.co_filename.startswith(_OURS):
+        if not ours:
             inner = frame
         frame = frame.f_back
     return None
@@ -83,26 +168,13 @@ def _outside(frame: types.FrameType, inner: types.FrameType | None) -> types.Fra
     return f
 
 
-def _forget(msg: Any, frame: types.FrameType) -> None:
-    """Remove what the filters recorded of ``msg`` at remotecuda's line ("default", "module",
-    "once"), so that they count it at the program's line only."""
-    text, category = str(msg.message), msg.category
-    registry = frame.f_globals.get("__warningregistry__")
-    if isinstance(registry, dict):
-        for key in ((text, category, msg.lineno), (text, category, 0)):
-            registry.pop(key, None)
-    once = getattr(warnings, "_onceregistry", None)
-    if isinstance(once, dict):
-        once.pop((text, category), None)
-
-
-def _issue(msg: Any, frame: types.FrameType) -> None:
-    """``msg`` made again at ``frame``, as ``warnings.warn`` places one there: the filters and the
-    registry of that frame's module decide whether it is shown, raised or dropped. (Not given the
-    module's globals, as ``warnings.warn`` gives none: ``warn_explicit`` would ask their loader for
-    the source, and ``python -c``'s ``__main__`` loader raises ImportError; the line is read from
-    its file as for any warning.)"""
+def _issue(text: str, category: type, frame: types.FrameType) -> None:
+    """The warning made again at ``frame``, as ``warnings.warn`` places one there: the filters and
+    the registry of that frame's module decide whether it is shown, raised or dropped. (Not given
+    the module's globals, as ``warnings.warn`` gives none: ``warn_explicit`` would ask their loader
+    for the source, and ``python -c``'s ``__main__`` loader raises ImportError; the line is read
+    from its file as for any warning.)"""
     module_globals = frame.f_globals
-    warnings.warn_explicit(msg.message, msg.category, frame.f_code.co_filename, frame.f_lineno,
+    warnings.warn_explicit(text, category, frame.f_code.co_filename, frame.f_lineno,
                            module=module_globals.get("__name__", "<string>"),
-                           registry=module_globals.setdefault("__warningregistry__", {}), source=msg.source)
+                           registry=module_globals.setdefault("__warningregistry__", {}))

@@ -83,6 +83,61 @@ def generate_with_a_deprecated_argument(dev):
     model = transformers.GPT2LMHeadModel(config).to(dev).eval()
     ids = torch.tensor([[3, 4, 5]], device=dev)
     model.generate(ids, max_new_tokens=2, past_key_values=None, attention_mask=torch.ones_like(ids), pad_token_id=2)
+
+def _autocast_softmax(dev):
+    with torch.autocast(dev):
+        F.softmax(torch.randn(2, 3, device=dev))
+
+
+def filter_error_for_every_warning(dev):
+    import warnings
+    raised = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            _autocast_softmax(dev)
+        except UserWarning as e:
+            raised = e
+    warnings.warn(f"raised: {raised}")
+
+
+def filter_ignore_by_the_programs_module(dev):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="program")
+        _autocast_softmax(dev)
+    warnings.warn("after")
+
+
+def filter_shown_only_for_the_programs_module(dev):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("default", module="program")
+        _autocast_softmax(dev)
+
+
+def filter_by_the_programs_line(dev):
+    import inspect, warnings
+    line = inspect.getsourcelines(_autocast_softmax)[1] + 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", lineno=line)
+        _autocast_softmax(dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("always", lineno=line)
+        _autocast_softmax(dev)
+    warnings.warn("after")
+
+
+def filter_once(dev):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("once")
+        _autocast_softmax(dev)
+        F.softmax(torch.randn(2, 3, device=dev))
+        torch.tensor(torch.ones(3, device=dev))
+        torch.tensor(torch.ones(3, device=dev))
 '''
 
 RUNNER = '''
@@ -187,3 +242,49 @@ def test_a_program_given_with_dash_c_gets_its_warning_at_its_line(gateway):
     r = run_python(code, env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SEEN [('UserWarning', '<string>', 6)]" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("name", ["filter_error_for_every_warning", "filter_ignore_by_the_programs_module",
+                                  "filter_shown_only_for_the_programs_module", "filter_by_the_programs_line",
+                                  "filter_once"])
+def test_the_programs_filters_decide_at_its_line(records, name):
+    _check(records, name)
+
+
+#: a library function that hands itself to torch's function modes (as torch's own Python functions
+#: do: the autocast mode of a 'cuda' autocast takes it) and deprecates itself
+DEPRECATED_HELPER = '''
+import sys, torch, warnings
+dev = sys.argv[1]
+if dev == "cuda":
+    import remotecuda
+    remotecuda.activate()
+
+
+def doubled(x):
+    if torch.overrides.has_torch_function_unary(x):
+        return torch.overrides.handle_torch_function(doubled, (x,), x)
+    warnings.warn("doubled() is deprecated", DeprecationWarning, stacklevel=2)
+    return x * 2
+
+
+with torch.autocast(dev):
+    doubled(torch.ones(2, device=dev))
+print("DONE")
+'''
+
+
+def test_the_default_filters_show_a_deprecation_in_main_as_python_does(gateway, tmp_path):
+    """Python's default filters show a DeprecationWarning placed in ``__main__`` and ignore one
+    placed in any other module. Placed in remotecuda's autocast mode, it met "ignore" there and was
+    dropped before remotecuda could move it to the program's line."""
+    path = tmp_path / "main.py"
+    path.write_text(DEPRECATED_HELPER)
+    env = {"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error", "PYTHONWARNINGS": ""}
+    seen = {}
+    for dev in ("cpu", "cuda"):
+        r = run_python("", env=env, args=[str(path), dev])
+        assert r.returncode == 0 and "DONE" in r.stdout, r.stderr[-3000:]
+        seen[dev] = [line for line in r.stderr.splitlines() if "Warning" in line]
+    assert seen["cpu"] == [f"{path}:17: DeprecationWarning: doubled() is deprecated"]
+    assert seen["cuda"] == seen["cpu"]
