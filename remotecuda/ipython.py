@@ -24,6 +24,7 @@ overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS; empty: 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -349,21 +350,37 @@ class Extension:
             return True
         return _per_session_ops(rt) != before[2] or any(s.queued for s in list(rt.pool.sessions.values()))
 
-    def _end_of_cell(self) -> BaseException | None:
-        """Flush and wait for the cell's remote work; the remote error, if any."""
+    def _end_of_cell(self, result: Any = None) -> BaseException | None:
+        """Flush and wait for the cell's remote work; the remote error, if any. The gateway's
+        warnings it brings are placed at the last line of ``result``'s cell, if given."""
         rt = _rt()
         if rt is None or not self._needs_sync():
             return None
+        from . import remote_warnings  # (torch's: imported once a cell has used it)
+        place = self._last_line(result)
         try:
-            try:
-                rt.synchronize()  # (interrupted too: as on a GPU, the work queued before it runs)
-            except KeyboardInterrupt:  # interrupted while waiting: the rest of the queue is dropped
-                rt.pool.cancel()
-                rt.synchronize()
-                raise
+            with (contextlib.nullcontext() if place is None else
+                  remote_warnings.placed_at(*place, self.ip.user_global_ns)):
+                try:
+                    rt.synchronize()  # (interrupted too: as on a GPU, the work queued before it runs)
+                except KeyboardInterrupt:  # interrupted while waiting: the rest of the queue is dropped
+                    rt.pool.cancel()
+                    rt.synchronize()
+                    raise
         except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt belongs to the cell too
             return e
         return None
+
+    def _last_line(self, result: Any) -> tuple[str, int] | None:
+        """The file name IPython compiled ``result``'s cell under (its lines are in linecache) and
+        the cell's last line: where the cell's end-of-cell sync is."""
+        info = getattr(result, "info", None)
+        if info is None or not info.raw_cell or not isinstance(result.execution_count, int):
+            return None
+        raw = info.raw_cell
+        code = info.transformed_cell or raw
+        name = self.ip.compile.get_code_name(raw, code, result.execution_count)
+        return name, max(len(code.rstrip().splitlines()), 1)
 
     def post_execute(self) -> None:
         if self._in_cell:
@@ -377,7 +394,7 @@ class Extension:
         self._in_cell = False
         self._cell_started = None
         failed = result is not None and not result.success
-        err = self._end_of_cell()
+        err = self._end_of_cell(result)
         if err is not None:
             if not failed:
                 # show it as this cell's error, and make the cell end with status "error"

@@ -6,19 +6,43 @@ the gateway, whose worker keeps its warnings (remotecuda_server/kernel_warnings.
 them with the next REPLY; the session raises each here at that sync point, with its category and
 message, attributed to the first frame of the user's code, so ``warnings.catch_warnings``,
 ``pytest.warns`` and the program's filters see them as they would see a GPU's.
+
+A sync point with no frame of the program on the stack has its place given (``placed_at``): the
+end of a notebook cell, where the Jupyter extension waits for the cell's work from IPython's
+event hook.
 """
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 #: frames in these directories are remotecuda's or torch's, not the program's
 _OURS = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+#: this thread's ``placed_at`` place, if any: (filename, line, the module's globals)
+_place = threading.local()
+
+
+@contextlib.contextmanager
+def placed_at(filename: str, lineno: int, module_globals: dict) -> Iterator[None]:
+    """The warnings raised in the block belong at ``filename:lineno`` of the module whose globals
+    are ``module_globals`` (its filters and once-per-location registry decide), not at the first
+    frame outside remotecuda: a notebook cell's end-of-cell sync runs in IPython's event hook,
+    whose line Python would show, and whose registry would then hide the warning in every later
+    cell."""
+    before = getattr(_place, "at", None)
+    _place.at = (filename, lineno, module_globals)
+    try:
+        yield
+    finally:
+        _place.at = before
 
 
 def raise_again(entries: Any) -> None:
@@ -28,7 +52,16 @@ def raise_again(entries: Any) -> None:
     for entry in entries:
         if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)):
             continue
-        warnings.warn(entry[1], _category(entry[0]), stacklevel=_user_level())
+        place = getattr(_place, "at", None)
+        if place is None:
+            warnings.warn(entry[1], _category(entry[0]), stacklevel=_user_level())
+            continue
+        filename, lineno, module_globals = place
+        # (not given module_globals: their loader would be asked for the source, and a
+        # notebook's ``__main__`` has none; the cell's lines are in linecache)
+        warnings.warn_explicit(entry[1], _category(entry[0]), filename, lineno,
+                               module=module_globals.get("__name__", "<string>"),
+                               registry=module_globals.setdefault("__warningregistry__", {}))
 
 
 def _category(name: str) -> type[Warning]:

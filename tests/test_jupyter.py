@@ -409,6 +409,21 @@ except IndexError:
     assert "index 7 is out of bounds" in tb and "remotecuda/" not in tb, tb
 
 
+def test_a_gateway_warning_met_at_the_end_of_a_cell_is_shown_at_that_cell(rc):
+    """A kernel's warning (the out= resize note) comes back with the reply that the end-of-cell
+    sync waits for, in IPython's post_run_cell hook: it was shown at IPython's events.py line
+    ("func(*args, **kwargs)") and then counted once for that line, so the same warning in any
+    later cell was never shown. It belongs to the cell, at its last line (the sync point), under
+    its module's filters; a GPU shows it in every such cell, at the call."""
+    for n in (1, 2):
+        r = rc.ok(f"import torch\nout = torch.empty(2, device='cuda')\n"
+                  f"torch.add(torch.ones(3, device='cuda'), 1, out=out)\nprint({n})")
+        assert r["stdout"] == f"{n}\n", r
+        assert re.search(r"ipykernel_\d+/\d+\.py:4: UserWarning: An output with one or more elements was resized",
+                         r["stderr"]), r["stderr"]
+        assert r["stderr"].endswith(f"\n  print({n})\n"), r["stderr"]
+
+
 def test_restart_frees_gateway_sessions(rc, jgw):
     rc.ok("torch.ones(1, device='cuda').item()")
     n = gateway_sessions(jgw.address)
