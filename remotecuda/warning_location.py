@@ -14,13 +14,15 @@ filters show a DeprecationWarning placed in ``__main__`` and hide one placed in 
 hook Python gives before the filters decide is the filters themselves: it asks each entry of
 ``warnings.filters`` in turn whether it matches (its message pattern's ``match(text)``, its module
 pattern's ``match(module)``, ``issubclass(category, its category)``). So while active, an entry of
-remotecuda's is first in the list: for a warning placed in remotecuda's code it issues the warning
-again at the first frame outside remotecuda (past torch's ``__torch_function__`` hand-over when
-one led into remotecuda: ``handle_torch_function`` and the outer call of the function that handed
-over, which a plain call does not have), with that frame's module and registry, where the
-program's filters decide and its once-per-location count applies; and it matches the original with
-"ignore", so nothing is decided or recorded at remotecuda's line. It matches nothing else.
-Warnings of remotecuda's own threads (discovery, liveness), with no program frame outside, stay
+remotecuda's is first in the list, matching only a warning placed in remotecuda's code: it finds
+the first frame outside remotecuda (past torch's ``__torch_function__`` hand-over when one led into
+remotecuda: ``handle_torch_function`` and the outer call of the function that handed over, which a
+plain call does not have), and its action is "always", so nothing is decided or recorded at
+remotecuda's line and Python hands the warning to ``warnings._showwarnmsg``. remotecuda's
+``_showwarnmsg`` issues that warning (the instance made, which may carry more than its text and
+need more to be built) again at the frame found, with that frame's module and registry, where the
+program's filters decide and its once-per-location count applies. The entry matches nothing else;
+warnings of remotecuda's own threads (discovery, liveness), with no program frame outside, stay
 where they are.
 
 The entry is kept first by ``warnings._filters_mutated``, which every change of the filters made
@@ -43,7 +45,8 @@ import torch.overrides
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: torch's ``handle_torch_function``, through which a Python torch function hands a call to a mode
 _HAND_OVER = os.path.abspath(torch.overrides.__file__)
-#: the warning the filters are being asked about, as far as this thread has been told of it
+#: the warning the filters are being asked about, as far as this thread has been told of it, and
+#: the frame the entry found for the warning Python is about to show (``pending``)
 _asked = threading.local()
 
 
@@ -70,8 +73,9 @@ class _Module:
 
 
 class _Relocated:
-    """The entry's category: the warnings, placed in remotecuda's code, that it issued again at the
-    program's line (Python asks it last, after the message and module patterns)."""
+    """The entry's category: the warnings, placed in remotecuda's code, that have a program frame
+    outside (Python asks it last, after the message and module patterns); the frame is kept for
+    ``_showwarnmsg``, which Python calls next."""
 
     def __subclasscheck__(self, category: type) -> bool:
         text, module = getattr(_asked, "text", None), getattr(_asked, "module", None)
@@ -82,7 +86,7 @@ class _Relocated:
         outside = found and _outside(*found)
         if not found or outside is None:
             return False
-        _issue(text, category, outside)
+        _asked.pending = outside
         return True
 
     def __repr__(self) -> str:
@@ -90,15 +94,17 @@ class _Relocated:
 
 
 #: remotecuda's entry in ``warnings.filters``
-ENTRY = ("ignore", _Text(), _Relocated(), _Module(), 0)
+ENTRY = ("always", _Text(), _Relocated(), _Module(), 0)
 #: whether the entry acts (a list that ``catch_warnings`` saved may keep it after ``uninstall``)
 active = False
 
 
 def install(patches: Any) -> None:
-    """Put the entry first in ``warnings.filters``, and keep it there (``patches`` undoes that)."""
+    """Put the entry first in ``warnings.filters``, and keep it there; issue the warnings it
+    matches again at the program's line (``patches`` undoes both)."""
     global active
     active = True
+    patches.set(warnings, "_showwarnmsg", _relocating(warnings._showwarnmsg))  # type: ignore[attr-defined]
     patches.set(warnings, "_filters_mutated", _keeping_first(warnings._filters_mutated))  # type: ignore[attr-defined]
     warnings._filters_mutated()  # type: ignore[attr-defined]
 
@@ -120,6 +126,19 @@ def _keeping_first(mutated: Callable[[], None]) -> Callable[[], None]:
             filters.insert(0, ENTRY)
         mutated()
     return _filters_mutated
+
+
+def _relocating(show: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``warnings._showwarnmsg`` that issues the warning the entry matched again at the frame it
+    found (the matched warning is the next one shown on its thread: its action is "always")."""
+    def _showwarnmsg(msg: Any) -> None:
+        frame = getattr(_asked, "pending", None)
+        _asked.pending = None
+        if frame is None or not msg.filename.startswith(_OURS):
+            show(msg)
+            return
+        _issue(msg.message, frame)
+    return _showwarnmsg
 
 
 def _filters() -> list[Any]:
@@ -168,13 +187,13 @@ def _outside(frame: types.FrameType, inner: types.FrameType | None) -> types.Fra
     return f
 
 
-def _issue(text: str, category: type, frame: types.FrameType) -> None:
+def _issue(message: Warning, frame: types.FrameType) -> None:
     """The warning made again at ``frame``, as ``warnings.warn`` places one there: the filters and
     the registry of that frame's module decide whether it is shown, raised or dropped. (Not given
     the module's globals, as ``warnings.warn`` gives none: ``warn_explicit`` would ask their loader
     for the source, and ``python -c``'s ``__main__`` loader raises ImportError; the line is read
     from its file as for any warning.)"""
     module_globals = frame.f_globals
-    warnings.warn_explicit(text, category, frame.f_code.co_filename, frame.f_lineno,
+    warnings.warn_explicit(message, type(message), frame.f_code.co_filename, frame.f_lineno,
                            module=module_globals.get("__name__", "<string>"),
                            registry=module_globals.setdefault("__warningregistry__", {}))

@@ -130,6 +130,31 @@ def filter_by_the_programs_line(dev):
     warnings.warn("after")
 
 
+def warning_instance_of_a_library(dev):
+    import warnings
+
+    class Noted(UserWarning):
+        def __init__(self, text, note):
+            super().__init__(text)
+            self.note = note
+
+    def doubled(x):  # (hands itself to torch's function modes, as torch's own functions do)
+        if torch.overrides.has_torch_function_unary(x):
+            return torch.overrides.handle_torch_function(doubled, (x,), x)
+        warnings.warn(Noted("doubled() is noted", "its note"), stacklevel=2)
+        return x * 2
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            with torch.autocast(dev):
+                doubled(torch.ones(2, device=dev))
+        except Exception as e:
+            seen = [f"{type(e).__name__}: {e}"]
+    got = [(type(w.message).__name__, w.message.note, w.lineno) if hasattr(w, "message") else w for w in seen]
+    warnings.warn(f"seen: {got}")
+
+
 def filter_once(dev):
     import warnings
     with warnings.catch_warnings():
@@ -218,6 +243,14 @@ def test_warnings_made_under_remotecudas_frames_are_at_the_programs_line(records
     warning was shown at remotecuda's line, and counted once per remotecuda line
     (remotecuda/warning_location.py)."""
     _check(records, name)
+
+
+def test_a_warning_instance_a_library_made_is_the_one_the_program_gets(records):
+    """A warning made under remotecuda's frames was made again at the program's line from its
+    category and text, which a library's warning class that takes more than the text cannot be
+    built from (a TypeError out of the library's ``warnings.warn``), and which loses what the
+    instance carries; the program gets the instance the library made, as on a GPU."""
+    _check(records, "warning_instance_of_a_library")
 
 
 def test_the_programs_filters_meet_such_warnings_at_its_line(records):
