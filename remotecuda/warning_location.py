@@ -101,8 +101,14 @@ active = False
 
 def install(patches: Any) -> None:
     """Put the entry first in ``warnings.filters``, and keep it there; issue the warnings it
-    matches again at the program's line (``patches`` undoes both)."""
+    matches again at the program's line (``patches`` undoes both).
+
+    sympy is imported here, where the filters change anyway: torch's Python reference kernels,
+    which remotecuda runs for a 'cuda' tensor's shapes and dtypes, import it at their first call,
+    and its import adds a filter, which makes Python forget which warnings each line has shown:
+    the program's first op on 'cuda' would show them all again (a GPU runs no such kernel)."""
     global active
+    import sympy  # noqa: F401
     active = True
     patches.set(warnings, "_showwarnmsg", _relocating(warnings._showwarnmsg))  # type: ignore[attr-defined]
     patches.set(warnings, "_filters_mutated", _keeping_first(warnings._filters_mutated))  # type: ignore[attr-defined]

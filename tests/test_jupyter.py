@@ -424,6 +424,22 @@ def test_a_gateway_warning_met_at_the_end_of_a_cell_is_shown_at_that_cell(rc):
         assert r["stderr"].endswith(f"\n  print({n})\n"), r["stderr"]
 
 
+def test_a_deprecation_in_the_notebook_under_autocast_is_shown_once_per_cell_line(rc):
+    """IPython shows a DeprecationWarning placed in the notebook (``__main__``), once per line of
+    each cell. Made under ``torch.autocast('cuda')`` by a function of the notebook's that hands
+    itself to torch's function modes, it was placed in remotecuda's autocast mode, where Python's
+    default ``ignore::DeprecationWarning`` dropped it before remotecuda moved it to the cell."""
+    rc.ok("import torch, warnings\ndef halved(x):\n    if torch.overrides.has_torch_function_unary(x):\n"
+          "        return torch.overrides.handle_torch_function(halved, (x,), x)\n"
+          "    warnings.warn('halved() is deprecated', DeprecationWarning, stacklevel=2)\n    return x / 2")
+    for n in (1, 2):
+        r = rc.ok(f"with torch.autocast('cuda'):\n    for _ in range(3):\n"
+                  f"        y = halved(torch.ones(2, device='cuda'))\nprint({n})")
+        shown = [line for line in r["stderr"].splitlines() if "Warning" in line]
+        assert len(shown) == 1 and re.fullmatch(r".*ipykernel_\d+/\d+\.py:3: DeprecationWarning: halved\(\) is "
+                                                r"deprecated", shown[0]), r["stderr"]
+
+
 def test_restart_frees_gateway_sessions(rc, jgw):
     rc.ok("torch.ones(1, device='cuda').item()")
     n = gateway_sessions(jgw.address)

@@ -321,3 +321,35 @@ def test_the_default_filters_show_a_deprecation_in_main_as_python_does(gateway, 
         seen[dev] = [line for line in r.stderr.splitlines() if "Warning" in line]
     assert seen["cpu"] == [f"{path}:17: DeprecationWarning: doubled() is deprecated"]
     assert seen["cuda"] == seen["cpu"]
+
+
+#: a warning of the program's, shown once at its line by the default filter, before and after the
+#: program's first elementwise op on the device
+SHOWN_BEFORE_THE_FIRST_OP = '''
+import sys, torch, warnings
+dev = sys.argv[1]
+if dev == "cuda":
+    import remotecuda
+    remotecuda.activate()
+for _ in range(2):
+    warnings.warn("a note of the program's")
+    (torch.ones(2, device=dev) / 2).sum().item()
+print("DONE")
+'''
+
+
+def test_the_first_op_does_not_show_shown_warnings_again(gateway, tmp_path):
+    """Python forgets which warnings each line has shown whenever a filter is added. torch's
+    Python reference kernels, which remotecuda runs for a 'cuda' tensor's shapes and dtypes,
+    import sympy at their first call, and sympy's import adds a filter: a warning the program
+    had shown was shown again after its first op on 'cuda' (a GPU runs no such kernel)."""
+    path = tmp_path / "main.py"
+    path.write_text(SHOWN_BEFORE_THE_FIRST_OP)
+    env = {"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error", "PYTHONWARNINGS": ""}
+    seen = {}
+    for dev in ("cpu", "cuda"):
+        r = run_python("", env=env, args=[str(path), dev])
+        assert r.returncode == 0 and "DONE" in r.stdout, r.stderr[-3000:]
+        seen[dev] = [line for line in r.stderr.splitlines() if "Warning" in line]
+    assert seen["cpu"] == [f"{path}:8: UserWarning: a note of the program's"]
+    assert seen["cuda"] == seen["cpu"]
