@@ -56,6 +56,7 @@ from . import (
     device_type,
     distributed,
     distributions,
+    dlpack,
     downloads,
     expanded_weights,
     flags,
@@ -80,7 +81,7 @@ from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
-from .tensor import RemoteTensor, dlpack_error, follow, is_pinned, wrapper_type
+from .tensor import RemoteTensor, follow, is_pinned, wrapper_type
 
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
@@ -1141,15 +1142,6 @@ def _seeding_devices_too(original: Callable) -> Callable:
     return manual_seed
 
 
-def _refusing_remote_dlpack(original: Callable) -> Callable:
-    """``torch.utils.dlpack.to_dlpack`` says why a 'cuda' tensor has no capsule (tensor.dlpack_error)."""
-    def to_dlpack(tensor: Any) -> Any:
-        if isinstance(tensor, RemoteTensor):
-            raise dlpack_error(tensor)
-        return original(tensor)
-    return to_dlpack
-
-
 def _group_by_device(original: Callable) -> Callable:
     """foreach grouping keys by the C++ device, meta for every remote tensor: split those groups by
     the tensors' cuda devices, so that a model spread over two devices steps each on its own."""
@@ -1336,9 +1328,10 @@ def install(rt: Runtime) -> Interception:
     p.set(torch, "manual_seed", manual_seed)
     p.set(torch.random, "manual_seed", manual_seed)
     p.set(torch, "compile", compiled.compile)
-    to_dlpack = _refusing_remote_dlpack(torch.utils.dlpack.to_dlpack)
+    to_dlpack = dlpack.to_dlpack(torch.utils.dlpack.to_dlpack)
     p.set(torch.utils.dlpack, "to_dlpack", to_dlpack)
     p.set(torch, "to_dlpack", to_dlpack)
+    p.set(torch._C, "_from_dlpack", dlpack.from_dlpack(torch._C._from_dlpack))
     p.set(torch, "Generator", cuda_api.Generator)
     p.remove(torch.cuda, "default_generators")  # (read when asked: the devices are known when used)
     p.set(torch.cuda, "__getattr__", _cuda_attribute)

@@ -1,7 +1,7 @@
 """torch.cuda's less common API through a real gateway with three simulated GPUs of 256 MiB
 (``--device cpu --gpus 3``): the per-process memory fraction, NVML's figures, CUDA_VISIBLE_DEVICES,
-share_memory_ and DLPack, and a scan of torch.cuda's public functions for any that fail where
-a GPU machine's would work."""
+share_memory_, DLPack between devices and the CUDA array interface, and a scan of torch.cuda's
+public functions for any that fail where a GPU machine's would work."""
 from __future__ import annotations
 
 import inspect
@@ -233,19 +233,32 @@ def test_no_public_torch_cuda_function_fails_for_want_of_local_cuda(sim):
 
 
 # ---------------------------------------------------------------------- share_memory_ and DLPack
-def test_share_memory_is_a_no_op_and_dlpack_says_why_not(sim):
+def test_share_memory_is_a_no_op_and_the_cuda_array_interface_says_why_not(sim):
     x = torch.arange(4.0, device="cuda")
     assert x.share_memory_() is x and x.is_shared()  # as for a CUDA tensor
     assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
-    for to in (torch.utils.dlpack.to_dlpack, torch.to_dlpack, lambda t: t.__dlpack__(), torch.from_dlpack):
-        with pytest.raises(BufferError, match="cuda:0 tensor's memory is on its gateway.*tensor.cpu"):
-            to(x)
-    cpu = torch.arange(3.0)
-    assert torch.equal(torch.from_dlpack(torch.utils.dlpack.to_dlpack(cpu)), cpu)  # CPU tensors as before
-    # nor the CUDA array interface (it handed out the placeholder pointer): hasattr is False
+    # the CUDA array interface would hand CuPy or Numba a device pointer to read here: hasattr is False
     assert not hasattr(x, "__cuda_array_interface__")
     with pytest.raises(AttributeError, match="memory is on its gateway.*__cuda_array_interface__"):
         x.__cuda_array_interface__  # noqa: B018
+
+
+def test_dlpack_across_devices(sim):
+    """A capsule is made on the current device only (torch's refusal); asked for another device's,
+    it is a copy there, and ``torch.from_dlpack(t, device=)`` moves the alias as torch does."""
+    y = torch.arange(3.0, device="cuda:1")
+    with pytest.raises(BufferError, match="different CUDA device index. Expected: 1. Current device: 0"):
+        torch.from_dlpack(y)
+    with torch.cuda.device(1):
+        z = torch.from_dlpack(y)
+        moved = torch.from_dlpack(y.__dlpack__(dl_device=(2, 2)))
+    z[0] = 7
+    assert z.device == torch.device("cuda:1") and y.tolist() == [7.0, 1.0, 2.0]
+    assert moved.device == torch.device("cuda:2") and moved.tolist() == [0.0, 1.0, 2.0]
+    x = torch.arange(2.0, device="cuda")
+    assert torch.from_dlpack(x, device="cuda:2").device == torch.device("cuda:2")
+    with pytest.raises(ValueError, match="cannot move DLPack tensor from device"):
+        torch.from_dlpack(x, device="cuda:1", copy=False)
 
 
 # ---------------------------------------------------------------------- CUDA_VISIBLE_DEVICES

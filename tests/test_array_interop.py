@@ -1,0 +1,88 @@
+"""A 'cuda' tensor handed to other array code: DLPack round trips through torch (an alias of the
+same gateway memory, as on a GPU), and NumPy's refusals, with the exception types and words a
+GPU machine gives."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+# ---------------------------------------------------------------------- DLPack through torch
+@pytest.mark.parametrize("consume", [
+    torch.from_dlpack,
+    lambda t: torch.utils.dlpack.from_dlpack(t.__dlpack__()),
+    lambda t: torch.from_dlpack(t.__dlpack__(max_version=(1, 0))),
+    lambda t: torch.from_dlpack(torch.utils.dlpack.to_dlpack(t)),
+    lambda t: torch.from_dlpack(t, device="cuda"),
+], ids=["from_dlpack", "capsule", "versioned", "to_dlpack", "device"])
+def test_from_dlpack_of_a_cuda_tensor_is_an_alias(consume):
+    """On a GPU the tensor from a capsule shares the exporter's memory: writes show both ways."""
+    x = torch.arange(12.0).reshape(3, 4)
+    t = x.to("cuda")
+    v = t[:, 1:3]  # a strided view with an offset
+    a = consume(v)
+    assert a.device == torch.device("cuda:0") and not a.requires_grad
+    assert (a.shape, a.stride(), a.storage_offset()) == (v.shape, v.stride(), v.storage_offset())
+    a[0, 0] = -1.0
+    t[2, 2] = -2.0
+    x[0, 1], x[2, 2] = -1.0, -2.0
+    torch.testing.assert_close(t.cpu(), x, rtol=0, atol=0)
+    torch.testing.assert_close(a.cpu(), x[:, 1:3], rtol=0, atol=0)
+
+
+def test_dlpack_copies_and_refusals_are_torchs():
+    t = torch.arange(4, device="cuda", dtype=torch.int32)
+    c = torch.from_dlpack(t, copy=True)
+    c[0] = 9
+    assert t.tolist() == [0, 1, 2, 3] and c.tolist() == [9, 1, 2, 3]
+    on_cpu = torch.from_dlpack(t, device="cpu")
+    assert on_cpu.device.type == "cpu" and on_cpu.tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="cannot move DLPack tensor from device"):
+        torch.from_dlpack(t, device="cpu", copy=False)
+    capsule = t.__dlpack__()
+    torch.from_dlpack(capsule)
+    with pytest.raises(RuntimeError, match="DLTensor capsules can be consumed only once"):
+        torch.from_dlpack(capsule)
+    p = torch.ones(2, device="cuda", requires_grad=True)
+    with pytest.raises(BufferError, match="Can't export tensors that require gradient"):
+        torch.from_dlpack(p)
+    assert torch.from_dlpack(torch.utils.dlpack.to_dlpack(p)).tolist() == [1.0, 1.0]  # (to_dlpack does not ask)
+    with pytest.raises(TypeError, match="stream must be ``int`` or ``none``"):
+        t.__dlpack__(stream="0")
+    with pytest.raises(BufferError, match="Unsupported device_type: 7"):
+        t.__dlpack__(dl_device=(7, 0))
+    with torch.cuda.stream(torch.cuda.Stream()):  # (its stream's number is passed along)
+        assert torch.from_dlpack(t).tolist() == [0, 1, 2, 3]
+    cpu = torch.arange(3.0)  # CPU tensors and capsules as before
+    assert torch.equal(torch.from_dlpack(torch.utils.dlpack.to_dlpack(cpu)), cpu)
+
+
+def test_a_capsule_releases_its_tensor():
+    """A capsule holds its tensor until consumed or dropped, as torch's holds its storage."""
+    from remotecuda import dlpack
+    t = torch.ones(3, device="cuda")
+    alive = weakref.ref(t)
+    capsules = [t.__dlpack__(), t.__dlpack__(max_version=(1, 0)), torch.utils.dlpack.to_dlpack(t)]
+    del t
+    gc.collect()
+    assert alive() is not None
+    assert torch.from_dlpack(capsules.pop()).tolist() == [1.0, 1.0, 1.0]
+    del capsules
+    gc.collect()
+    assert alive() is None and not dlpack._anchors
+
+
+# ---------------------------------------------------------------------- NumPy
+def test_numpy_refuses_a_cuda_capsule_with_its_own_error():
+    """``np.from_dlpack(t)`` (no device) reads the capsule's device and refuses CUDA, as with a
+    GPU's capsule (a RuntimeError in NumPy 2.4, a BufferError later)."""
+    t = torch.arange(3.0, device="cuda")
+    with pytest.raises((RuntimeError, BufferError), match="Unsupported device in DLTensor"):
+        np.from_dlpack(t)
+    assert np.array_equal(np.from_dlpack(t, device="cpu"), [0.0, 1.0, 2.0])
