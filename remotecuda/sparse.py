@@ -63,6 +63,11 @@ class RemoteSparse(torch.Tensor):
             return self.to(dtype, non_blocking=non_blocking)
         raise _refused("legacy type conversions of sparse tensors")
 
+    def numpy(self, *, force: bool = False) -> Any:
+        """torch's refusal, which is about the layout (before the device, and with ``force`` too):
+        the C++ one, reached here, refuses every tensor subclass instead."""
+        raise TypeError("can't convert Sparse layout tensor to numpy. Use Tensor.to_dense() first.")
+
     def __reduce_ex__(self, proto: Any) -> Any:
         """Pickled as torch pickles a sparse tensor (its indices and values, 'cuda' tensors), so a
         checkpoint holding one loads where torch's would, with ``weights_only`` too."""

@@ -241,12 +241,10 @@ class RemoteTensor(torch.Tensor):
 
     # ---------------------------------------------------------------- values (sync points)
     def numpy(self, *, force: bool = False) -> Any:
-        """A GPU's refusal, but ``force=True`` copies to the host first (torch's documented meaning)."""
+        """A GPU's refusal, which is about the device before it is about grad (torch checks in that
+        order), but ``force=True`` copies to the host first (torch's documented meaning)."""
         if force:
             return self.detach().cpu().resolve_conj().resolve_neg().numpy()
-        if self.requires_grad:
-            raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
-                               "Use tensor.detach().numpy() instead.")
         raise TypeError(f"can't convert cuda:{self._dev} device type tensor to numpy. Use Tensor.cpu() "
                         "to copy the tensor to host memory first.")
 

@@ -86,3 +86,23 @@ def test_numpy_refuses_a_cuda_capsule_with_its_own_error():
     with pytest.raises((RuntimeError, BufferError), match="Unsupported device in DLTensor"):
         np.from_dlpack(t)
     assert np.array_equal(np.from_dlpack(t, device="cpu"), [0.0, 1.0, 2.0])
+@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy:DeprecationWarning")  # (torch's)
+@pytest.mark.parametrize("convert", [
+    lambda t: t.numpy(), np.asarray, np.array, lambda t: np.stack([t, t]), lambda t: np.float32(t[0]),
+], ids=["numpy", "asarray", "array", "stack", "scalar"])
+def test_numpy_of_a_cuda_tensor_that_requires_grad_is_refused_for_its_device(convert):
+    """torch checks the device before grad: a GPU's parameter gives the TypeError naming
+    ``Tensor.cpu()``, not the RuntimeError naming ``detach()`` (code catching TypeError relies on it)."""
+    p = torch.ones(2, device="cuda", requires_grad=True)
+    with pytest.raises(TypeError, match=r"^can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu\(\) "
+                                        "to copy the tensor to host memory first.$"):
+        convert(p)
+    assert np.array_equal(p.numpy(force=True), [1.0, 1.0])
+
+
+def test_numpy_of_a_sparse_cuda_tensor_is_refused_for_its_layout():
+    s = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0]), (2, 2), device="cuda")
+    refusal = r"^can't convert Sparse layout tensor to numpy. Use Tensor.to_dense\(\) first.$"
+    for convert in (lambda t: t.numpy(), np.asarray, lambda t: t.numpy(force=True)):
+        with pytest.raises(TypeError, match=refusal):
+            convert(s)
