@@ -75,6 +75,11 @@ def tensor_of_a_tensor_on_the_device(dev):
     torch.tensor(torch.ones(3, device=dev), device=dev)
 
 
+def sparse_of_indices_on_the_device(dev):
+    i = torch.tensor([[0, 1], [1, 0]], device=dev)
+    torch.sparse_coo_tensor(i, torch.ones(2, device=dev), (2, 2))
+
+
 def generate_with_a_deprecated_argument(dev):
     import transformers
     transformers.logging.set_verbosity_error()
@@ -187,3 +192,10 @@ def test_a_program_given_with_dash_c_gets_its_warning_at_its_line(gateway):
     r = run_python(code, env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SEEN [('UserWarning', '<string>', 6)]" in r.stdout, r.stdout
+
+
+def test_a_sparse_tensor_of_cuda_indices_warns_that_its_invariant_checks_are_off(records):
+    """``torch.sparse_coo_tensor`` of 'cuda' indices and values, opting neither in nor out of
+    the invariant checks: C++'s once-a-process warning, which the client's own sparse tensor
+    (sparse.py) never reached; now torch's constructor on meta stand-ins gives it."""
+    _check(records, "sparse_of_indices_on_the_device")
