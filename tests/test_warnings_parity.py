@@ -80,6 +80,13 @@ def sparse_of_indices_on_the_device(dev):
     torch.sparse_coo_tensor(i, torch.ones(2, device=dev), (2, 2))
 
 
+def reset_max_memory_allocated(dev):
+    try:
+        torch.cuda.reset_max_memory_allocated()
+    except AttributeError:  # (a CPU build has no allocator to reset, once it has warned)
+        pass
+
+
 def generate_with_a_deprecated_argument(dev):
     import transformers
     transformers.logging.set_verbosity_error()
@@ -199,3 +206,9 @@ def test_a_sparse_tensor_of_cuda_indices_warns_that_its_invariant_checks_are_off
     the invariant checks: C++'s once-a-process warning, which the client's own sparse tensor
     (sparse.py) never reached; now torch's constructor on meta stand-ins gives it."""
     _check(records, "sparse_of_indices_on_the_device")
+
+
+def test_torch_cudas_own_deprecation_warnings_are_given(records):
+    """``torch.cuda.reset_max_memory_allocated`` warns that it resets every peak; remotecuda's
+    replacement of it did not (torch's own now runs, calling the replaced reset_peak_memory_stats)."""
+    _check(records, "reset_max_memory_allocated")
