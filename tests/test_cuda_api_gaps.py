@@ -8,6 +8,7 @@ import inspect
 import logging
 import os
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -259,6 +260,31 @@ def test_dlpack_across_devices(sim):
     assert torch.from_dlpack(x, device="cuda:2").device == torch.device("cuda:2")
     with pytest.raises(ValueError, match="cannot move DLPack tensor from device"):
         torch.from_dlpack(x, device="cuda:1", copy=False)
+
+
+# ---------------------------------------------------------------------- torch.compile's TF32 note
+def test_compiling_float32_products_for_an_ampere_gpu_warns_that_tf32_is_off(sim):
+    """Inductor warns, compiling a graph with float32 matrix products for a GPU from Ampere on
+    (the simulated GPUs say 8.0), that TF32 would speed them up; remotecuda's trace has CPU
+    values, whose device inductor's check of the graph reads, so it never warned."""
+    assert torch.cuda.get_device_capability() >= (8, 0)
+
+    def compile_and_run(dtype: torch.dtype, **options: Any) -> list:
+        model = torch.compile(torch.nn.Linear(4, 3).to("cuda", dtype), **options)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model(torch.ones(2, 4, device="cuda", dtype=dtype)).sum().backward()
+        return [str(w.message) for w in seen if w.category is UserWarning and "TensorFloat32" in str(w.message)]
+    assert compile_and_run(torch.float32)[0].startswith(
+        "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled. "
+        "Consider setting `torch.set_float32_matmul_precision('high')`")
+    assert compile_and_run(torch.float64) == []
+    assert compile_and_run(torch.float32, backend="aot_eager") == []  # (inductor's warning alone)
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert compile_and_run(torch.float32) == []
+    finally:
+        reset_fp32_precision()
 
 
 # ---------------------------------------------------------------------- CUDA_VISIBLE_DEVICES
