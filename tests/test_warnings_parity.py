@@ -67,6 +67,16 @@ def autocast_under_the_programs_own_filter(dev):
         warnings.warn(f"raised: {raised}")
 
 
+def nested_autocast_softmax_without_dim(dev):
+    with torch.autocast(dev), torch.autocast(dev, enabled=False):
+        F.softmax(torch.randn(2, 3, device=dev))
+
+
+def nested_autocast_typed_storage(dev):
+    with torch.autocast(dev, dtype=torch.bfloat16), torch.autocast(dev, dtype=torch.bfloat16):
+        torch.ones(2, device=dev).storage()
+
+
 def tensor_of_a_tensor(dev):
     torch.tensor(torch.ones(3, device=dev))
 
@@ -174,6 +184,16 @@ def test_warnings_made_under_remotecudas_frames_are_at_the_programs_line(records
     a route's handler calling the original (``torch.tensor``), ``generate()``'s wrapper. The
     warning was shown at remotecuda's line, and counted once per remotecuda line
     (remotecuda/warning_location.py)."""
+    _check(records, name)
+
+
+@pytest.mark.parametrize("name", ["nested_autocast_softmax_without_dim", "nested_autocast_typed_storage"])
+def test_warnings_under_nested_autocast_blocks_are_at_the_programs_line(records, name):
+    """Nested ``torch.autocast('cuda')`` blocks (transformers' rotary embeddings turn autocast off
+    inside the user's block) stack two autocast modes, so a torch function that warns hands
+    itself over twice. Past the inner hand-over the warning was placed at the outer mode's
+    frame, remotecuda's, and issued again there, then found at the inner one's line (the same
+    line) and issued again: a RecursionError out of ``F.softmax(x)`` or ``t.storage()``."""
     _check(records, name)
 
 
