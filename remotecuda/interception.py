@@ -89,6 +89,8 @@ _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
 _TO = torch._C.TensorBase.to
 #: torch.tensor itself (the name ``torch.tensor`` is the route while active)
 _TENSOR = torch._C._VariableFunctions.tensor
+#: torch.asarray itself
+_ASARRAY = torch._C._VariableFunctions.asarray
 
 
 class _UserMeta:
@@ -307,6 +309,8 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     """torch.tensor / as_tensor / asarray with device='cuda': build on the CPU, then upload."""
     args, kwargs = _read_remote_elements(args, kwargs)
     d = _device(kwargs.get("device")) or _context_device()
+    if func is _ASARRAY and kwargs.get("copy") is False:
+        _refuse_alias_across_devices(args[0] if args else kwargs.get("obj"), d)
     if d is None or d.type != "cuda":
         if d is not None and d.type == "meta":
             with _UserMeta():
@@ -328,6 +332,15 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
             raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
         out.requires_grad_(True)
     return out
+
+
+def _refuse_alias_across_devices(src: Any, d: torch.device | None) -> None:
+    """``torch.asarray(t, device=..., copy=False)`` of a 'cuda' tensor asked onto another device
+    (the CPU, another GPU): torch's refusal, in its words. C++ would read the wrapper's meta
+    device (and name it), and the upload here would copy to another GPU where torch refuses."""
+    if isinstance(src, RemoteTensor) and d is not None and (
+            d.type != "cuda" or (d.index is not None and d.index != src.device.index)):
+        raise ValueError(f"can't alias tensor from device '{src.device}' to '{d}'.")
 
 
 def _warn_copy_construct(name: str) -> None:

@@ -106,3 +106,19 @@ def test_numpy_of_a_sparse_cuda_tensor_is_refused_for_its_layout():
     for convert in (lambda t: t.numpy(), np.asarray, lambda t: t.numpy(force=True)):
         with pytest.raises(TypeError, match=refusal):
             convert(s)
+
+
+# ---------------------------------------------------------------------- torch.asarray
+def test_asarray_without_a_copy_refuses_another_device_in_torchs_words():
+    """``torch.asarray(t, device=..., copy=False)`` of a 'cuda' tensor: an alias on its own
+    device, torch's ValueError for another one. The CPU's named the wrapper's 'meta' device."""
+    t = torch.arange(4.0, device="cuda")
+    assert torch.asarray(t, device="cuda:0", copy=False) is t
+    assert torch.asarray(t, copy=False) is t
+    for device in ("cpu", "meta"):
+        with pytest.raises(ValueError, match=f"^can't alias tensor from device 'cuda:0' to '{device}'.$"):
+            torch.asarray(t, device=device, copy=False)
+        with torch.device(device), pytest.raises(ValueError, match="^can't alias tensor from device 'cuda:0'"):
+            torch.asarray(t, copy=False)
+    c = torch.asarray(t, device="cpu")  # (a copy is allowed: the CPU's tensor)
+    assert c.device == torch.device("cpu") and c.tolist() == [0.0, 1.0, 2.0, 3.0]
