@@ -319,6 +319,8 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     kw = dict(kwargs, device="cpu")
     requires_grad = kw.pop("requires_grad", False)
     src = args[0] if args else kw.get("obj", kw.get("data"))
+    if isinstance(src, RemoteTensor) and func is _ASARRAY:
+        return _asarray_of(src, torch.device("cuda", _cuda_index(d)), kwargs)
     if isinstance(src, RemoteTensor):
         copies = func is _TENSOR  # (as_tensor and asarray give ``src`` itself, when it is already as asked)
         if copies:
@@ -338,9 +340,38 @@ def _refuse_alias_across_devices(src: Any, d: torch.device | None) -> None:
     """``torch.asarray(t, device=..., copy=False)`` of a 'cuda' tensor asked onto another device
     (the CPU, another GPU): torch's refusal, in its words. C++ would read the wrapper's meta
     device (and name it), and the upload here would copy to another GPU where torch refuses."""
-    if isinstance(src, RemoteTensor) and d is not None and (
-            d.type != "cuda" or (d.index is not None and d.index != src.device.index)):
-        raise ValueError(f"can't alias tensor from device '{src.device}' to '{d}'.")
+    if isinstance(src, RemoteTensor) and d is not None:
+        d = torch.device("cuda", _cuda_index(d)) if d.type == "cuda" else d  # (torch gives 'cuda' its index)
+        if d != src.device:
+            raise ValueError(f"can't alias tensor from device '{src.device}' to '{d}'.")
+
+
+def _asarray_of(src: RemoteTensor, device: torch.device, kwargs: dict) -> torch.Tensor:
+    """``torch.asarray`` of a 'cuda' tensor onto a GPU, decided as torch's C++ decides it (which,
+    handed the wrapper, would compare the wrapper's 'meta' device): a copy for ``copy=True`` (a
+    clone on the same GPU) or for another dtype or GPU, else the tensor itself; ``requires_grad``,
+    unless given, is the tensor's (with torch's once-a-process note), set on the result, on the
+    tensor itself when it is the result, as torch sets it; a result that is no leaf and is not to
+    require grad is detached."""
+    dtype, copy, requires_grad = kwargs.get("dtype"), kwargs.get("copy"), kwargs.get("requires_grad")
+    if requires_grad is None and src.requires_grad:
+        _ASARRAY(torch.empty(0, requires_grad=True), device="cpu")  # (torch's note, counted as torch counts it)
+    if copy is False and dtype is not None and dtype != src.dtype:  # (another GPU was refused already)
+        raise ValueError(f"can't alias tensor with dtype '{_scalar_type(src.dtype)}' "
+                         f"into dtype '{_scalar_type(dtype)}'.")
+    moves = device != src.device or (dtype is not None and dtype != src.dtype)
+    out = src.to(device=device, dtype=dtype, copy=bool(copy)) if moves else src.clone() if copy else src
+    grad = src.requires_grad if requires_grad is None else bool(requires_grad)
+    if not out.is_leaf and not grad:
+        return out.detach()
+    if grad and not (out.is_floating_point() or out.is_complex()):
+        raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
+    return out.requires_grad_(grad)
+
+
+def _scalar_type(dtype: torch.dtype) -> str:
+    """C++'s name of a dtype ('Float' for torch.float32), as torch's messages print it."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
 
 
 def _warn_copy_construct(name: str) -> None:

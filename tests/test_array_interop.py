@@ -122,3 +122,31 @@ def test_asarray_without_a_copy_refuses_another_device_in_torchs_words():
             torch.asarray(t, copy=False)
     c = torch.asarray(t, device="cpu")  # (a copy is allowed: the CPU's tensor)
     assert c.device == torch.device("cpu") and c.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def _asarray_outcome(device: str, source: str, **kwargs: object) -> tuple:
+    """What ``torch.asarray(src, device=device, **kwargs)`` gives: whether it is ``src`` itself
+    and shares its memory, its requires_grad and leafness, ``src``'s requires_grad after (torch
+    sets it on ``src`` when it is the result), or the error's type and words."""
+    leaf = torch.arange(3.0, device=device).requires_grad_()
+    src = {"leaf": leaf, "plain": torch.arange(3.0, device=device), "nonleaf": leaf * 1}[source]
+    try:
+        out = torch.asarray(src, device=device, **kwargs)
+    except (ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e)
+    with torch.no_grad():
+        out.view(-1)[0] = 7
+    return (out is src, bool(src.detach()[0] == 7), out.dtype, out.requires_grad, out.is_leaf, src.requires_grad)
+
+
+@pytest.mark.parametrize("source", ["leaf", "plain", "nonleaf"])
+@pytest.mark.parametrize("copy", [None, True, False])
+@pytest.mark.parametrize("dtype", [None, torch.float64])
+@pytest.mark.parametrize("requires_grad", [None, False, True])
+def test_asarray_onto_the_same_gpu_copies_and_sets_requires_grad_as_torch(source, copy, dtype, requires_grad):
+    """``torch.asarray(t, device='cuda', ...)`` of a 'cuda' tensor, as torch's own asarray of a
+    CPU tensor onto the CPU: ``copy=True`` gave ``t`` itself (writes to the "copy" changed
+    ``t``), ``requires_grad=False`` neither detached a non-leaf nor cleared a leaf's flag, and
+    another dtype with ``copy=False`` was converted where torch refuses."""
+    kwargs = {k: v for k, v in (("copy", copy), ("dtype", dtype), ("requires_grad", requires_grad)) if v is not None}
+    assert _asarray_outcome("cuda", source, **kwargs) == _asarray_outcome("cpu", source, **kwargs)
