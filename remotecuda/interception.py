@@ -329,11 +329,7 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
                                                    dtype=kw.get("dtype"), copy=copies)
     else:
         out = to_cuda(func(*args, **kw), _cuda_index(d))
-    if requires_grad:
-        if not (out.is_floating_point() or out.is_complex()):  # (requires_grad_'s words differ)
-            raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
-        out.requires_grad_(True)
-    return out
+    return _requiring_grad(out, True) if requires_grad else out
 
 
 def _refuse_alias_across_devices(src: Any, d: torch.device | None) -> None:
@@ -364,9 +360,16 @@ def _asarray_of(src: RemoteTensor, device: torch.device, kwargs: dict) -> torch.
     grad = src.requires_grad if requires_grad is None else bool(requires_grad)
     if not out.is_leaf and not grad:
         return out.detach()
-    if grad and not (out.is_floating_point() or out.is_complex()):
+    return _requiring_grad(out, grad)
+
+
+def _requiring_grad(t: torch.Tensor, flag: bool) -> torch.Tensor:
+    """``t`` with requires_grad set as a factory's ``requires_grad=`` sets it (C++'s
+    ``set_requires_grad``, whose refusal of an integer tensor words it otherwise than
+    ``requires_grad_``)."""
+    if flag and not (t.is_floating_point() or t.is_complex()):
         raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
-    return out.requires_grad_(grad)
+    return t.requires_grad_(flag)
 
 
 def _scalar_type(dtype: torch.dtype) -> str:
@@ -438,9 +441,7 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
         cpu = torch.tensor(data, **kw)
     index = _cuda_index(d) if d is not None else self._dev
     out = to_cuda(cpu, index)
-    if requires_grad:
-        out.requires_grad_(True)
-    return out
+    return _requiring_grad(out, True) if requires_grad else out
 
 
 def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
