@@ -156,7 +156,8 @@ class Compiled:
 
     def _trace(self, state: list, leaves: list, spec: Any, tensors: list) -> _Trace | str:
         try:
-            return _Trace(self.fn, self.modules, [(i, n) for i, n, _ in state], leaves, spec, tensors)
+            return _Trace(self.fn, self.modules, [(i, n) for i, n, _ in state], leaves, spec, tensors,
+                          inductor=self.options.get("backend", "inductor") == "inductor")
         except Unsupported as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 - whatever stops the trace, the call still runs eagerly
@@ -349,7 +350,9 @@ class _Trace:
     """One input signature's graphs: AOTAutograd's runtime around ``_Program`` runners."""
 
     def __init__(self, fn: Callable, modules: list[torch.nn.Module], names: list[tuple[int, str]], leaves: list,
-                 spec: Any, tensors: list) -> None:
+                 spec: Any, tensors: list, inductor: bool) -> None:
+        """``inductor``: whether torch.compile's backend is inductor (its default), whose
+        warnings on compiling a graph are given here (see ``_warn_tf32_disabled``)."""
         from torch._functorch.aot_autograd import aot_module_simplified
         from torch._functorch.partitioners import default_partition
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -392,6 +395,8 @@ class _Trace:
             return fw_gm, bw_gm
 
         def fw_compiler(gm: torch.fx.GraphModule, example: Any) -> Callable:
+            if inductor:
+                _warn_tf32_disabled(gm)
             return _Program(self.session, gm)
 
         fake = FakeTensorMode()  # static shapes: another shape is another trace
@@ -521,6 +526,28 @@ def _traced_view_strides(node: torch.fx.Node) -> list | None:
     with _disable_current_modes():
         eager = node.target(torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta"), node.args[1])
     return None if eager.stride() == val.stride() else list(val.stride())
+
+
+#: the products inductor means when it says TF32 would speed a graph up (``is_tf32_warning_applicable``)
+_TF32_OPS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def _warn_tf32_disabled(gm: torch.fx.GraphModule) -> None:
+    """Inductor's warning when it compiles a graph with float32 matrix products for a GPU from
+    Ampere on while TF32 is off for them ("TensorFloat32 tensor cores ... available but not
+    enabled"), which every ``torch.compile`` of a float32 model meets there: inductor's own check
+    of the graph reads its values' device, 'cpu' in this trace. torch's conditions on the device
+    are read first (importing inductor takes seconds), then torch's function warns, in its words
+    and at its line, as on a GPU."""
+    if torch.backends.cuda.matmul.fp32_precision == "tf32" or torch.cuda.get_device_capability() < (8, 0):
+        return
+    for name in _TF32_OPS:
+        for node in gm.graph.find_nodes(op="call_function", target=getattr(torch.ops.aten, name).default):
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dtype == torch.float32:
+                from torch._inductor.compile_fx import _warn_tf32_disabled as warn
+                warn()
+                return
 
 
 class _Program:

@@ -550,10 +550,6 @@ def reset_peak_memory_stats(device: Any = None) -> None:
     _session(device).request("rc::reset_peak", [])
 
 
-def reset_max_memory_allocated(device: Any = None) -> None:
-    reset_peak_memory_stats(device)
-
-
 def reset_accumulated_memory_stats(device: Any = None) -> None:
     device_index(device)  # memory_stats has no accumulated counters (only current and peak) to reset
 
@@ -717,7 +713,7 @@ REPLACEMENTS = LOCAL_ONLY | {name: obj for name, obj in dict(globals()).items() 
     "get_arch_list", "device", "device_of", "synchronize", "Stream", "Event", "stream",
     "StreamContext", "current_stream", "default_stream", "set_stream", "memory_allocated",
     "memory_reserved", "max_memory_allocated", "max_memory_reserved", "memory_stats",
-    "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats", "empty_cache",
+    "reset_peak_memory_stats", "reset_accumulated_memory_stats", "empty_cache",
     "mem_get_info", "memory_summary", "memory_stats_as_nested_dict", "memory_snapshot",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "get_allocator_backend",
     "get_gencode_flags", "can_device_access_peer", "get_sync_debug_mode", "set_sync_debug_mode",

@@ -56,6 +56,7 @@ from . import (
     device_type,
     distributed,
     distributions,
+    dlpack,
     downloads,
     expanded_weights,
     flags,
@@ -80,7 +81,7 @@ from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
-from .tensor import RemoteTensor, dlpack_error, follow, is_pinned, wrapper_type
+from .tensor import RemoteTensor, follow, is_pinned, wrapper_type
 
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
@@ -88,6 +89,8 @@ _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
 _TO = torch._C.TensorBase.to
 #: torch.tensor itself (the name ``torch.tensor`` is the route while active)
 _TENSOR = torch._C._VariableFunctions.tensor
+#: torch.asarray itself
+_ASARRAY = torch._C._VariableFunctions.asarray
 
 
 class _UserMeta:
@@ -306,6 +309,8 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     """torch.tensor / as_tensor / asarray with device='cuda': build on the CPU, then upload."""
     args, kwargs = _read_remote_elements(args, kwargs)
     d = _device(kwargs.get("device")) or _context_device()
+    if func is _ASARRAY and kwargs.get("copy") is False:
+        _refuse_alias_across_devices(args[0] if args else kwargs.get("obj"), d)
     if d is None or d.type != "cuda":
         if d is not None and d.type == "meta":
             with _UserMeta():
@@ -314,6 +319,8 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     kw = dict(kwargs, device="cpu")
     requires_grad = kw.pop("requires_grad", False)
     src = args[0] if args else kw.get("obj", kw.get("data"))
+    if isinstance(src, RemoteTensor) and func is _ASARRAY:
+        return _asarray_of(src, torch.device("cuda", _cuda_index(d)), kwargs)
     if isinstance(src, RemoteTensor):
         copies = func is _TENSOR  # (as_tensor and asarray give ``src`` itself, when it is already as asked)
         if copies:
@@ -322,11 +329,52 @@ def _data_factory(func: Callable, args: tuple, kwargs: dict) -> Any:
                                                    dtype=kw.get("dtype"), copy=copies)
     else:
         out = to_cuda(func(*args, **kw), _cuda_index(d))
-    if requires_grad:
-        if not (out.is_floating_point() or out.is_complex()):  # (requires_grad_'s words differ)
-            raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
-        out.requires_grad_(True)
-    return out
+    return _requiring_grad(out, True) if requires_grad else out
+
+
+def _refuse_alias_across_devices(src: Any, d: torch.device | None) -> None:
+    """``torch.asarray(t, device=..., copy=False)`` of a 'cuda' tensor asked onto another device
+    (the CPU, another GPU): torch's refusal, in its words. C++ would read the wrapper's meta
+    device (and name it), and the upload here would copy to another GPU where torch refuses."""
+    if isinstance(src, RemoteTensor) and d is not None:
+        d = torch.device("cuda", _cuda_index(d)) if d.type == "cuda" else d  # (torch gives 'cuda' its index)
+        if d != src.device:
+            raise ValueError(f"can't alias tensor from device '{src.device}' to '{d}'.")
+
+
+def _asarray_of(src: RemoteTensor, device: torch.device, kwargs: dict) -> torch.Tensor:
+    """``torch.asarray`` of a 'cuda' tensor onto a GPU, decided as torch's C++ decides it (which,
+    handed the wrapper, would compare the wrapper's 'meta' device): a copy for ``copy=True`` (a
+    clone on the same GPU) or for another dtype or GPU, else the tensor itself; ``requires_grad``,
+    unless given, is the tensor's (with torch's once-a-process note), set on the result, on the
+    tensor itself when it is the result, as torch sets it; a result that is no leaf and is not to
+    require grad is detached."""
+    dtype, copy, requires_grad = kwargs.get("dtype"), kwargs.get("copy"), kwargs.get("requires_grad")
+    if requires_grad is None and src.requires_grad:
+        _ASARRAY(torch.empty(0, requires_grad=True), device="cpu")  # (torch's note, counted as torch counts it)
+    if copy is False and dtype is not None and dtype != src.dtype:  # (another GPU was refused already)
+        raise ValueError(f"can't alias tensor with dtype '{_scalar_type(src.dtype)}' "
+                         f"into dtype '{_scalar_type(dtype)}'.")
+    moves = device != src.device or (dtype is not None and dtype != src.dtype)
+    out = src.to(device=device, dtype=dtype, copy=bool(copy)) if moves else src.clone() if copy else src
+    grad = src.requires_grad if requires_grad is None else bool(requires_grad)
+    if not out.is_leaf and not grad:
+        return out.detach()
+    return _requiring_grad(out, grad)
+
+
+def _requiring_grad(t: torch.Tensor, flag: bool) -> torch.Tensor:
+    """``t`` with requires_grad set as a factory's ``requires_grad=`` sets it (C++'s
+    ``set_requires_grad``, whose refusal of an integer tensor words it otherwise than
+    ``requires_grad_``)."""
+    if flag and not (t.is_floating_point() or t.is_complex()):
+        raise RuntimeError("Only Tensors of floating point and complex dtype can require gradients")
+    return t.requires_grad_(flag)
+
+
+def _scalar_type(dtype: torch.dtype) -> str:
+    """C++'s name of a dtype ('Float' for torch.float32), as torch's messages print it."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
 
 
 def _warn_copy_construct(name: str) -> None:
@@ -393,9 +441,7 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
         cpu = torch.tensor(data, **kw)
     index = _cuda_index(d) if d is not None else self._dev
     out = to_cuda(cpu, index)
-    if requires_grad:
-        out.requires_grad_(True)
-    return out
+    return _requiring_grad(out, True) if requires_grad else out
 
 
 def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -1141,15 +1187,6 @@ def _seeding_devices_too(original: Callable) -> Callable:
     return manual_seed
 
 
-def _refusing_remote_dlpack(original: Callable) -> Callable:
-    """``torch.utils.dlpack.to_dlpack`` says why a 'cuda' tensor has no capsule (tensor.dlpack_error)."""
-    def to_dlpack(tensor: Any) -> Any:
-        if isinstance(tensor, RemoteTensor):
-            raise dlpack_error(tensor)
-        return original(tensor)
-    return to_dlpack
-
-
 def _group_by_device(original: Callable) -> Callable:
     """foreach grouping keys by the C++ device, meta for every remote tensor: split those groups by
     the tensors' cuda devices, so that a model spread over two devices steps each on its own."""
@@ -1337,9 +1374,10 @@ def install(rt: Runtime) -> Interception:
     p.set(torch, "manual_seed", manual_seed)
     p.set(torch.random, "manual_seed", manual_seed)
     p.set(torch, "compile", compiled.compile)
-    to_dlpack = _refusing_remote_dlpack(torch.utils.dlpack.to_dlpack)
+    to_dlpack = dlpack.to_dlpack(torch.utils.dlpack.to_dlpack)
     p.set(torch.utils.dlpack, "to_dlpack", to_dlpack)
     p.set(torch, "to_dlpack", to_dlpack)
+    p.set(torch._C, "_from_dlpack", dlpack.from_dlpack(torch._C._from_dlpack))
     p.set(torch, "Generator", cuda_api.Generator)
     p.remove(torch.cuda, "default_generators")  # (read when asked: the devices are known when used)
     p.set(torch.cuda, "__getattr__", _cuda_attribute)

@@ -63,6 +63,11 @@ class RemoteSparse(torch.Tensor):
             return self.to(dtype, non_blocking=non_blocking)
         raise _refused("legacy type conversions of sparse tensors")
 
+    def numpy(self, *, force: bool = False) -> Any:
+        """torch's refusal, which is about the layout (before the device, and with ``force`` too):
+        the C++ one, reached here, refuses every tensor subclass instead."""
+        raise TypeError("can't convert Sparse layout tensor to numpy. Use Tensor.to_dense() first.")
+
     def __reduce_ex__(self, proto: Any) -> Any:
         """Pickled as torch pickles a sparse tensor (its indices and values, 'cuda' tensors), so a
         checkpoint holding one loads where torch's would, with ``weights_only`` too."""
@@ -146,7 +151,25 @@ def build(indices: Any, values: Any, size: Any = None, *, dtype: Any = None, dev
     if size is None:
         top = indices.amax(1) + 1 if indices.shape[1] else indices.new_zeros(indices.shape[0])
         size = [*top.tolist(), *values.shape[1:]]
+    _check_as_torch(indices, values, size, check_invariants, is_coalesced)
     return make(indices, values, size, bool(is_coalesced))
+
+
+def _check_as_torch(indices: torch.Tensor, values: torch.Tensor, size: Any, check_invariants: bool | None,
+                    is_coalesced: bool | None) -> None:
+    """torch's own checks of a sparse COO tensor's arguments, in its words and with its warning:
+    its constructor on meta stand-ins of the same shapes checks the shapes and, where nothing
+    opted in or out of the invariant checks, gives C++'s once-a-process warning that they are
+    implicitly disabled (placed at the program's line by warning_location.py); where they are
+    on, the check of the indices' values reads them from the gateway, as a GPU's are read."""
+    check = torch.sparse.check_sparse_tensor_invariants.is_enabled() if check_invariants is None else check_invariants
+    torch.sparse_coo_tensor(torch.empty(indices.shape, dtype=indices.dtype, device=_META),
+                            torch.empty(values.shape, dtype=values.dtype, device=_META), size,
+                            check_invariants=False if check else check_invariants, is_coalesced=is_coalesced,
+                            device=_META)
+    if check:
+        torch._validate_sparse_coo_tensor_args(indices.cpu(), torch.zeros((), dtype=values.dtype).expand(values.shape),
+                                               size, is_coalesced)
 
 
 def _refused(what: str) -> NotImplementedError:

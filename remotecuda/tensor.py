@@ -17,7 +17,6 @@ from typing import Any, SupportsIndex, cast
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
-from torch.utils.dlpack import DLDeviceType
 
 from remotecuda_wire.protocol import handle_ext
 
@@ -216,27 +215,20 @@ class RemoteTensor(torch.Tensor):
 
     def __dlpack__(self, *, stream: Any = -1, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[Any, int] | None = None, copy: bool | None = None) -> Any:
-        """A capsule of a CPU copy when the consumer asks for one on the CPU (``dl_device``: NumPy's
-        ``from_dlpack(t, device="cpu")``, as gymnasium's ``NumpyToTorch`` returns actions), since
-        torch copies a CUDA tensor there itself; torch's refusals come first, in its order and
-        words. A capsule on the device would point at memory that is not in this process."""
-        if self.requires_grad:
-            raise BufferError("Can't export tensors that require gradient, use tensor.detach()")
-        if self._dev != torch.cuda.current_device():
-            raise BufferError("Can't export tensors on a different CUDA device index. "
-                              f"Expected: {self._dev}. Current device: {torch.cuda.current_device()}.")
-        if dl_device is None or int(dl_device[0]) != DLDeviceType.kDLCPU:
-            raise dlpack_error(self)
-        if copy is False:
-            raise ValueError(f"cannot move (i.e. copy=False) tensor from {self.device} to cpu without copying.")
-        return self.cpu().__dlpack__(max_version=max_version, dl_device=dl_device)
+        """A capsule that ``torch.from_dlpack`` takes back as an alias (dlpack.py), or a CPU copy's
+        where the consumer asks for the CPU, as torch gives on a GPU."""
+        from . import dlpack
+        return dlpack.export(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        """Refused as DLPack is (torch's would hand out the placeholder data pointer, which
-        CuPy or Numba would read as device memory); an AttributeError, so that a library that
-        asks ``hasattr`` first takes its CPU path, as it does for a tensor without one."""
-        raise AttributeError(str(dlpack_error(self)).replace("DLPack", "__cuda_array_interface__"))
+        """Refused: its ``data`` is a device pointer that CuPy, Numba or PyCUDA would read in this
+        process, where the memory is not (torch would hand out the placeholder's). An
+        AttributeError, so that a library that asks ``hasattr`` first takes its CPU or DLPack path,
+        as it does for a tensor without one."""
+        raise AttributeError(f"remotecuda: a cuda:{self._dev} tensor's memory is on its gateway's device, not in "
+                             "this process, so __cuda_array_interface__ cannot hand it to another library here; "
+                             "copy it to the CPU first (tensor.cpu()) and share that")
 
     def record_stream(self, stream: Any) -> None:
         """A caching-allocator hint: a session's streams run serially on the gateway, so no use of
@@ -249,12 +241,10 @@ class RemoteTensor(torch.Tensor):
 
     # ---------------------------------------------------------------- values (sync points)
     def numpy(self, *, force: bool = False) -> Any:
-        """A GPU's refusal, but ``force=True`` copies to the host first (torch's documented meaning)."""
+        """A GPU's refusal, which is about the device before it is about grad (torch checks in that
+        order), but ``force=True`` copies to the host first (torch's documented meaning)."""
         if force:
             return self.detach().cpu().resolve_conj().resolve_neg().numpy()
-        if self.requires_grad:
-            raise RuntimeError("Can't call numpy() on Tensor that requires grad. "
-                               "Use tensor.detach().numpy() instead.")
         raise TypeError(f"can't convert cuda:{self._dev} device type tensor to numpy. Use Tensor.cpu() "
                         "to copy the tensor to host memory first.")
 
@@ -345,14 +335,6 @@ class RemoteTensor(torch.Tensor):
 #: of shape (1,)) of distribution Normal ...", the argument parser's "got (Tensor, out=Tensor)"
 #: (the qualified name, in ``repr(type(t))``, stays RemoteTensor)
 RemoteTensor.__name__ = "Tensor"
-
-
-def dlpack_error(t: RemoteTensor) -> BufferError:
-    """Why a 'cuda' tensor has no DLPack capsule: its memory is on a gateway, not in this process
-    (a DLPack consumer reads the pointer directly)."""
-    return BufferError(f"remotecuda: a cuda:{t._dev} tensor's memory is on its gateway's device, not in this "
-                       "process, so DLPack cannot hand it to another library here; copy it to the CPU "
-                       "first (tensor.cpu()) and share that")
 
 
 def contiguous_strides(shape: tuple) -> tuple:

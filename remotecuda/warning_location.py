@@ -180,13 +180,17 @@ def _placed(module: str) -> tuple[types.FrameType, types.FrameType | None] | Non
 
 def _outside(frame: types.FrameType, inner: types.FrameType | None) -> types.FrameType | None:
     """The first frame out from ``frame`` that a plain call would have had, or None when only
-    remotecuda's thread machinery is there."""
+    remotecuda's thread machinery is there. A function handed over to a mode is called again by
+    it, once per mode on the stack (nested ``torch.autocast('cuda')`` blocks stack an autocast
+    mode each): every such outer call, with the mode's frames around it, is passed."""
     f: types.FrameType | None = frame
-    handed_over = False
-    while f is not None and (f.f_code.co_filename.startswith(_OURS) or f.f_code.co_filename == _HAND_OVER):
-        handed_over = handed_over or f.f_code.co_filename == _HAND_OVER
-        f = f.f_back
-    if handed_over and f is not None and inner is not None and f.f_code is inner.f_code:
+    while True:
+        handed_over = False
+        while f is not None and (f.f_code.co_filename.startswith(_OURS) or f.f_code.co_filename == _HAND_OVER):
+            handed_over = handed_over or f.f_code.co_filename == _HAND_OVER
+            f = f.f_back
+        if not (handed_over and f is not None and inner is not None and f.f_code is inner.f_code):
+            break
         f = f.f_back  # (the outer call of the function that handed itself to the mode)
     if f is None or f.f_globals.get("__name__") == "threading":
         return None

@@ -1,13 +1,14 @@
 """torch.cuda's less common API through a real gateway with three simulated GPUs of 256 MiB
 (``--device cpu --gpus 3``): the per-process memory fraction, NVML's figures, CUDA_VISIBLE_DEVICES,
-share_memory_ and DLPack, and a scan of torch.cuda's public functions for any that fail where
-a GPU machine's would work."""
+share_memory_, DLPack between devices and the CUDA array interface, and a scan of torch.cuda's
+public functions for any that fail where a GPU machine's would work."""
 from __future__ import annotations
 
 import inspect
 import logging
 import os
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -233,19 +234,57 @@ def test_no_public_torch_cuda_function_fails_for_want_of_local_cuda(sim):
 
 
 # ---------------------------------------------------------------------- share_memory_ and DLPack
-def test_share_memory_is_a_no_op_and_dlpack_says_why_not(sim):
+def test_share_memory_is_a_no_op_and_the_cuda_array_interface_says_why_not(sim):
     x = torch.arange(4.0, device="cuda")
     assert x.share_memory_() is x and x.is_shared()  # as for a CUDA tensor
     assert x.tolist() == [0.0, 1.0, 2.0, 3.0]
-    for to in (torch.utils.dlpack.to_dlpack, torch.to_dlpack, lambda t: t.__dlpack__(), torch.from_dlpack):
-        with pytest.raises(BufferError, match="cuda:0 tensor's memory is on its gateway.*tensor.cpu"):
-            to(x)
-    cpu = torch.arange(3.0)
-    assert torch.equal(torch.from_dlpack(torch.utils.dlpack.to_dlpack(cpu)), cpu)  # CPU tensors as before
-    # nor the CUDA array interface (it handed out the placeholder pointer): hasattr is False
+    # the CUDA array interface would hand CuPy or Numba a device pointer to read here: hasattr is False
     assert not hasattr(x, "__cuda_array_interface__")
     with pytest.raises(AttributeError, match="memory is on its gateway.*__cuda_array_interface__"):
         x.__cuda_array_interface__  # noqa: B018
+
+
+def test_dlpack_across_devices(sim):
+    """A capsule is made on the current device only (torch's refusal); asked for another device's,
+    it is a copy there, and ``torch.from_dlpack(t, device=)`` moves the alias as torch does."""
+    y = torch.arange(3.0, device="cuda:1")
+    with pytest.raises(BufferError, match="different CUDA device index. Expected: 1. Current device: 0"):
+        torch.from_dlpack(y)
+    with torch.cuda.device(1):
+        z = torch.from_dlpack(y)
+        moved = torch.from_dlpack(y.__dlpack__(dl_device=(2, 2)))
+    z[0] = 7
+    assert z.device == torch.device("cuda:1") and y.tolist() == [7.0, 1.0, 2.0]
+    assert moved.device == torch.device("cuda:2") and moved.tolist() == [0.0, 1.0, 2.0]
+    x = torch.arange(2.0, device="cuda")
+    assert torch.from_dlpack(x, device="cuda:2").device == torch.device("cuda:2")
+    with pytest.raises(ValueError, match="cannot move DLPack tensor from device"):
+        torch.from_dlpack(x, device="cuda:1", copy=False)
+
+
+# ---------------------------------------------------------------------- torch.compile's TF32 note
+def test_compiling_float32_products_for_an_ampere_gpu_warns_that_tf32_is_off(sim):
+    """Inductor warns, compiling a graph with float32 matrix products for a GPU from Ampere on
+    (the simulated GPUs say 8.0), that TF32 would speed them up; remotecuda's trace has CPU
+    values, whose device inductor's check of the graph reads, so it never warned."""
+    assert torch.cuda.get_device_capability() >= (8, 0)
+
+    def compile_and_run(dtype: torch.dtype, **options: Any) -> list:
+        model = torch.compile(torch.nn.Linear(4, 3).to("cuda", dtype), **options)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model(torch.ones(2, 4, device="cuda", dtype=dtype)).sum().backward()
+        return [str(w.message) for w in seen if w.category is UserWarning and "TensorFloat32" in str(w.message)]
+    assert compile_and_run(torch.float32)[0].startswith(
+        "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled. "
+        "Consider setting `torch.set_float32_matmul_precision('high')`")
+    assert compile_and_run(torch.float64) == []
+    assert compile_and_run(torch.float32, backend="aot_eager") == []  # (inductor's warning alone)
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert compile_and_run(torch.float32) == []
+    finally:
+        reset_fp32_precision()
 
 
 # ---------------------------------------------------------------------- CUDA_VISIBLE_DEVICES

@@ -108,6 +108,19 @@ def test_autograd_errors_name_cuda_tensors_as_a_gpu_does(remote):
         torch.tensor([1, 2], device="cuda", requires_grad=True)
 
 
+@pytest.mark.parametrize("make", [
+    lambda t: t.new_tensor([1, 2], requires_grad=True),
+    lambda t: t.new_tensor(t, requires_grad=True),
+    lambda t: torch.asarray(t, device="cuda", requires_grad=True),
+], ids=["new_tensor", "new_tensor_of_a_tensor", "asarray"])
+def test_an_integer_factory_requiring_grad_is_refused_in_the_factorys_words(remote, make):
+    """A factory's ``requires_grad=True`` for integers: C++'s set_requires_grad words it as
+    torch.tensor's refusal; ``new_tensor`` gave ``requires_grad_``'s "only Tensors of floating
+    point dtype ..."."""
+    with pytest.raises(RuntimeError, match="^Only Tensors of floating point and complex dtype can require gradients$"):
+        make(torch.arange(2, device="cuda"))
+
+
 def test_a_gradient_on_another_device_is_refused(remote):
     """``y.backward(torch.ones(3))`` for a 'cuda' ``y``: C++ skips its device check for tensor
     subclasses, and the leaf's ``.grad`` came out a CPU tensor; a GPU refuses the gradient."""

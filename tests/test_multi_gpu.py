@@ -220,3 +220,16 @@ def test_tensor_factories_of_a_cuda_tensor_move_it_to_the_device_named(two_gpus)
         [(torch.device("cuda:1"), torch.float64)]
     assert all(m.tolist() == [0.0, 1.0, 2.0] for m in made)
     assert torch.as_tensor(t, device="cuda:0") is t
+
+
+def test_asarray_without_a_copy_refuses_another_gpu(two_gpus):
+    """``torch.asarray(t, device=..., copy=False)`` of a cuda:0 tensor onto cuda:1, or onto
+    'cuda' while cuda:1 is current (torch gives 'cuda' the current index): torch's ValueError;
+    the upload copied it there. On its own GPU it is the tensor itself."""
+    t = torch.arange(3.0, device="cuda:0")
+    refused = "^can't alias tensor from device 'cuda:0' to 'cuda:1'.$"
+    with pytest.raises(ValueError, match=refused):
+        torch.asarray(t, device="cuda:1", copy=False)
+    with torch.cuda.device(1), pytest.raises(ValueError, match=refused):
+        torch.asarray(t, device="cuda", copy=False)
+    assert torch.asarray(t, device="cuda", copy=False) is t

@@ -234,3 +234,26 @@ def test_other_ops_on_a_sparse_cuda_tensor_say_plainly_they_are_not_supported():
     with pytest.raises(RuntimeError, match="expected scalar type Double but found Float"):
         torch.sparse.mm(s.double(), torch.ones(3, 2, device="cuda"))
     assert torch.equal(s.to_dense().cpu(), torch.eye(3))  # the session goes on
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled")
+@pytest.mark.parametrize(("indices", "nnz", "size", "check"), [
+    ([[0, 1], [1, 0]], 2, (1, 2), True),     # an index past its dimension
+    ([[0, -1], [1, 0]], 2, (2, 2), True),    # a negative index
+    ([[0, -1], [1, 0]], 2, (2, 2), "global"),  # (torch.sparse.check_sparse_tensor_invariants)
+    ([[0, 1], [1, 0]], 1, (2, 2), None),     # nnz of indices and values differ
+    ([[0, 1], [1, 0]], 2, (2,), None),       # fewer sizes than dimensions
+], ids=["past", "negative", "global", "nnz", "ndim"])
+def test_sparse_coo_tensor_of_cuda_indices_is_checked_as_torch_checks_it(indices, nnz, size, check):
+    """torch's checks of the arguments, in its words: the shapes always, the indices' values
+    where the invariant checks are on (they were not checked: a bad index was accepted)."""
+    def outcome(dev: str) -> str:
+        i, v = torch.tensor(indices, device=dev), torch.ones(nnz, device=dev)
+        kw = {} if check in (None, "global") else {"check_invariants": check}
+        try:
+            with torch.sparse.check_sparse_tensor_invariants(enable=check == "global"):
+                s = torch.sparse_coo_tensor(i, v, size, **kw)
+        except RuntimeError as e:
+            return str(e)
+        return f"made {tuple(s.shape)}"
+    assert outcome("cuda") == outcome("cpu")

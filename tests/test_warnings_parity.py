@@ -67,12 +67,34 @@ def autocast_under_the_programs_own_filter(dev):
         warnings.warn(f"raised: {raised}")
 
 
+def nested_autocast_softmax_without_dim(dev):
+    with torch.autocast(dev), torch.autocast(dev, enabled=False):
+        F.softmax(torch.randn(2, 3, device=dev))
+
+
+def nested_autocast_typed_storage(dev):
+    with torch.autocast(dev, dtype=torch.bfloat16), torch.autocast(dev, dtype=torch.bfloat16):
+        torch.ones(2, device=dev).storage()
+
+
 def tensor_of_a_tensor(dev):
     torch.tensor(torch.ones(3, device=dev))
 
 
 def tensor_of_a_tensor_on_the_device(dev):
     torch.tensor(torch.ones(3, device=dev), device=dev)
+
+
+def sparse_of_indices_on_the_device(dev):
+    i = torch.tensor([[0, 1], [1, 0]], device=dev)
+    torch.sparse_coo_tensor(i, torch.ones(2, device=dev), (2, 2))
+
+
+def reset_max_memory_allocated(dev):
+    try:
+        torch.cuda.reset_max_memory_allocated()
+    except AttributeError:  # (a CPU build has no allocator to reset, once it has warned)
+        pass
 
 
 def generate_with_a_deprecated_argument(dev):
@@ -253,6 +275,16 @@ def test_a_warning_instance_a_library_made_is_the_one_the_program_gets(records):
     _check(records, "warning_instance_of_a_library")
 
 
+@pytest.mark.parametrize("name", ["nested_autocast_softmax_without_dim", "nested_autocast_typed_storage"])
+def test_warnings_under_nested_autocast_blocks_are_at_the_programs_line(records, name):
+    """Nested ``torch.autocast('cuda')`` blocks (transformers' rotary embeddings turn autocast off
+    inside the user's block) stack two autocast modes, so a torch function that warns hands
+    itself over twice. Past the inner hand-over the warning was placed at the outer mode's
+    frame, remotecuda's, and issued again there, then found at the inner one's line (the same
+    line) and issued again: a RecursionError out of ``F.softmax(x)`` or ``t.storage()``."""
+    _check(records, name)
+
+
 def test_the_programs_filters_meet_such_warnings_at_its_line(records):
     """A filter for the program's own module (``filterwarnings("error", module=...)``) applies to
     them, as it does on a GPU; it did not match remotecuda's module, where they were placed."""
@@ -353,3 +385,16 @@ def test_the_first_op_does_not_show_shown_warnings_again(gateway, tmp_path):
         seen[dev] = [line for line in r.stderr.splitlines() if "Warning" in line]
     assert seen["cpu"] == [f"{path}:8: UserWarning: a note of the program's"]
     assert seen["cuda"] == seen["cpu"]
+
+
+def test_a_sparse_tensor_of_cuda_indices_warns_that_its_invariant_checks_are_off(records):
+    """``torch.sparse_coo_tensor`` of 'cuda' indices and values, opting neither in nor out of
+    the invariant checks: C++'s once-a-process warning, which the client's own sparse tensor
+    (sparse.py) never reached; now torch's constructor on meta stand-ins gives it."""
+    _check(records, "sparse_of_indices_on_the_device")
+
+
+def test_torch_cudas_own_deprecation_warnings_are_given(records):
+    """``torch.cuda.reset_max_memory_allocated`` warns that it resets every peak; remotecuda's
+    replacement of it did not (torch's own now runs, calling the replaced reset_peak_memory_stats)."""
+    _check(records, "reset_max_memory_allocated")
