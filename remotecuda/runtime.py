@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from remotecuda_wire import protocol
 
+from . import forked_child
 from .dispatch import Dispatcher
 from .dispatch_cache import DispatchCache
 from .errors import RemoteCUDAError
@@ -248,6 +249,7 @@ def start(servers: list[str], install: Callable[[Runtime], Installed], *, fallba
     global _current
     if _current is not None:
         return _current
+    forked_child.leave()  # (a forked child activating itself: torch.cuda is interception's again)
     rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices)
     _current = rt
     try:
@@ -271,7 +273,8 @@ def stop() -> None:
 
 def release_in_forked_child() -> None:
     """In a forked child: drop the parent's runtime without closing it (its sockets are the
-    parent's, and a lock another thread held at the fork stays held), undoing interception."""
+    parent's, and a lock another thread held at the fork stays held), undoing interception, and
+    leave the child unable to use 'cuda' as a GPU's child is (forked_child.py)."""
     global _current
     rt, _current = _current, None
     if rt is not None:
@@ -279,3 +282,4 @@ def release_in_forked_child() -> None:
         if rt.interception is not None:
             rt.interception.remove()
         rt.pool.abandon()
+        forked_child.enter(len(rt.pool.devices))
