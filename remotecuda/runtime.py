@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from remotecuda_wire import protocol
 
-from . import forked_child
+from . import discovery, forked_child
 from .dispatch import Dispatcher
 from .dispatch_cache import DispatchCache
 from .errors import RemoteCUDAError
@@ -61,7 +61,10 @@ class Runtime:
     """One activation of remotecuda (see the module's docstring for what it owns)."""
 
     def __init__(self, servers: list[str], *, fallback: str = "cpu", sync: bool = False,
-                 strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None) -> None:
+                 strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None, named: str = "") -> None:
+        #: the gateways as the program named them (``activate(servers)``, keys included), which the
+        #: processes it starts are told of (discovery.tell_children); empty: not named
+        self.named = named
         self.current_device = 0
         #: the last ``manual_seed``/``manual_seed_all``, for sessions opened later
         self.seed: int | None = None
@@ -243,14 +246,15 @@ def active() -> Runtime | None:
 
 
 def start(servers: list[str], install: Callable[[Runtime], Installed], *, fallback: str = "cpu",
-          sync: bool = False, strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None) -> Runtime:
+          sync: bool = False, strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None,
+          named: str = "") -> Runtime:
     """Make a runtime for ``servers`` (empty: discovery), make it current, and install interception
     with ``install``; the active runtime, if there is one already."""
     global _current
     if _current is not None:
         return _current
     forked_child.leave()  # (a forked child activating itself: torch.cuda is interception's again)
-    rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices)
+    rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices, named=named)
     _current = rt
     try:
         rt.interception = install(rt)
@@ -281,5 +285,6 @@ def release_in_forked_child() -> None:
         atexit.unregister(rt.at_exit)
         if rt.interception is not None:
             rt.interception.remove()
+        discovery.tell_forked_child(rt.named)
         rt.pool.abandon()
         forked_child.enter(len(rt.pool.devices))

@@ -14,6 +14,8 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, random_split
 
 import remotecuda
 
+from conftest import private_discovery, run_python
+
 pytestmark = pytest.mark.usefixtures("remote")
 
 #: what a GPU's torch raises at a forked child's first CUDA use (torch/cuda/__init__.py, _lazy_init)
@@ -112,8 +114,9 @@ def test_a_cuda_generator_given_to_data_loading_raises_torchs_error(use):
         use(torch.Generator(device="cuda").manual_seed(1))
 
 
-def _child(conn, gateway: str) -> None:
-    """In a child forked after the parent used 'cuda': what it sees, then its own activation."""
+def _child(conn) -> None:
+    """In a child forked after the parent used 'cuda': what it sees, then its own activation, which
+    finds the gateways the parent named (the run's are not heard on multicast)."""
     seen: list = [torch.cuda.is_available(), torch.cuda.device_count()]
     torch.manual_seed(0)  # (leaves the CUDA generators alone, as in a bad fork)
     for use in (lambda: torch.zeros(2, device="cuda"), lambda: torch.ones(2).cuda(),
@@ -123,22 +126,36 @@ def _child(conn, gateway: str) -> None:
             seen.append("no error")
         except BaseException as e:  # noqa: BLE001  (the kind is what is compared)
             seen.append(f"{type(e).__name__}: {e}")
-    remotecuda.activate(gateway, fallback="error")  # a child may activate itself: its own session
+    remotecuda.activate(fallback="error")  # a child may activate itself: its own session
     torch.manual_seed(0)
     seen.append(torch.randn(3, device="cuda").tolist())
     remotecuda.deactivate()
     conn.send(seen)
 
 
-def test_a_child_forked_after_cuda_use_is_a_bad_fork_until_it_activates(gateway):
+def test_a_child_forked_after_cuda_use_is_a_bad_fork_until_it_activates():
     x = torch.ones(2, device="cuda") * 2
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(send, gateway.address))
+    child = ctx.Process(target=_child, args=(send,))
     child.start()
+    send.close()  # (the child's end only: a child that fails ends the pipe, not a 120 s wait)
     seen = receive.recv() if receive.poll(120) else "no answer"
     child.join(30)
     torch.manual_seed(0)
     assert seen == [True, torch.cuda.device_count(), *[f"RuntimeError: {BAD_FORK}"] * 4,
                     torch.randn(3, device="cuda").tolist()], seen
     assert x.sum().item() == 4.0 and os.getpid() != child.pid
+
+
+def test_a_started_process_that_activates_finds_the_gateways_the_program_named(gateway):
+    """``activate("host:port")`` and then a spawned child (``mp.spawn``, a DataLoader's spawn
+    workers, ``subprocess``) that calls ``remotecuda.activate()``, as the README says to: the child
+    looked for gateways by multicast, which does not cross networks, and found none (or another
+    one); it is told of the named ones, as ``remotecuda run --server`` tells it."""
+    code = ("import torch, remotecuda\n"
+            "remotecuda.activate(fallback='error')\n"
+            "print(remotecuda.runtime.active().pool.devices[0].endpoint, torch.ones(2, device='cuda').sum().item())")
+    unheard = {"REMOTECUDA_DISCOVERY": private_discovery()}  # (a network where no gateway announces itself)
+    r = run_python(code, env=unheard, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == [gateway.endpoint, "2.0"], r.stderr[-2000:]
