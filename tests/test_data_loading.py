@@ -159,3 +159,19 @@ def test_a_started_process_that_activates_finds_the_gateways_the_program_named(g
     unheard = {"REMOTECUDA_DISCOVERY": private_discovery()}  # (a network where no gateway announces itself)
     r = run_python(code, env=unheard, timeout=120)
     assert r.returncode == 0 and r.stdout.split() == [gateway.endpoint, "2.0"], r.stderr[-2000:]
+
+
+def _hf_rows(device: str) -> list:
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"x": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "y": [0, 1, 2]})
+    rows = ds.with_format("torch", device=device)
+    seen = [rows[0]["x"], rows[:2]["y"]]
+    seen += [x * 2 + y[:, None] for x, y in ((b["x"], b["y"]) for b in DataLoader(rows, batch_size=2))]
+    assert all(t.device.type == device for t in seen)
+    return [t.cpu() for t in seen]
+
+
+def test_hugging_face_datasets_formatted_for_cuda_give_what_they_give_on_the_cpu():
+    """``ds.with_format("torch", device="cuda")``: rows, slices and a DataLoader's batches on 'cuda'."""
+    remote, local = _hf_rows("cuda"), _hf_rows("cpu")
+    assert len(remote) == 4 and all(torch.equal(r, c) and r.dtype == c.dtype for r, c in zip(remote, local))
