@@ -98,6 +98,11 @@ class RemoteStorage(torch.UntypedStorage):
     def device(self) -> torch.device:  # type: ignore[override]
         return self.__dict__["_device"]
 
+    def is_shared(self) -> bool:
+        """True, as torch says of every CUDA storage (device memory is shared between processes
+        without moving it; ``share_memory_`` leaves it): the meta storage's own answer is False."""
+        return True
+
     def tensor(self) -> RemoteTensor:
         """A wrapper of the gateway tensor that owns this storage, as its owner saw it when the
         storage was asked for. It shares the owner's handle, which this storage keeps, as a GPU's

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -175,3 +176,16 @@ def test_hugging_face_datasets_formatted_for_cuda_give_what_they_give_on_the_cpu
     """``ds.with_format("torch", device="cuda")``: rows, slices and a DataLoader's batches on 'cuda'."""
     remote, local = _hf_rows("cuda"), _hf_rows("cpu")
     assert len(remote) == 4 and all(torch.equal(r, c) and r.dtype == c.dtype for r, c in zip(remote, local))
+
+
+def test_a_cuda_storage_is_shared_as_torch_says_of_every_cuda_storage():
+    """Hogwild-style code asks whether parameters are in shared memory before starting processes:
+    torch answers True for every CUDA storage (StorageSharing.cpp, isShared), and ``share_memory_``
+    leaves a CUDA tensor as it is. The tensor said True, but its storage said False."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (TypedStorage is deprecated)
+        model = torch.nn.Linear(2, 2).cuda().share_memory()
+        w = model.weight
+        assert w.device.type == "cuda" and w.is_shared() and not w.is_pinned()
+        assert w.untyped_storage().is_shared() and w.storage().is_shared()
+        assert w.untyped_storage().share_memory_().is_shared()
