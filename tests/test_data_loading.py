@@ -189,3 +189,31 @@ def test_a_cuda_storage_is_shared_as_torch_says_of_every_cuda_storage():
         assert w.device.type == "cuda" and w.is_shared() and not w.is_pinned()
         assert w.untyped_storage().is_shared() and w.storage().is_shared()
         assert w.untyped_storage().share_memory_().is_shared()
+
+
+class CudaRows(Dataset):
+    """Items made on 'cuda' (in a spawned worker that activated remotecuda itself)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((2,), float(i), device="cuda")
+
+
+def _activate(worker_id: int) -> None:
+    remotecuda.activate(fallback="error")
+
+
+def test_spawned_workers_making_cuda_batches_say_cuda_tensors_cannot_cross_processes():
+    """A GPU's spawned workers send 'cuda' batches by CUDA IPC, which remote devices lack (README's
+    limits). default_collate makes a worker's batch in memory to share (``_new_shared``): it said
+    "torch.UntypedStorage(): Storage device not recognized: cuda", as if 'cuda' were unknown there."""
+    loader = DataLoader(CudaRows(), batch_size=2, num_workers=1, multiprocessing_context="spawn",
+                        worker_init_fn=_activate, timeout=120)
+    batches = iter(loader)
+    try:
+        with pytest.raises(NotImplementedError, match="a cuda tensor cannot be sent to another process"):
+            next(batches)
+    finally:
+        batches._shutdown_workers()  # (now: the error's traceback keeps the iterator, and its worker, alive)
