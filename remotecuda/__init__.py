@@ -88,8 +88,9 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
     pins = devices_from_env() if devices is None else parse_devices(devices, "devices")
     progress.after()  # a malformed REMOTECUDA_PROGRESS is refused now, not at the first long transfer
     lazydynamo.install()  # the first op on 'cuda' must not wait ~1 s for torch._dynamo
+    named = servers if isinstance(servers, str) or servers is None else ",".join(servers)
     return runtime.start(servers_from_env(servers), interception.install, fallback=fallback, sync=sync,
-                         strategy=strategy, devices=pins)
+                         strategy=strategy, devices=pins, named=named or "")
 
 
 def set_strategy(name: str) -> None:

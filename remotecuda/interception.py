@@ -54,6 +54,7 @@ from . import (
     data_parallel,
     decode,
     device_type,
+    discovery,
     distributed,
     distributions,
     dlpack,
@@ -1401,6 +1402,7 @@ def install(rt: Runtime) -> Interception:
     downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
     device_type.install(p)
     hub_kernels.install(p)
+    discovery.tell_children(p, rt.named)
     library_caches.clear()
     expanded_weights.install(p)
     nested.install(p)

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from remotecuda_wire import protocol
 
+from . import discovery, forked_child
 from .dispatch import Dispatcher
 from .dispatch_cache import DispatchCache
 from .errors import RemoteCUDAError
@@ -60,7 +61,10 @@ class Runtime:
     """One activation of remotecuda (see the module's docstring for what it owns)."""
 
     def __init__(self, servers: list[str], *, fallback: str = "cpu", sync: bool = False,
-                 strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None) -> None:
+                 strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None, named: str = "") -> None:
+        #: the gateways as the program named them (``activate(servers)``, keys included), which the
+        #: processes it starts are told of (discovery.tell_children); empty: not named
+        self.named = named
         self.current_device = 0
         #: the last ``manual_seed``/``manual_seed_all``, for sessions opened later
         self.seed: int | None = None
@@ -242,13 +246,15 @@ def active() -> Runtime | None:
 
 
 def start(servers: list[str], install: Callable[[Runtime], Installed], *, fallback: str = "cpu",
-          sync: bool = False, strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None) -> Runtime:
+          sync: bool = False, strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None,
+          named: str = "") -> Runtime:
     """Make a runtime for ``servers`` (empty: discovery), make it current, and install interception
     with ``install``; the active runtime, if there is one already."""
     global _current
     if _current is not None:
         return _current
-    rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices)
+    forked_child.leave()  # (a forked child activating itself: torch.cuda is interception's again)
+    rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices, named=named)
     _current = rt
     try:
         rt.interception = install(rt)
@@ -271,11 +277,14 @@ def stop() -> None:
 
 def release_in_forked_child() -> None:
     """In a forked child: drop the parent's runtime without closing it (its sockets are the
-    parent's, and a lock another thread held at the fork stays held), undoing interception."""
+    parent's, and a lock another thread held at the fork stays held), undoing interception, and
+    leave the child unable to use 'cuda' as a GPU's child is (forked_child.py)."""
     global _current
     rt, _current = _current, None
     if rt is not None:
         atexit.unregister(rt.at_exit)
         if rt.interception is not None:
             rt.interception.remove()
+        discovery.tell_forked_child(rt.named)
         rt.pool.abandon()
+        forked_child.enter(len(rt.pool.devices))

@@ -358,10 +358,27 @@ def _not_shared(t: RemoteTensor) -> Any:
     """multiprocessing's pickler (a Queue, a spawned Process's arguments) shares a CUDA tensor by
     CUDA IPC, so that both processes see one memory (Hogwild's shared weights); a remote device
     offers no such sharing, and a copy would silently break what the program relies on."""
-    raise NotImplementedError(
+    raise _sharing_refused()
+
+
+def _sharing_refused() -> NotImplementedError:
+    return NotImplementedError(
         "remotecuda: a cuda tensor cannot be sent to another process (torch.multiprocessing shares CUDA "
         "tensors through CUDA IPC, which remote devices do not offer); send a CPU copy (t.cpu()) and move it "
         "to 'cuda' there, or use threads")
+
+
+def _new_shared(original: Callable) -> classmethod:
+    """``UntypedStorage._new_shared``: a storage made to be sent to another process (a
+    DataLoader worker's ``default_collate`` stacks its batch into one). For 'cuda' it is refused
+    as the sending would be (``_not_shared``), in the worker, where the program sees it; torch's
+    would make a CUDA storage by ``UntypedStorage(size, device='cuda')``, which a CPU-only torch
+    does not know ("Storage device not recognized: cuda")."""
+    def new_shared(cls: type, size: int, *, device: Any = "cpu") -> Any:
+        if torch.device(device).type == "cuda":
+            raise _sharing_refused()
+        return original(cls, size, device=device)
+    return classmethod(new_shared)
 
 
 _registered = False
@@ -373,6 +390,8 @@ def install(patches: Any) -> None:
         torch.serialization.register_package(0, _tag, _deserialize)
         _registered = True
     ForkingPickler.register(RemoteTensor, _not_shared)  # (inert for other types: nothing to undo)
+    shared = vars(torch.storage._StorageBase)["_new_shared"].__func__  # (the raw classmethod's function)
+    patches.set(torch.UntypedStorage, "_new_shared", _new_shared(shared))
     patches.set(torch, "load", _make_load(torch.load))
     patches.set(torch, "save", _make_save(torch.save))
     patches.set(RemoteTensor, "__reduce_ex__", _reduce_ex(RemoteTensor.__reduce_ex__))

@@ -12,7 +12,6 @@ weakref finalizer: ``torch.utils.swap_tensors`` (which keeps Parameter identity 
 from __future__ import annotations
 
 import functools
-import multiprocessing
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -20,6 +19,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 
 from remotecuda_wire.protocol import handle_ext
 
+from . import forked_child
 from .errors import GatewayLostError
 
 _DEVICES: dict[int, torch.device] = {}
@@ -60,7 +60,7 @@ def is_pinned(t: torch.Tensor, device: Any = None) -> bool:
 
 
 def _not_active(func: Any, args: tuple, kwargs: dict) -> Any:
-    if multiprocessing.parent_process() is not None:  # a forked child: a GPU's torch refuses it so
+    if forked_child.forked():  # a GPU's torch refuses a parent's CUDA tensor in a forked child so
         raise RuntimeError("Cannot re-initialize CUDA in forked subprocess (remotecuda: a forked process, a "
                            "DataLoader's worker among them, cannot use the parent's 'cuda' tensors; keep a "
                            f"dataset's tensors on the CPU and move each batch to 'cuda' in the main process) ({func})")
@@ -96,6 +96,11 @@ class RemoteStorage(torch.UntypedStorage):
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return self.__dict__["_device"]
+
+    def is_shared(self) -> bool:
+        """True, as torch says of every CUDA storage (device memory is shared between processes
+        without moving it; ``share_memory_`` leaves it): the meta storage's own answer is False."""
+        return True
 
     def tensor(self) -> RemoteTensor:
         """A wrapper of the gateway tensor that owns this storage, as its owner saw it when the
