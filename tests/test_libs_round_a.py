@@ -53,6 +53,7 @@ def test_a_wrapper_subclass_over_a_cuda_tensor_is_on_cuda_and_indexes(remote):
     devices") at ``w[0]``, as PyG's ``edge_index[0]`` (GCNConv's self loops) over an EdgeIndex."""
     w = Wrap(torch.zeros(2, 3).cuda())
     assert (w.device, w.is_cuda, w.is_meta, w.get_device()) == (torch.device("cuda", 0), True, False, 0)
+    assert w.type() == "torch.cuda.FloatTensor"  # (not 'torch.meta.FloatTensor')
     for got, want in zip(_wrapper_ops("cuda"), _wrapper_ops("cpu"), strict=True):
         assert got.device.type == "cuda"
         torch.testing.assert_close(got.cpu(), want)
