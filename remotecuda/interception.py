@@ -71,11 +71,11 @@ from . import (
     runtime,
     serialization,
     sparse,
+    tensor_subclasses,
     torchscript,
     transfer,
     transformer_encoder,
     warning_location,
-    wrapper_subclasses,
 )
 from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
@@ -808,11 +808,11 @@ def _remote_under_transform(t: torch.Tensor) -> RemoteTensor | None:
 def _remote_device(t: torch.Tensor) -> torch.device | None:
     """The 'cuda' device a C++ meta tensor stands for: that of the remote tensor inside it
     (``_remote_under_transform``), or the one another library's wrapper subclass was made for
-    (wrapper_subclasses.py); None for any other tensor."""
+    (tensor_subclasses.py); None for any other tensor."""
     if not _IS_META(t):
         return None
     remote = _remote_under_transform(t)
-    return remote.device if remote is not None else wrapper_subclasses.device_of(t)
+    return remote.device if remote is not None else tensor_subclasses.device_of(t)
 
 
 #: what each identity property says of a tensor that stands for a 'cuda' device
@@ -1401,7 +1401,10 @@ def install(rt: Runtime) -> Interception:
     p.set(torch.Tensor, "get_device", _get_device)
     # (a staticmethod, as torch's: a class may call it through an instance)
     p.set(torch.Tensor, "_make_wrapper_subclass", staticmethod(
-        _routed(torch.Tensor._make_wrapper_subclass, wrapper_subclasses.make)))
+        _routed(torch.Tensor._make_wrapper_subclass, tensor_subclasses.make_wrapper)))
+    p.set(torch.Tensor, "_make_subclass", staticmethod(
+        _routed(torch.Tensor._make_subclass, tensor_subclasses.make_subclass)))
+    p.set(torch.Tensor, "as_subclass", _routed(torch.Tensor.as_subclass, tensor_subclasses.as_subclass))
     lazy_modules.install(p)
     profile = torch.autograd.profiler.profile
     p.set(profile, "__init__", _profile_init(profile.__init__))

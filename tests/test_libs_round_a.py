@@ -106,3 +106,62 @@ def test_pyg_edge_index_and_hash_tensor_on_cuda(remote):
     for got, want in zip(run("cuda"), run("cpu"), strict=True):
         torch.testing.assert_close(got.detach().cpu(), want.detach(), rtol=1e-4, atol=1e-5)
 
+
+class Sub(torch.Tensor):
+    """A plain subclass, as fastai's TensorBase: results of its ops stay in it."""
+
+
+class Unwrapping(torch.Tensor):
+    """torchvision's tv_tensors pattern: most ops give plain tensors, a few keep the subclass."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        keep = func in (torch.Tensor.clone, torch.Tensor.to, torch.Tensor.detach)
+        return out.as_subclass(cls) if keep and isinstance(out, torch.Tensor) else out
+
+
+def _plain_subclasses(dev: str) -> tuple[list[str], list[torch.Tensor]]:
+    x = torch.arange(6.).reshape(2, 3).to(dev).requires_grad_()
+    s = x.as_subclass(Sub)
+    u = torch.ones(3, device=dev).as_subclass(Unwrapping)
+    w = torch.Tensor._make_subclass(Sub, torch.linspace(0, 1, 6, device=dev).reshape(2, 3), True)
+    results = [s * 2, s[0], s.cpu(), u.clone(), u * 2, u.to(torch.float64), w @ torch.ones(3, device=dev)]
+    (s * s).sum().backward()
+    (w @ torch.ones(3, device=dev)).sum().backward()
+    names = [type(r).__name__ for r in results] + [r.device.type for r in results]
+    return names, [x.grad, w.grad, *(r.as_subclass(torch.Tensor) for r in results)]
+
+
+def test_plain_subclasses_of_a_cuda_tensor(remote):
+    """``x.as_subclass(Sub)`` and ``Tensor._make_subclass(Sub, x)`` of a 'cuda' tensor raised
+    "the raw Tensor object is already associated to a python object of type Tensor": the new
+    object is now a ``Sub`` that is remote, whose ops keep (or drop) the subclass as ``Sub``'s
+    ``__torch_function__`` says, and whose result moved to the CPU is a plain ``Sub``."""
+    (names, got), (cpu_names, want) = _plain_subclasses("cuda"), _plain_subclasses("cpu")
+    n = len(names) // 2
+    assert names[:n] == cpu_names[:n] == ["Sub", "Sub", "Sub", "Unwrapping", "Tensor", "Unwrapping", "Sub"]
+    assert names[n:] == ["cuda", "cuda", "cpu", "cuda", "cuda", "cuda", "cuda"]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.detach().cpu(), w.detach())
+    s = torch.zeros(2).cuda().as_subclass(Sub)
+    assert isinstance(s, Sub) and type(s).__name__ == "Sub" and s.is_cuda
+    assert type(s.as_subclass(torch.Tensor)).__name__ == "Tensor"
+
+
+def test_a_plain_subclass_of_a_cuda_tensor_saves_pickles_and_prints(remote):
+    """Such a tensor is saved as torch saves a subclass (``torch.save`` and pickling kept neither
+    the class nor its attributes), and prints as one (its repr formatted ``Sub`` elements)."""
+    import io
+    import pickle
+
+    s = torch.arange(3.).cuda().as_subclass(Sub)
+    s.tag = "kept"
+    buf = io.BytesIO()
+    torch.save({"s": s}, buf)
+    buf.seek(0)
+    for back in (torch.load(buf, weights_only=False)["s"], pickle.loads(pickle.dumps(s))):
+        assert isinstance(back, Sub) and back.is_cuda and back.tag == "kept"
+        torch.testing.assert_close(back.cpu().as_subclass(torch.Tensor), torch.arange(3.))
+    assert repr(s) == "Sub([0., 1., 2.], device='cuda:0')"
