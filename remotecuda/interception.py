@@ -73,6 +73,7 @@ from . import (
     runtime,
     serialization,
     sparse,
+    tensor_subclasses,
     torchscript,
     transfer,
     transformer_encoder,
@@ -851,22 +852,39 @@ def _remote_under_transform(t: torch.Tensor) -> RemoteTensor | None:
     return t if isinstance(t, RemoteTensor) else None
 
 
+def _remote_device(t: torch.Tensor) -> torch.device | None:
+    """The 'cuda' device a C++ meta tensor stands for: that of the remote tensor inside it
+    (``_remote_under_transform``), or the one another library's wrapper subclass was made for
+    (tensor_subclasses.py); None for any other tensor."""
+    if not _IS_META(t):
+        return None
+    remote = _remote_under_transform(t)
+    return remote.device if remote is not None else tensor_subclasses.device_of(t)
+
+
+#: what each identity property says of a tensor that stands for a 'cuda' device
+_OF_REMOTE: dict[str, Callable[[torch.device], Any]] = {
+    "device": lambda d: d, "is_cuda": lambda d: True, "is_meta": lambda d: False}
+
+
 def _identity_property(name: str) -> property:
     """``Tensor.<name>`` (device, is_cuda, is_meta) answering for the remote tensor inside a
-    torch.func wrapper, as a GPU's wrapper does: per-sample gradients run model code such as
-    ``torch.arange(n, device=x.device)`` and ``.to(other)`` under vmap and grad."""
+    torch.func wrapper, as a GPU's wrapper does (per-sample gradients run model code such as
+    ``torch.arange(n, device=x.device)`` and ``.to(other)`` under vmap and grad), and for another
+    library's wrapper subclass made for 'cuda'."""
     getset = vars(torch._C.TensorBase)[name]
     plain = getset.__get__
+    of_remote = _OF_REMOTE[name]
 
     def get(self: torch.Tensor) -> Any:
-        remote = _remote_under_transform(self)
-        return plain(self) if remote is None else getattr(remote, name)
+        device = _remote_device(self)
+        return plain(self) if device is None else of_remote(device)
     return property(get, doc=getset.__doc__)
 
 
 def _get_device(self: torch.Tensor) -> int:
-    remote = _remote_under_transform(self)
-    return torch._C.TensorBase.get_device(self) if remote is None else remote.get_device()
+    device = _remote_device(self)
+    return torch._C.TensorBase.get_device(self) if device is None else device.index
 
 
 def _profile_init(original: Callable) -> Callable:
@@ -1422,6 +1440,12 @@ def install(rt: Runtime) -> Interception:
     for name in ("device", "is_cuda", "is_meta"):
         p.set(torch.Tensor, name, _identity_property(name))
     p.set(torch.Tensor, "get_device", _get_device)
+    # (a staticmethod, as torch's: a class may call it through an instance)
+    p.set(torch.Tensor, "_make_wrapper_subclass", staticmethod(
+        _routed(torch.Tensor._make_wrapper_subclass, tensor_subclasses.make_wrapper)))
+    p.set(torch.Tensor, "_make_subclass", staticmethod(
+        _routed(torch.Tensor._make_subclass, tensor_subclasses.make_subclass)))
+    p.set(torch.Tensor, "as_subclass", _routed(torch.Tensor.as_subclass, tensor_subclasses.as_subclass))
     lazy_modules.install(p)
     profile = torch.autograd.profiler.profile
     p.set(profile, "__init__", _profile_init(profile.__init__))

@@ -83,8 +83,12 @@ SPARSE_REPLACEMENTS = {name: _CudaSparseType(name, (), {"__module__": "torch.cud
 
 def tensor_type(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``Tensor.type`` of a CPU tensor given a CUDA type or its name ('torch.cuda.FloatTensor'):
-    the tensor moved to the current 'cuda' device with that dtype."""
+    the tensor moved to the current 'cuda' device with that dtype. Asked for its name, a C++ meta
+    tensor that stands for a 'cuda' one (another library's wrapper subclass, a nested tensor over
+    remote values: its ``is_cuda`` says so) names the CUDA type, as on a GPU."""
     dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+    if dtype is None and args[0].is_cuda:
+        return func(*args, **kwargs).replace("torch.meta.", "torch.cuda.", 1)
     name = dtype if isinstance(dtype, str) else \
         f"{dtype.__module__}.{dtype.__name__}" if isinstance(dtype, _CudaTensorType) else None
     legacy = LEGACY_TYPES.get(name.removeprefix("torch.cuda.")) if name and name.startswith("torch.cuda.") else None

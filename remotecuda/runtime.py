@@ -82,6 +82,8 @@ class Runtime:
         #: ``torch.set_default_tensor_type`` named a CUDA type (legacy_types.py): 'cuda' is the default
         #: device by it, and ``torch.Tensor(...)`` builds there
         self.default_type_cuda = False
+        #: another library's tensor subclass → the class of remote tensors that are one (tensor_subclasses.py)
+        self.remote_subclasses: dict[type, type] = {}
         #: (device kind, input layouts and options) → the attention backend the gateway picked
         self.sdpa_choices: dict[tuple, int] = {}
         #: each optimizer whose step on 'cuda' parameters waited for the work before it → the

@@ -30,7 +30,7 @@ import torch
 
 from . import downloads, runtime
 from .device_type import DEVICE
-from .tensor import RemoteStorage, RemoteTensor, extent
+from .tensor import RemoteStorage, RemoteTensor, as_subclass_reduction, extent
 
 #: during torch.load: ``current``, its _Load
 _loading = threading.local()
@@ -330,10 +330,10 @@ def _reduce_ex(plain: Any) -> Any:
                        OrderedDict())
         if self.dtype in torch.storage._new_dtypes():
             storage._fake_device = self.device  # type: ignore[attr-defined]  # (what the file names)
-            return (torch._utils._rebuild_tensor_v3, (storage, *args, self.dtype))
+            return as_subclass_reduction(self, (torch._utils._rebuild_tensor_v3, (storage, *args, self.dtype)))
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=self.dtype, _internal=True)
         typed._fake_device = storage._fake_device = self.device  # type: ignore[attr-defined]
-        return (torch._utils._rebuild_tensor_v2, (typed, *args))
+        return as_subclass_reduction(self, (torch._utils._rebuild_tensor_v2, (typed, *args)))
     return __reduce_ex__
 
 

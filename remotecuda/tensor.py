@@ -263,10 +263,12 @@ class RemoteTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # (torch's stub)
         from torch._tensor_str import _str
-        if tensor_contents is None:
-            with torch.no_grad():
-                tensor_contents = self._contents()
-        text = _str(self, tensor_contents=tensor_contents).replace("Tensor(", "tensor(", 1)
+        # (ops of another library's subclass give plain tensors here, as under torch's own repr)
+        with torch._C.DisableTorchFunctionSubclass():
+            if tensor_contents is None:
+                with torch.no_grad():
+                    tensor_contents = self._contents()
+            text = _str(self, tensor_contents=tensor_contents).replace("Tensor(", "tensor(", 1)
         if isinstance(self, torch.nn.Parameter):  # torch writes "Parameter(...)" for a subclass
             return "Parameter containing:\n" + text.removeprefix("Parameter(").removesuffix(")")
         return text
@@ -332,14 +334,25 @@ class RemoteTensor(torch.Tensor):
             from collections import OrderedDict
             return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
         cpu = self.detach().cpu().clone()
-        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-                (cpu, self.dtype, str(self.device), self.requires_grad))
+        return as_subclass_reduction(self, (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                                            (cpu, self.dtype, str(self.device), self.requires_grad)))
 
 
 #: torch's messages name a tensor by its type's name, as a GPU's do: "Expected parameter scale (Tensor
 #: of shape (1,)) of distribution Normal ...", the argument parser's "got (Tensor, out=Tensor)"
 #: (the qualified name, in ``repr(type(t))``, stays RemoteTensor)
 RemoteTensor.__name__ = "Tensor"
+
+
+def as_subclass_reduction(t: RemoteTensor, reduction: tuple) -> tuple:
+    """``reduction`` (a rebuild function and its arguments) of a remote tensor, for one that is
+    another library's subclass (tensor_subclasses.py) as torch reduces one: rebuilt, then made that
+    library's class with its attributes (all but the underscored ones, where remotecuda's are)."""
+    if type(t) is RemoteTensor:
+        return reduction
+    library = next(c for c in type(t).__mro__ if not issubclass(c, RemoteTensor))
+    state = {k: v for k, v in t.__dict__.items() if not k.startswith("_")}
+    return (torch._tensor._rebuild_from_type_v2, (reduction[0], library, reduction[1], state))
 
 
 def contiguous_strides(shape: tuple) -> tuple:

@@ -1,0 +1,121 @@
+"""Other libraries' tensor subclasses over 'cuda' tensors.
+
+Two kinds. A *wrapper* subclass (PyG's ``EdgeIndex``, ``Index`` and ``HashTensor``, a user's own
+``__torch_dispatch__`` class) holds a plain tensor and makes itself with
+``Tensor._make_wrapper_subclass``: a C++ tensor with no data, on the device it is given, which such
+a class takes from the tensor it wraps (``device=data.device``: 'cuda:N' for a remote one). On a
+CPU-only torch a C++ tensor on 'cuda' fails at the first thing C++ does with that device:
+indexing's device guard raises "PyTorch is not linked with support for cuda devices", and
+autograd, recording one that requires grad, aborts the process. So while remotecuda is active a
+wrapper asked for on 'cuda' is made on 'meta', as RemoteTensor is, and keeps the device it was
+asked for, which ``Tensor.device``, ``is_cuda`` and ``get_device`` answer with (interception's
+identity properties). Its ops still reach its own ``__torch_dispatch__`` first, which unwraps it
+into ops on the remote tensors.
+
+A *plain* subclass (``x.as_subclass(Sub)``, ``Tensor._make_subclass(Sub, x)``: torchvision's
+``tv_tensors``, MONAI's ``MetaTensor``, fastai's ``TensorBase``) is a second Python object of the
+same C++ tensor. A remote tensor's C++ tensor answers to its RemoteTensor object, which C++ will not
+give a class that is not a RemoteTensor ("already associated to a python object of type Tensor"),
+and a plain ``Sub`` would not know its gateway handle either. So the new object's class is one that
+is both: a subclass of ``Sub`` and of RemoteTensor, named as ``Sub`` (``isinstance(t, Sub)`` holds;
+``type(t) is Sub`` does not), with ``Sub``'s ``__torch_function__``, which keeps results in the
+subclass as on a GPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import runtime
+from .tensor import RemoteTensor
+
+#: the ``__dict__`` key under which a wrapper made on 'meta' keeps the 'cuda' device it stands for
+DEVICE_KEY = "_remotecuda_device"
+_META = torch.device("meta")
+#: the device's place among the positional arguments (cls, size, strides, storage_offset,
+#: memory_format, dtype, layout, device, ...), where torch's parser also takes it
+_DEVICE_AT = 7
+
+
+def make_wrapper(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``Tensor._make_wrapper_subclass(cls, size, ..., device=...)``: on 'meta' when the device is
+    'cuda' (its index the current device's when it names none, as CUDA's factories read it)."""
+    positional = len(args) > _DEVICE_AT
+    device = args[_DEVICE_AT] if positional else kwargs.get("device")
+    if device is None or torch.device(device).type != "cuda":
+        return original(*args, **kwargs)
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if positional:
+        out = original(*args[:_DEVICE_AT], _META, *args[_DEVICE_AT + 1:], **kwargs)
+    else:
+        out = original(*args, **{**kwargs, "device": _META})
+    out.__dict__[DEVICE_KEY] = device
+    return out
+
+
+def device_of(t: torch.Tensor) -> Any:
+    """The 'cuda' device a wrapper made by ``make_wrapper`` stands for, or None (any other tensor)."""
+    return t.__dict__.get(DEVICE_KEY)
+
+
+def as_subclass(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``x.as_subclass(cls)``: of a remote ``x``, an alias of it (as torch's is) of ``cls``'s
+    remote class."""
+    x, cls = (args + (kwargs.get("cls"),))[:2]
+    if not isinstance(x, RemoteTensor):  # (a remote class's result moved to the CPU: the library's class)
+        return original(x, _library_class(cls))
+    return _become(torch.ops.aten.alias.default(x), cls)
+
+
+def make_subclass(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``Tensor._make_subclass(cls, data, require_grad=False)``: of a remote ``data``, a detached
+    alias of it (as torch's is) of ``cls``'s remote class, requiring grad as asked."""
+    cls, data = args[:2]
+    if not isinstance(data, RemoteTensor) or len(args) > 3 or set(kwargs) - {"require_grad"}:
+        # (a plain tensor, or the options only torch's own subclasses use)
+        return original(_library_class(cls), *args[1:], **kwargs)
+    require_grad = args[2] if len(args) > 2 else kwargs.get("require_grad", False)
+    return _become(data.detach().requires_grad_(require_grad), cls)
+
+
+def _become(t: torch.Tensor, cls: type) -> torch.Tensor:
+    """``t`` (a new remote tensor of its own) made a ``cls``, by the remote class of ``cls``."""
+    if not isinstance(cls, type) or not issubclass(cls, torch.Tensor):
+        raise TypeError(f"cls must be a type (got {cls!r})" if not isinstance(cls, type)
+                        else f"{cls.__name__} is not a subclass of torch.Tensor")
+    t.__class__ = RemoteTensor if issubclass(RemoteTensor, cls) else \
+        cls if issubclass(cls, RemoteTensor) else remote_class(cls)
+    return t
+
+
+_DEFAULT_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]
+
+
+class _UnderSubclass(RemoteTensor):
+    """RemoteTensor as the base of another library's subclass: with torch.Tensor's own
+    ``__torch_function__``, which keeps results in the subclass, where RemoteTensor's is disabled.
+    (A function of its own: C++ disables the default one on a class with a ``__torch_dispatch__``.)
+    It comes after the subclass in the method order, so that the subclass's ``super()`` reaches it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _DEFAULT_TORCH_FUNCTION(cls, func, types, args, kwargs)
+
+
+def _library_class(cls: Any) -> Any:
+    """``cls``, or the library's class that it is the remote class of."""
+    return cls.__bases__[0] if isinstance(cls, type) and _UnderSubclass in cls.__bases__ else cls
+
+
+def remote_class(cls: type) -> type:
+    """The class of a remote tensor that is a ``cls`` (one per class and activation)."""
+    classes = runtime.current().remote_subclasses
+    made = classes.get(cls)
+    if made is None:
+        made = classes[cls] = type(cls.__name__, (cls, _UnderSubclass),
+                                   {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return made
