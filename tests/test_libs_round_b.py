@@ -123,3 +123,27 @@ def test_rotary_embedding_cache_under_torch_compile():
 
     for e, g in zip(run("cpu"), run("cuda")):
         torch.testing.assert_close(g, e)
+
+
+def test_eigvalsh_and_svdvals_compute_the_values_alone():
+    """gpytorch's and linear_operator's spectra, a PCA's singular values: torch's composites ask
+    ``_linalg_eigh``/``_linalg_svd`` for the vectors too whenever a gradient may need them, which
+    they assume of any tensor subclass, so the gateway computed vectors nobody read, and values
+    that differed from a GPU's (values-only) in the last bits. With a gradient wanted, the vectors
+    are computed and the gradient is local's."""
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(2, 40, 40, generator=g)
+    a = b @ b.mT
+    # (what a plain program's calls run: here, in the process remotecuda is active in, its dispatch
+    # mode makes every tensor "subclass-like" to C++, and a local call computes the vectors too)
+    for uplo in ("L", "U"):
+        expected = torch.ops.aten._linalg_eigh(a, uplo, False)[0]
+        assert torch.equal(torch.linalg.eigvalsh(a.cuda(), UPLO=uplo).cpu(), expected)
+    for x in (b, b[0].double()):
+        assert torch.equal(torch.linalg.svdvals(x.cuda()).cpu(), torch.ops.aten._linalg_svd(x, False, False)[1])
+    grads = []
+    for dev in ("cpu", "cuda"):
+        x = b[0].to(dev).requires_grad_()
+        (torch.linalg.svdvals(x).sum() + torch.linalg.eigvalsh(x @ x.T).sum()).backward()
+        grads.append(x.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0])
