@@ -17,6 +17,12 @@ call the trace cannot take — a branch on a tensor's value, ``.item()``, an op 
 allowlist, inputs not all on one gateway — runs eagerly instead, with one warning saying why:
 never a wrong result. Randomness (dropout) draws from the gateway's default generator, as eager ops do.
 A call on CPU tensors only goes to torch's own ``torch.compile`` (``Compiled._on_cpu``).
+
+The trace runs the call's Python for real, once per AOTAutograd pass, so the plain attributes of
+its modules (numbers, flags: a cache's fill level) are the trace's to keep right, as Dynamo keeps
+them (``_attributes``): each pass starts from their values before the call, the changes the
+call made are set again after each run of its graph (Dynamo replays a frame's attribute
+stores), and the attributes a call changes are part of the key (Dynamo guards on what it reads).
 """
 from __future__ import annotations
 
@@ -52,6 +58,10 @@ _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device,
 _CALLABLES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
 #: where a traced call's output has a tensor, among its other leaves (which may be None: ``return logits, None``)
 _TENSOR = object()
+#: an attribute a module does not have (in a trace's key, and in ``_restore``)
+_ABSENT = object()
+#: (module, attribute name) -> value: a module's plain attributes (see ``_attributes``)
+Attributes = dict[tuple[torch.nn.Module, str], Any]
 
 
 class Unsupported(Exception):
@@ -79,6 +89,8 @@ class Compiled:
         #: the modules whose parameters and buffers become graph inputs (see ``_modules``)
         self.modules = _modules(fn)
         self.traces: dict[tuple, _Trace | str] = {}
+        #: the modules' attributes that a traced call changed: their values are in the key
+        self.watched: list[tuple[torch.nn.Module, str]] = []
         self.warned = False
         self.options = options  # (torch.compile's own, for calls on CPU tensors)
         #: torch's own compiled ``fn`` once called on CPU tensors; False once it met 'cuda' inside
@@ -111,7 +123,8 @@ class Compiled:
             if entry is None and len(self.traces) >= MAX_TRACES:
                 entry = f"it was traced for {MAX_TRACES} input signatures already"
             elif entry is None:
-                entry = self.traces[cast(tuple, key)] = self._trace(state, leaves, spec, tensors)
+                entry = self._trace(state, leaves, spec, tensors)
+                self.traces[self._watch(entry, cast(tuple, key))] = entry
             if isinstance(entry, _Trace):
                 return entry.run(tensors)
             why = entry
@@ -140,6 +153,7 @@ class Compiled:
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast_dtype,
                tuple(x.training for m in self.modules for x in m.modules()),
+               tuple(m.__dict__.get(n, _ABSENT) for m, n in self.watched),
                tuple((i, n, id(t)) for i, n, t in state), tuple((t._k, t.requires_grad) for t in tensors),
                tuple(None if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves), spec)
         try:
@@ -148,6 +162,17 @@ class Compiled:
             return None
         return key
 
+    def _watch(self, entry: _Trace | str, key: tuple) -> tuple:
+        """The key a new trace is kept under: the attributes it changed are watched from now on,
+        and it serves the values they had before it (the key's watched values are its 5th item)."""
+        if not isinstance(entry, _Trace):
+            return key
+        new = [k for k in entry.effects if k not in self.watched]
+        if not new:
+            return key
+        self.watched += new
+        return (*key[:4], key[4] + tuple(entry.before.get(k, _ABSENT) for k in new), *key[5:])
+
     def _warn(self, why: str) -> None:
         if not self.warned:
             self.warned = True
@@ -155,12 +180,17 @@ class Compiled:
             warnings.warn(f"remotecuda: torch.compile runs {name} eagerly: {why}", stacklevel=3)
 
     def _trace(self, state: list, leaves: list, spec: Any, tensors: list) -> _Trace | str:
+        """A new trace, or why the call runs eagerly; then with its modules' attributes as they
+        were before it (the eager call changes them itself)."""
+        before = _attributes(self.modules)
         try:
-            return _Trace(self.fn, self.modules, [(i, n) for i, n, _ in state], leaves, spec, tensors,
+            return _Trace(self.fn, self.modules, [(i, n) for i, n, _ in state], leaves, spec, tensors, before,
                           inductor=self.options.get("backend", "inductor") == "inductor")
         except Unsupported as e:
+            _restore(self.modules, before)
             return str(e)
         except Exception as e:  # noqa: BLE001 - whatever stops the trace, the call still runs eagerly
+            _restore(self.modules, before)
             return _reason(e)
 
 
@@ -263,6 +293,30 @@ def _content(cell: Any) -> Any:
         return None
 
 
+def _attributes(modules: list[torch.nn.Module]) -> Attributes:
+    """The plain values (numbers, flags, strings, dtypes...) that the modules and their submodules
+    hold as attributes: the Python state a traced call may read and change, such as
+    rotary-embedding-torch's ``cached_freqs_seq_len`` beside the buffer it describes. (Other
+    objects a call changes are not followed.)"""
+    return {(m, n): v for top in modules for m in top.modules() for n, v in vars(m).items()
+            if isinstance(v, _PLAIN)}
+
+
+def _restore(modules: list[torch.nn.Module], saved: Attributes) -> None:
+    """The modules' plain attributes put back to ``saved``; those added since, removed."""
+    for m, n in _attributes(modules).keys() - saved.keys():
+        del m.__dict__[n]
+    for (m, n), v in saved.items():
+        m.__dict__[n] = v
+
+
+def _changed(before: Attributes, after: Attributes) -> Attributes:
+    """The attributes ``after`` has that ``before`` lacks or holds another value of."""
+    def same(old: Any, new: Any) -> bool:
+        return old is new or (type(old) is type(new) and old == new)
+    return {k: v for k, v in after.items() if not same(before.get(k, _ABSENT), v)}
+
+
 def _scalars_on_device(leaves: list, state: list) -> list:
     """0-d CPU tensor arguments put on the call's 'cuda' device. A GPU's compiled graph takes them
     as they are, as eager ops do (the timestep a diffusers pipeline passes its UNet from a
@@ -350,9 +404,10 @@ class _Trace:
     """One input signature's graphs: AOTAutograd's runtime around ``_Program`` runners."""
 
     def __init__(self, fn: Callable, modules: list[torch.nn.Module], names: list[tuple[int, str]], leaves: list,
-                 spec: Any, tensors: list, inductor: bool) -> None:
-        """``inductor``: whether torch.compile's backend is inductor (its default), whose
-        warnings on compiling a graph are given here (see ``_warn_tf32_disabled``)."""
+                 spec: Any, tensors: list, before: Attributes, inductor: bool) -> None:
+        """``before``: the modules' attributes before the call. ``inductor``: whether torch.compile's
+        backend is inductor (its default), whose warnings on compiling a graph are given here (see
+        ``_warn_tf32_disabled``)."""
         from torch._functorch.aot_autograd import aot_module_simplified
         from torch._functorch.partitioners import default_partition
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -360,6 +415,8 @@ class _Trace:
         from torch.utils._python_dispatch import _disable_current_modes
 
         self.session = tensors[0]._s
+        #: the modules' plain attributes before the call, and those it changed (set after each run)
+        self.before, self.effects = before, cast(Attributes, {})
         #: the outputs' pytree spec, and their leaves: the non-tensor ones, ``_TENSOR`` where a tensor goes
         self.out: tuple[Any, list] | None = None
         n_state = len(names)
@@ -370,6 +427,7 @@ class _Trace:
             """The call with every tensor (parameters, buffers, arguments) an argument."""
 
             def forward(self, *flat: torch.Tensor) -> tuple:
+                _restore(modules, before)  # (AOTAutograd runs this more than once: each run starts alike)
                 filled = list(leaves)
                 for i, t in zip(slots, flat[n_state:]):
                     filled[i] = t
@@ -414,9 +472,12 @@ class _Trace:
                                                   keep_inference_input_mutations=True)
         if self.out is None:
             raise Unsupported("the trace saw no call")
+        self.effects = _changed(before, _attributes(modules))
 
     def run(self, tensors: list) -> Any:
         out = self.compiled(*tensors)
+        for (m, n), v in self.effects.items():
+            m.__dict__[n] = v
         assert self.out is not None
         spec, leaves = self.out
         got = iter(out)

@@ -108,9 +108,18 @@ def _op_meta(func: Any) -> OpMeta:
                   not fully_inplace and _float_values(sargs))
 
 
+#: ops that read their ``info`` to raise at the call, on a GPU too (every overload, ``out=`` ones
+#: included): ``_linalg_check_errors`` (of ``linalg.cholesky``, ``inv``, ``solve``) and the kernels
+#: that call it inside: ``svd`` and ``eigh`` (so ``svdvals``, ``eigvalsh``, ``matrix_rank``,
+#: ``cond``...), ``pinv``, ``cholesky_inverse``, the legacy ``cholesky``, and ``eig``, which a GPU
+#: runs on the host; the ``*_ex`` ops asked to ``check_errors`` are ``_check_errors``
+_CHECK_AT_CALL = frozenset({aten._linalg_check_errors, aten._linalg_svd, aten._linalg_eigh, aten.linalg_pinv,
+                            aten.cholesky_inverse, aten.cholesky, aten.linalg_eig})
+
+
 def _bypass(func: Any) -> str | None:
     """Why ``func``'s outputs can never come from the cache, or None."""
-    if func is aten._linalg_check_errors.default:
+    if func.overloadpacket in _CHECK_AT_CALL:
         return dc.CHECKS_AT_CALL
     if not all(str(r.type) in _TENSOR_RETURNS for r in func._schema.returns):
         return dc.NON_TENSOR_OUTPUT
@@ -916,6 +925,31 @@ def _is_pinned(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
     return is_pinned(*args, **kwargs)
 
 
+#: the name each linalg ``*_ex`` kernel asked to ``check_errors`` gives ``_linalg_check_errors``
+#: (torch's BatchLinearAlgebra.cpp), which its error message begins with
+_CHECKED_EX = {
+    **dict.fromkeys((aten.linalg_cholesky_ex.default, aten.linalg_cholesky_ex.L), "linalg.cholesky_ex"),
+    **dict.fromkeys((aten.linalg_inv_ex.default, aten.linalg_inv_ex.inverse), "linalg.inv_ex"),
+    **dict.fromkeys((aten.linalg_lu_factor_ex.default, aten.linalg_lu_factor_ex.out), "torch.linalg.lu_factor_ex"),
+    **dict.fromkeys((aten.linalg_ldl_factor_ex.default, aten.linalg_ldl_factor_ex.out),
+                    "torch.linalg.ldl_factor_ex"),
+    **dict.fromkeys((aten._linalg_solve_ex.default, aten._linalg_solve_ex.result), "torch.linalg.solve_ex"),
+}
+
+
+def _check_errors(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """A linalg ``*_ex`` op asked to ``check_errors`` (``cholesky_ex(A, check_errors=True)``): its
+    kernel reads ``info`` to raise at the call, on a GPU too, so ``except torch.linalg.LinAlgError``
+    around the call catches it. Run as one op, the error came at a later sync instead. It runs
+    with ``check_errors=False``, then ``_linalg_check_errors`` on its ``info``, as torch's own
+    ``linalg.cholesky`` is made, which waits for the verdict (``dc.CHECKS_AT_CALL``)."""
+    if not kwargs.get("check_errors"):
+        return d.run(m, args, kwargs)
+    out = d.run(m, args, {**kwargs, "check_errors": False})
+    d.dispatch(aten._linalg_check_errors.default, (out[-1], _CHECKED_EX[m.func]), {"is_matrix": args[0].dim() == 2})
+    return out
+
+
 def _set_storage(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     """``t.set_(storage[, offset, size, stride])``, the way torch reaches a storage's bytes (a
     TypedStorage's ``cpu()``, ``tolist()``, indexing, ``float()``, ``copy_`` between storages): a
@@ -1134,5 +1168,6 @@ _SPECIAL = {
     aten._foreach_addcdiv_.Tensor: _packed_scalars,
     aten._foreach_addcmul.Tensor: _packed_scalars,
     aten._foreach_addcmul_.Tensor: _packed_scalars,
+    **dict.fromkeys(_CHECKED_EX, _check_errors),
 }
 

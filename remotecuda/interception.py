@@ -575,6 +575,40 @@ def _dropout_args(input: Any, p: float, train: bool) -> tuple:
     return input, p, train
 
 
+def _values_suffice(A: Any) -> bool:
+    """Whether a values-only linalg call on ``A`` may skip the vectors, as it does for a plain
+    tensor: C++ asks for them whenever a gradient may need them (``_may_require_fw_or_bw_grad``),
+    which it assumes of every tensor subclass, so a cuda tensor always had them computed."""
+    return isinstance(A, RemoteTensor) and not (torch.is_grad_enabled() and A.requires_grad) and \
+        torch.autograd.forward_ad._current_level < 0
+
+
+def _eigvalsh(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``linalg.eigvalsh`` as a GPU computes it, the eigenvalues alone: the gateway computed the
+    eigenvectors too (``_values_suffice``), an ``eigh``'s cost, and values that differ from a
+    values-only computation in the last bits."""
+    A, uplo, out = _eigvalsh_args(*args, **kwargs)
+    if out is not None or not _values_suffice(A):
+        return func(*args, **kwargs)
+    return torch.ops.aten._linalg_eigh(A, uplo, False)[0]
+
+
+def _eigvalsh_args(A: Any, UPLO: str = "L", *, out: Any = None) -> tuple:
+    return A, UPLO, out
+
+
+def _svdvals(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``linalg.svdvals`` as a GPU computes it, the singular values alone (see ``_eigvalsh``)."""
+    A, driver, out = _svdvals_args(*args, **kwargs)
+    if out is not None or not _values_suffice(A):
+        return func(*args, **kwargs)
+    return torch.ops.aten._linalg_svd(A, False, False, driver=driver)[1]
+
+
+def _svdvals_args(A: Any, *, driver: str | None = None, out: Any = None) -> tuple:
+    return A, driver, out
+
+
 def _one_hot(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``F.one_hot`` as CUDA's kernel computes it: C++ takes a meta-keyed tensor's traceable path,
     which compares with ``arange(num_classes)`` and so gave a row of zeros for a class out of range
@@ -763,6 +797,8 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     *((torch._VF, name, rnn.rnn) for name in rnn.NAMES),  # what nn.LSTM/GRU/RNN call
     (torch._VF, "dropout", _dropout),  # what F.dropout calls
     (torch, "dropout", _dropout),
+    (torch.linalg, "eigvalsh", _eigvalsh),
+    (torch.linalg, "svdvals", _svdvals),
     (torch.nn.functional, "one_hot", _one_hot),
     (torch.autograd, "_engine_run_backward", _engine_run_backward),  # what backward() and grad() call
     (torch._C._nn, "one_hot", _one_hot),

@@ -78,6 +78,34 @@ def test_linalg_errors_are_linalg_errors_raised_at_the_call(remote):
     assert torch.equal(torch.linalg.cholesky(a.cuda()).cpu(), torch.linalg.cholesky(a))  # the session goes on
 
 
+_NAN = torch.full((3, 3), float("nan"))
+_SINGULAR = torch.zeros(2, 3, 3)  # a batch
+_CHECKED_IN_THE_KERNEL = {  # each with an input it fails on
+    "svd": (torch.linalg.svd, _NAN), "svdvals": (torch.linalg.svdvals, _NAN), "eigh": (torch.linalg.eigh, _NAN),
+    "pinv": (torch.linalg.pinv, _NAN), "cholesky_inverse": (torch.cholesky_inverse, _SINGULAR),
+    "cholesky_ex": (lambda a: torch.linalg.cholesky_ex(a, check_errors=True), -torch.eye(3)),
+    "inv_ex": (lambda a: torch.linalg.inv_ex(a, check_errors=True), _SINGULAR),
+    "solve_ex": (lambda a: torch.linalg.solve_ex(a, torch.ones_like(a), check_errors=True), _SINGULAR[0]),
+    "lu_factor_ex": (lambda a: torch.linalg.lu_factor_ex(a, check_errors=True), _SINGULAR),
+}
+
+
+@pytest.mark.parametrize("name", list(_CHECKED_IN_THE_KERNEL))
+def test_linalg_kernels_that_check_their_result_raise_at_the_call(remote, name):
+    """svd and eigh (and what calls them: svdvals, pinv...), cholesky_inverse, and the ``*_ex``
+    factorizations asked to ``check_errors`` read their result's ``info`` inside the kernel, so a
+    GPU raises at the call, where ``except torch.linalg.LinAlgError`` expects it; the error came
+    at the next sync. A good input still gives the local result, the ``*_ex`` ones their ``info``."""
+    fn, bad = _CHECKED_IN_THE_KERNEL[name]
+    local = _raised(fn, bad)
+    with pytest.raises(type(local)) as info:
+        fn(bad.cuda())
+    assert str(info.value) == str(local) and not getattr(info.value, "__notes__", None)  # not asynchronous
+    good = torch.tensor([[4.0, 2.0, 0.0], [2.0, 3.0, 0.0], [0.0, 0.0, 1.0]])
+    for e, g in zip(torch.utils._pytree.tree_leaves(fn(good)), torch.utils._pytree.tree_leaves(fn(good.cuda()))):
+        torch.testing.assert_close(g.cpu().abs(), e.abs())  # (|.|: an eigenvector's sign is free)
+
+
 def test_one_hot_of_a_class_out_of_range_is_an_error_not_zeros(remote):
     """F.one_hot of a label -1 (an ignore index) or one past num_classes gave a row of zeros on
     'cuda', silently; CUDA's kernel (a scatter) refuses it, as the CPU's checks do."""
