@@ -109,6 +109,17 @@ class RemoteStorage(torch.UntypedStorage):
         t.__dict__["_owner"] = owner
         return t
 
+    def resize_(self, size: int) -> RemoteStorage:  # type: ignore[override]
+        """Resize the gateway's storage too, in stream order: ``resize_(0)`` frees its memory while
+        the tensors on it live on (FSDP's and activation offloading's idiom), a later ``resize_(n)``
+        gives it ``n`` bytes again for a refill (their first bytes kept, the rest uninitialized), and
+        every tensor on it, views included, sees the change, as on a GPU. torch's own resize of the
+        meta storage comes first: its checks, and the size this storage reports."""
+        super().resize_(size)
+        session, owner, _, _ = self.__dict__["_gateway"]
+        session.enqueue("rc::storage_resize", [owner.handle, self.nbytes()], None, None)
+        return self
+
     def clone(self) -> torch.UntypedStorage:
         """A copy on the same device (torch's makes ``type(self)(n, device=...)``, which a
         CPU-only torch refuses for 'cuda'); also what ``copy.deepcopy`` of a storage does."""

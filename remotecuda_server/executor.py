@@ -711,6 +711,36 @@ class Executor:
         for e in args:
             self.events.pop(e, None)
 
+    @internal_op("storage_resize", "[handle, nbytes]")
+    def _storage_resize(self, args: list) -> None:
+        """``untyped_storage().resize_(nbytes)`` of a tensor's storage: FSDP's and activation
+        offloading's way to free a tensor's memory while keeping the tensor (``resize_(0)``) and to
+        give it memory again before refilling it. Every tensor on that storage, views included, sees
+        the change, as on a GPU."""
+        if not (isinstance(args, list) and len(args) == 2 and type(args[0]) is int and type(args[1]) is int
+                and args[1] >= 0):
+            raise ProtocolError("malformed rc::storage_resize: expected [handle, nbytes >= 0]")
+        h, nbytes = args
+        storage = self._arg(Handle(h)).untyped_storage()
+        if not storage.resizable():
+            storage = self._own_storage(storage)
+        if isinstance(self.handles, CountedHandles):
+            self.handles.resize(storage, nbytes)
+        else:
+            storage.resize_(nbytes)
+
+    def _own_storage(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        """A resizable copy of a storage torch cannot resize (an upload landed in a recycled host
+        block, memory NumPy owns), with the session's tensors on it moved onto the copy, so that
+        they still share one storage: a GPU can resize any of its storages."""
+        key = storage._cdata
+        own = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device).untyped_storage()
+        own.copy_(storage)
+        for h, t in list(self.handles.items()):
+            if t.layout is torch.strided and t.untyped_storage()._cdata == key:
+                self.handles[h] = t.set_(own, t.storage_offset(), t.shape, t.stride())
+        return own
+
     @internal_op("memory", "[]")
     def _memory(self, args: list) -> dict:
         return self.memory_stats()
@@ -1146,6 +1176,28 @@ class CountedHandles(dict):
                 self.allocated -= entry[1]
                 if self.account is not None:
                     self.account.give(entry[1])
+
+    def resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """``storage.resize_(nbytes)``, counted at once as CUDA's allocator counts it: growth is
+        taken from the account (or refused with its OutOfMemoryError), a shrink given back."""
+        entry = self.storages.get(storage._cdata)
+        if entry is None:  # (no tensor in the table holds it: nothing counted, nothing to count)
+            storage.resize_(nbytes)
+            return
+        delta = nbytes - entry[1]
+        if delta > 0 and self.account is not None:
+            self.account.take(delta)
+        try:
+            storage.resize_(nbytes)
+        except BaseException:
+            if delta > 0 and self.account is not None:
+                self.account.give(delta)
+            raise
+        if delta < 0 and self.account is not None:
+            self.account.give(-delta)
+        entry[1] = nbytes
+        self.allocated += delta
+        self.peak = max(self.peak, self.allocated)
 
     def recount(self) -> int:
         """Count again from the storages as they are now (catching in-place resizes)."""
