@@ -86,3 +86,76 @@ def test_an_uploaded_tensors_storage_resizes_and_its_twin_upload_keeps_its_bytes
     assert view.tolist() == [10.0, 12.0, 14.0]
     twin = data.to("cuda")
     assert torch.equal(twin.cpu(), data) and torch.equal(x.cpu(), data * 2)
+
+
+def _z(device: str) -> torch.Tensor:
+    return torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j], device=device)
+
+
+def _conj_writes(device: str) -> list:
+    """Writes through lazy conjugates and negatives reach their base (in conjugated or negated
+    math), and writes to the base show in them: they are views sharing its memory."""
+    z = _z(device)
+    c = z.conj()
+    seen = [c.is_conj(), c.data_ptr() == z.data_ptr()]
+    c.mul_(2)
+    c[0] = 5j
+    seen.append(z.clone())
+    z.add_(1)
+    seen += [c.clone(), c.resolve_conj().is_conj(), c[1:].is_conj(), c.view(3, 1).mH.is_conj()]
+    c.imag.zero_()
+    c.copy_(c * 1j)
+    n = z._neg_view()
+    n.add_(1)
+    seen += [z.clone(), n.is_neg(), n.resolve_neg().is_neg(), c.imag.is_neg(), c.conj().is_conj()]
+    return [x.cpu() if isinstance(x, torch.Tensor) else x for x in seen]
+
+
+def test_conj_and_neg_views_share_their_bases_memory():
+    remote, local = _conj_writes("cuda"), _conj_writes("cpu")
+    assert len(remote) == len(local)
+    for r, c in zip(remote, local):
+        assert (torch.equal(r, c) if isinstance(c, torch.Tensor) else r == c), (remote, local)
+
+
+def _real_and_imag_views(device: str) -> list:
+    z = _z(device)
+    z.real.add_(1)
+    z.imag[0] = 3
+    torch.view_as_real(z)[1, 1] = 9
+    x = torch.arange(6.0, device=device).view(3, 2)
+    torch.view_as_complex(x).mul_(1j)
+    return [z.cpu(), x.cpu()]
+
+
+def test_real_imag_and_view_as_real_are_writable_views():
+    remote, local = _real_and_imag_views("cuda"), _real_and_imag_views("cpu")
+    assert all(torch.equal(r, c) for r, c in zip(remote, local))
+
+
+def test_conjugate_aware_kernels_and_autograd_read_the_bit():
+    """mm, dot and solve take a lazy conjugate as it is (on the gateway, which holds the bit);
+    backward formulas make conjugate views of their own."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 3, dtype=torch.cfloat, generator=g), torch.randn(3, 2, dtype=torch.cfloat, generator=g)
+
+    def run(device: str) -> list:
+        ad, bd, z = a.to(device), b.to(device), _z(device)
+        w = ad.clone().requires_grad_()
+        (w.mH @ bd).abs().sum().backward()
+        x = torch.arange(8.0, device=device).requires_grad_()
+        torch.fft.hfft(torch.fft.ifft(x)).sum().backward()
+        return [t.cpu() for t in (ad.mH @ bd, torch.dot(z.conj(), z), torch.linalg.solve(ad.mH, bd), w.grad, x.grad)]
+
+    for r, c in zip(run("cuda"), run("cpu")):
+        torch.testing.assert_close(r, c)
+
+
+def test_views_that_refuse_a_lazy_conjugate_refuse_it_at_the_call():
+    z = _z("cuda")
+    with pytest.raises(RuntimeError, match="view_as_real doesn't work on unresolved conjugated tensors"):
+        torch.view_as_real(z.conj())
+    with pytest.raises(RuntimeError, match="not supported for conjugate view tensors"):
+        z.conj().view(torch.float32)
+    assert torch.view_as_real(z._neg_view()).is_neg()
+    assert torch.view_as_real(z.conj().resolve_conj()).tolist() == [[1.0, -2.0], [3.0, 1.0], [-2.0, -0.5]]
