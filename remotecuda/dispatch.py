@@ -20,6 +20,7 @@ while it is installed.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import warnings
 from collections.abc import Callable
@@ -97,8 +98,9 @@ def _op_meta(func: Any) -> OpMeta:
         ai = r.alias_info
         found = None
         if ai is not None:
+            sets = set(ai.before_set) or _element_aliases(schema)
             for j, a in enumerate(sargs):
-                if a.alias_info is not None and set(a.alias_info.before_set) & set(ai.before_set):
+                if a.alias_info is not None and set(a.alias_info.before_set) & sets:
                     found = (None if a.kwarg_only else j, a.name, bool(ai.is_write))
                     break
         ret_alias.append(found)
@@ -106,6 +108,12 @@ def _op_meta(func: Any) -> OpMeta:
     return OpMeta(func, name, tuple(ret_alias), len(schema.returns) > 1, _bypass(func), fully_inplace,
                   _Tag.inplace_view in func.tags or func in _METADATA_MUTATION, func in _CPU_OK,
                   not fully_inplace and _float_values(sargs))
+
+
+def _element_aliases(schema: Any) -> set:
+    """The alias sets of a returned list's elements: ``split``, ``chunk`` and ``unbind`` return
+    ``Tensor(a)[]``, views of ``self`` each, where the binding shows the list's own, empty set."""
+    return set(re.findall(r"Tensor\((\w+)\)\[\]", str(schema).partition(" -> ")[2]))
 
 
 def _bypass(func: Any) -> str | None:

@@ -24,7 +24,7 @@ def _free_and_refill(device: str) -> tuple:
     """FSDP1's round: a flat parameter whose views are a layer's weight and bias, its storage freed
     (torch's own helpers) and then given back and refilled; what the tensors report and hold."""
     flat = torch.arange(40, dtype=torch.float32, device=device)
-    weight, bias = flat[:32].view(4, 8), flat[32:36]
+    weight, bias = (part.view(shape) for part, shape in zip(flat.split([32, 4, 4])[:2], [(4, 8), (4,)]))
     full = flat.clone()
     _free_storage(flat)
     freed = (flat.untyped_storage().nbytes(), weight.untyped_storage().size(), flat._typed_storage()._size(),
@@ -86,6 +86,21 @@ def test_an_uploaded_tensors_storage_resizes_and_its_twin_upload_keeps_its_bytes
     assert view.tolist() == [10.0, 12.0, 14.0]
     twin = data.to("cuda")
     assert torch.equal(twin.cpu(), data) and torch.equal(x.cpu(), data * 2)
+
+
+def test_split_chunk_and_unbind_give_views_of_one_storage():
+    """Their outputs (FSDP's flat parameter split into a module's parameters, a fused QKV weight
+    chunked) share their input's storage object, data pointer and size, as on a GPU: libraries
+    find tied tensors by them."""
+    def run(device: str) -> list:
+        x = torch.arange(12.0, device=device).view(4, 3)
+        parts = [*x.split(2), *x.chunk(2, 1), *x.unbind(), *x.split([1, 3])]
+        return [(p.data_ptr() - x.data_ptr(), p.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(),
+                 p.untyped_storage().nbytes()) for p in parts]
+
+    assert run("cuda") == run("cpu")
+    z = _z("cuda")
+    assert all(p.is_conj() for p in z.conj().split(2))
 
 
 def _z(device: str) -> torch.Tensor:
