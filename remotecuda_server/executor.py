@@ -808,7 +808,8 @@ class Executor:
     @internal_op("live", "[first handle, how many]")
     def _live(self, args: list) -> dict:
         """What a snapshot must keep, taken at one point of the stream: each live handle as
-        [handle, storage number, dtype, shape, stride, offset] (views share their base's number),
+        [handle, storage number, dtype, shape, stride, offset(, math bits)] (views share their base's
+        number; the bits only where set, so a client that knows six fields still reads the rest),
         storage k's bytes stored as one uint8 tensor under handle first + k (the client fetches
         them), the default generator's state and each ``rc::gen_new`` generator's."""
         base, limit = args
@@ -823,17 +824,23 @@ class Executor:
                 if k >= limit:
                     raise RuntimeError(f"remotecuda: a snapshot of more than {limit} storages")
                 self.handles[base + k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            rows.append([h, k, t.dtype, list(t.shape), list(t.stride()), t.storage_offset()])
+            rows.append([h, k, t.dtype, list(t.shape), list(t.stride()), t.storage_offset(), *_math_bits(t)])
         sizes = [self.handles[base + k].numel() for k in range(len(numbers))]
         return {"handles": rows, "storages": sizes, "rng": self._rng_get([]),
                 "gens": [[gid, g.get_state().numpy().tobytes()] for gid, g in self.generators.items()]}
 
-    @internal_op("restore_view", "[storage handle, dtype, shape, stride, offset]", stores=True)
+    @internal_op("restore_view", "[storage handle, dtype, shape, stride, offset(, math bits)]", stores=True)
     def _restore_view(self, args: list) -> torch.Tensor:
-        """A snapshot's tensor put back: a view of a restored storage, so aliasing is kept."""
-        src, dtype, shape, stride, offset = args
+        """A snapshot's tensor put back: a view of a restored storage, so aliasing is kept, with
+        the lazy conjugate's and negative's bits it had (``rc::live``), which give its bytes their
+        meaning (a client before them sends none)."""
+        src, dtype, shape, stride, offset, *bits = args
         base = self._arg(Handle(src))
-        return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, shape, stride)
+        view = torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, shape, stride)
+        if bits:
+            torch._C._set_conj(view, bool(bits[0] & 1))
+            torch._C._set_neg(view, bool(bits[0] & 2))
+        return view
 
     @internal_op("gen_get", "[generator id]")
     def _gen_get(self, args: list) -> bytes:
@@ -1268,6 +1275,13 @@ def _set_backend_flag(key: str, value: Any) -> None:
     if setter is None:
         raise UnknownOpError(f"unknown backend flag {key!r}")
     setter(value)
+
+
+def _math_bits(t: torch.Tensor) -> list[int]:
+    """A tensor's lazy conjugate (1) and negative (2) bits, as a snapshot row keeps them: none
+    when neither is set (the row a client before them expects)."""
+    bits = int(t.is_conj()) | int(t.is_neg()) << 1
+    return [bits] if bits else []
 
 
 def _storages(t: torch.Tensor) -> list:
