@@ -313,7 +313,9 @@ class RemoteTensor(torch.Tensor):
     # ---------------------------------------------------------------- copies and pickling
     def __deepcopy__(self, memo: dict) -> RemoteTensor:
         """torch's deepcopy: leaves only, and views deepcopied together stay views of one copy
-        (torch copies each storage once per deepcopy): a view copies its base, and views that."""
+        (torch copies each storage once per deepcopy): a view copies its base, and views that. A lazy
+        conjugate's or negative's view of the copy reads the base's bytes plainly, so it is then
+        resolved (conj_physical, neg), as torch resolves its own deepcopy of one."""
         if id(self) in memo:
             return memo[id(self)]
         if not self.is_leaf:
@@ -328,6 +330,10 @@ class RemoteTensor(torch.Tensor):
                 new_base = copy.deepcopy(base, memo)
                 offset = self.storage_offset() - base.storage_offset() + new_base.storage_offset()
                 new = cast(RemoteTensor, new_base.as_strided(self.shape, self.stride(), offset))
+                if self.is_conj():
+                    new = cast(RemoteTensor, new.conj_physical())
+                if self.is_neg():
+                    new = cast(RemoteTensor, new.neg())
             else:
                 new = cast(RemoteTensor, self.clone())
         if self.requires_grad:

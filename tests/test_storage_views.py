@@ -4,7 +4,9 @@ gateway's memory, and the tensors on it see the change. Values are compared with
 on the CPU, which has the same semantics here."""
 from __future__ import annotations
 
+import copy
 import gc
+import io
 
 import pytest
 import torch
@@ -174,3 +176,39 @@ def test_views_that_refuse_a_lazy_conjugate_refuse_it_at_the_call():
         z.conj().view(torch.float32)
     assert torch.view_as_real(z._neg_view()).is_neg()
     assert torch.view_as_real(z.conj().resolve_conj()).tolist() == [[1.0, -2.0], [3.0, 1.0], [-2.0, -0.5]]
+
+
+def _saved_and_loaded(device: str) -> list:
+    """A checkpoint holding a tensor with its lazy conjugate and negative (in either order, and
+    loaded with map_location too) keeps one storage of the base's bytes and each view's bit: the
+    loaded views read conjugated and negated, and see writes to the loaded base."""
+    out = []
+    for order in (["z", "c", "n", "c1"], ["c1", "n", "c", "z"]):
+        z = _z(device)
+        views = {"z": z, "c": z.conj(), "n": z._neg_view(), "c1": z[1:].conj()}
+        for where in (None, device):
+            f = io.BytesIO()
+            torch.save({k: views[k] for k in order}, f)
+            f.seek(0)
+            got = torch.load(f, map_location=where)
+            got["z"].mul_(2)
+            out += [(k, t.is_conj(), t.is_neg(), t.cpu().resolve_conj().resolve_neg()) for k, t in got.items()]
+    return out
+
+
+def test_a_checkpoint_keeps_lazy_conjugates_as_views():
+    remote, local = _saved_and_loaded("cuda"), _saved_and_loaded("cpu")
+    assert len(remote) == len(local)
+    for (*r, rt), (*c, ct) in zip(remote, local):
+        assert r == c and torch.equal(rt, ct), (remote, local)
+
+
+def test_a_deepcopied_lazy_conjugate_holds_its_values():
+    """torch's deepcopy of a lazy conjugate or negative copies the base's bytes and resolves them."""
+    def run(device: str) -> list:
+        z = _z(device)
+        copies = [copy.deepcopy(z.conj()), copy.deepcopy(z._neg_view()), *copy.deepcopy([z, z[1:].conj()])]
+        return [(t.is_conj(), t.is_neg(), t.cpu()) for t in copies]
+
+    for (*r, rt), (*c, ct) in zip(run("cuda"), run("cpu")):
+        assert r == c and torch.equal(rt, ct)
