@@ -212,3 +212,21 @@ def test_a_deepcopied_lazy_conjugate_holds_its_values():
 
     for (*r, rt), (*c, ct) in zip(run("cuda"), run("cpu")):
         assert r == c and torch.equal(rt, ct)
+
+
+def test_data_assigned_a_lazy_conjugate_becomes_one():
+    """``p.data = z.conj()``: p takes the conjugate's bit and memory (C++ refused the wrapper's
+    keys, which differed by the bit), and a later ``p.data = plain`` drops the bit again."""
+    def run(device: str) -> list:
+        z = _z(device)
+        w, p = torch.zeros(3, dtype=torch.cfloat, device=device), nn.Parameter(torch.zeros(3, 2, device=device))
+        w.data = z.conj()
+        seen = [w.is_conj(), w.resolve_conj().cpu()]
+        w.mul_(2)
+        seen.append(z.cpu())
+        w.data = torch.ones(3, dtype=torch.cfloat, device=device)
+        p.data = torch.view_as_real(z._neg_view())
+        return [*seen, w.is_conj(), w.cpu(), p.is_neg(), p.resolve_neg().cpu(), isinstance(p, nn.Parameter)]
+
+    for r, c in zip(run("cuda"), run("cpu")):
+        assert (torch.equal(r, c) if isinstance(c, torch.Tensor) else r == c)
