@@ -20,6 +20,7 @@ while it is installed.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import warnings
 from collections.abc import Callable
@@ -97,8 +98,9 @@ def _op_meta(func: Any) -> OpMeta:
         ai = r.alias_info
         found = None
         if ai is not None:
+            sets = set(ai.before_set) or _element_aliases(schema)
             for j, a in enumerate(sargs):
-                if a.alias_info is not None and set(a.alias_info.before_set) & set(ai.before_set):
+                if a.alias_info is not None and set(a.alias_info.before_set) & sets:
                     found = (None if a.kwarg_only else j, a.name, bool(ai.is_write))
                     break
         ret_alias.append(found)
@@ -115,6 +117,12 @@ def _op_meta(func: Any) -> OpMeta:
 #: runs on the host; the ``*_ex`` ops asked to ``check_errors`` are ``_check_errors``
 _CHECK_AT_CALL = frozenset({aten._linalg_check_errors, aten._linalg_svd, aten._linalg_eigh, aten.linalg_pinv,
                             aten.cholesky_inverse, aten.cholesky, aten.linalg_eig})
+
+
+def _element_aliases(schema: Any) -> set:
+    """The alias sets of a returned list's elements: ``split``, ``chunk`` and ``unbind`` return
+    ``Tensor(a)[]``, views of ``self`` each, where the binding shows the list's own, empty set."""
+    return set(re.findall(r"Tensor\((\w+)\)\[\]", str(schema).partition(" -> ")[2]))
 
 
 def _bypass(func: Any) -> str | None:
@@ -740,11 +748,18 @@ def _described(v: Any, alias: Any, s: Any, args: tuple, kwargs: dict) -> Any:
 def _view(src: Any, fn: Any, *a: Any) -> RemoteTensor:
     """``fn(*a)``, the wrapper of a view of ``src``. Under inference_mode a view of a normal tensor
     is a normal tensor (C++ builds it with its base's keys, then gives it the base's version
-    counter, which an inference tensor cannot take): make that wrapper outside the mode."""
+    counter, which an inference tensor cannot take): make that wrapper outside the mode. A view
+    of a lazy conjugate or negative (``z.conj()[0]``, ``z.conj().T``) is one too, as C++ makes a
+    view with its base's keys: the gateway's view has the bit already (see ``_math_bit_view``)."""
     if torch.is_inference_mode_enabled() and isinstance(src, torch.Tensor) and not src.is_inference():
         with torch.inference_mode(False):
-            return fn(*a)
-    return fn(*a)
+            view = fn(*a)
+    else:
+        view = fn(*a)
+    if isinstance(src, torch.Tensor) and (src.is_conj() or src.is_neg()):
+        torch._C._set_conj(view, src.is_conj())
+        torch._C._set_neg(view, src.is_neg())
+    return view
 
 
 #: new outputs at least this large are checked against the device's memory (smaller ones cannot
@@ -965,14 +980,33 @@ def _set_storage(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     return d.dispatch(aten.set_.source_Tensor_storage_offset, (self, storage.tensor(), offset, size, stride), {})
 
 
-def _materialized(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
-    """``_conj``/``_neg_view`` would set a bit on the gateway's tensor that the wrapper cannot
-    carry, so the client's ``resolve_conj`` would skip what the gateway needs (hfft's backward
-    then fails in ``view_as_real``): compute the values instead, as resolving would."""
-    return d.run(d.op_meta(_MATERIALIZED[m.func]), args, kwargs)
+def _math_bit_view(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``_conj``/``_neg_view`` (``z.conj()``, ``z.conj().imag``): torch's lazy conjugate and
+    negative, a view of ``self`` sharing its memory with one bit flipped. The gateway's tensor is
+    that view, bit and all, and so is the wrapper, so both ends agree on what its bytes mean: ops
+    on the wrapper pass torch's math-bit fallback here, which resolves it (a ``clone``, which the
+    gateway computes from its own bit) and writes back through ``copy_``, and the kernels that
+    take the bit as it is (``copy_``, ``mm``, ``dot``, views) get it on the gateway too."""
+    view = d.run(m, args, kwargs)
+    if m.func is aten._conj.default:
+        torch._C._set_conj(view, not view.is_conj())
+    else:
+        torch._C._set_neg(view, not view.is_neg())
+    return view
 
 
-_MATERIALIZED = {aten._conj.default: aten.conj_physical.default, aten._neg_view.default: aten.neg.default}
+def _math_bit_checked(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """``view_as_real`` and ``view(dtype)``, whose kernels refuse a lazy conjugate (``view(dtype)``
+    a negative too), at the call on a GPU: a meta stand-in carrying the source's bits meets torch's
+    own check (the cached metadata of a plain source would not)."""
+    src = args[0]
+    if isinstance(src, RemoteTensor) and (src.is_conj() or src.is_neg()):
+        stand_in = meta_stand_in(src)
+        torch._C._set_conj(stand_in, src.is_conj())
+        torch._C._set_neg(stand_in, src.is_neg())
+        with _DisableTorchDispatch():
+            m.func(stand_in, *args[1:], **kwargs)
+    return d.run(m, args, kwargs)
 
 
 def _composite(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
@@ -1155,8 +1189,10 @@ _SPECIAL = {
     aten.set_.source_Storage: _set_storage,
     aten.set_.source_Storage_storage_offset: _set_storage,
     aten._pack_padded_sequence.default: _composite,
-    aten._conj.default: _materialized,
-    aten._neg_view.default: _materialized,
+    aten._conj.default: _math_bit_view,
+    aten._neg_view.default: _math_bit_view,
+    aten.view_as_real.default: _math_bit_checked,
+    aten.view.dtype: _math_bit_checked,
     aten._nested_tensor_from_mask_left_aligned.default: _left_aligned,
     aten._nested_tensor_from_mask.default: _nested_from_mask,
     aten._nested_tensor_from_tensor_list.default: _strided_nested,

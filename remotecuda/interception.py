@@ -471,7 +471,9 @@ def _setitem(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
-    """``p.data = new``: the wrapper must follow the new handle, not only the new metadata."""
+    """``p.data = new``: the wrapper must follow the new handle, not only the new metadata. It takes
+    new's lazy conjugate and negative bits first (``p.data = z.conj()`` makes p one, as on a GPU):
+    C++ refuses wrappers whose keys differ, where a GPU's tensors of one backend are compatible."""
     self, new = args
     if isinstance(self, RemoteTensor) and not isinstance(new, RemoteTensor):
         new = to_cuda(new.detach(), self._dev)
@@ -485,7 +487,15 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
             torch.utils.swap_tensors(self, fresh)
             self.__dict__.update(saved)
             return None
-        func(self, new)
+        bits = self.is_conj(), self.is_neg()
+        torch._C._set_conj(self, new.is_conj())
+        torch._C._set_neg(self, new.is_neg())
+        try:
+            func(self, new)
+        except BaseException:
+            torch._C._set_conj(self, bits[0])
+            torch._C._set_neg(self, bits[1])
+            raise
         follow(self, new)
         return None
     return func(*args, **kwargs)

@@ -61,7 +61,7 @@ class Snapshot:
 
     op_index: int  # the op stream's index when it was taken: replay numbers ops on from here
     storages: dict[int, tuple[bytes, int]] = field(default_factory=dict)  # storage id → (blob key, bytes)
-    handles: list[list] = field(default_factory=list)  # [handle, storage id, dtype, shape, stride, offset]
+    handles: list[list] = field(default_factory=list)  # [handle, storage id, dtype, shape, stride, offset(, math bits)]
     rng: bytes = b""
     generators: list[list] = field(default_factory=list)  # [generator id, state bytes]
     seconds: float = 0.0  # how long taking it took

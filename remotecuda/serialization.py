@@ -87,16 +87,14 @@ class _Load:
         with torch.no_grad():
             if base is None and (t.is_contiguous() and t.storage_offset() == 0
                                  and t.numel() * size == storage.nbytes()):
-                moved = self.bases[key] = t.detach().to(dest)  # the whole storage (the usual case)
+                moved = self.bases[key] = _plain(t.detach()).to(dest)  # the whole storage (the usual case)
             elif base is None and storage.nbytes() % size:  # (no whole number of elements fills it)
-                moved = t.detach().to(dest)
+                moved = _plain(t.detach()).to(dest)
             else:
                 if base is None:
                     base = self.bases[key] = torch.empty(0, dtype=t.dtype).set_(storage).to(dest)
                 moved = base.as_strided(t.shape, t.stride(), t.storage_offset()).detach()
-        metadata = torch._utils.get_tensor_metadata(t)
-        if metadata:
-            torch._utils.set_tensor_metadata(moved, metadata)
+            moved = _with_bits(moved, t)
         return moved.requires_grad_(t.requires_grad)
 
     def located(self, t: torch.Tensor) -> torch.device | None:
@@ -234,7 +232,8 @@ class _Mover:
                     base = self.bases[key] = torch.empty(0, dtype=obj.dtype).set_(storage).to(dest)
                 moved = base.as_strided(obj.shape, obj.stride(), obj.storage_offset()).detach()
             else:
-                moved = obj.detach().to(dest)
+                moved = _plain(obj.detach()).to(dest)
+            moved = _with_bits(moved, obj)
         if isinstance(obj, torch.nn.Parameter):
             return torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
         return moved.requires_grad_(obj.requires_grad)
@@ -270,6 +269,21 @@ def remote_tensors(obj: Any) -> list[RemoteTensor]:
     return finder.found
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as they are: a lazy conjugate's or negative's view without its bit (the file
+    keeps the storage's bytes and each tensor's bits, as torch saves a CUDA tensor)."""
+    t = t.conj() if t.is_conj() else t
+    return t._neg_view() if t.is_neg() else t
+
+
+def _with_bits(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (a plain view of a storage moved to the device) read as ``like`` reads those bytes: a
+    lazy conjugate or negative view, made by the ops that make one, so the gateway holds the bits
+    too (``torch._utils.set_tensor_metadata`` would set them on the client's tensor only)."""
+    t = t.conj() if like.is_conj() else t
+    return t._neg_view() if like.is_neg() else t
+
+
 def _own(cpu: torch.Tensor) -> torch.UntypedStorage:
     """A fetched flat tensor's bytes as a storage of their own."""
     if cpu.storage_offset() or cpu.untyped_storage().nbytes() != cpu.numel() * cpu.element_size():
@@ -294,8 +308,8 @@ def _saved_storages(tensors: list[RemoteTensor]) -> Iterator[None]:
     if len({key[:2] for key in spans}) < len(spans):  # torch.save's own check (it sees CPU storages)
         raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
     with torch.no_grad():
-        flats = [t.detach() if t.is_contiguous() and t.storage_offset() == lo and t.numel() == hi - lo
-                 else t.as_strided((hi - lo,), (1,), lo) for t, lo, hi in spans.values()]
+        flats = [_plain(t.detach() if t.is_contiguous() and t.storage_offset() == lo and t.numel() == hi - lo
+                        else t.as_strided((hi - lo,), (1,), lo)) for t, lo, hi in spans.values()]
     outer = getattr(_saving, "storages", None)
     mine = {key: (_own(cpu.reshape(-1)), lo) for (key, (_, lo, _)), cpu in zip(spans.items(), downloads.fetch(flats))}
     _saving.storages = {**(outer or {}), **mine}
@@ -328,12 +342,15 @@ def _reduce_ex(plain: Any) -> Any:
         storage, first = found if found is not None else (torch.UntypedStorage(0), self.storage_offset())
         args: tuple = (self.storage_offset() - first, tuple(self.shape), self.stride(), self.requires_grad,
                        OrderedDict())
+        metadata = torch._utils.get_tensor_metadata(self)  # (the lazy conjugate's and negative's bits)
         if self.dtype in torch.storage._new_dtypes():
             storage._fake_device = self.device  # type: ignore[attr-defined]  # (what the file names)
-            return as_subclass_reduction(self, (torch._utils._rebuild_tensor_v3, (storage, *args, self.dtype)))
+            return as_subclass_reduction(self, (torch._utils._rebuild_tensor_v3,
+                                                (storage, *args, self.dtype, *([metadata] if metadata else []))))
         typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=self.dtype, _internal=True)
         typed._fake_device = storage._fake_device = self.device  # type: ignore[attr-defined]
-        return as_subclass_reduction(self, (torch._utils._rebuild_tensor_v2, (typed, *args)))
+        return as_subclass_reduction(self, (torch._utils._rebuild_tensor_v2,
+                                            (typed, *args, *([metadata] if metadata else []))))
     return __reduce_ex__
 
 

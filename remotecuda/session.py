@@ -949,8 +949,8 @@ class Session:
                                       if n else torch.empty(0, dtype=torch.uint8)))
             storages[sid] = self.new_handle()  # a storage of its own (an upload may land inside a larger one)
             self._ops.append(["aten::clone.default", [protocol.handle_ext(landed[-1])], None, [storages[sid]]])
-        for h, sid, dtype, shape, stride, offset in snap.handles:
-            self._ops.append(["rc::restore_view", [storages[sid], dtype, shape, stride, offset], None, [h]])
+        for h, sid, *view in snap.handles:  # (dtype, shape, stride, offset(, math bits))
+            self._ops.append(["rc::restore_view", [storages[sid], *view], None, [h]])
         self._ops.extend(sticky)
         self._ops.append(["rc::rng_set", [snap.rng], None, None])
         for gid, state in snap.generators:

@@ -113,6 +113,17 @@ class RemoteStorage(torch.UntypedStorage):
         t.__dict__["_owner"] = owner
         return t
 
+    def resize_(self, size: int) -> RemoteStorage:  # type: ignore[override]
+        """Resize the gateway's storage too, in stream order: ``resize_(0)`` frees its memory while
+        the tensors on it live on (FSDP's and activation offloading's idiom), a later ``resize_(n)``
+        gives it ``n`` bytes again for a refill (their first bytes kept, the rest uninitialized), and
+        every tensor on it, views included, sees the change, as on a GPU. torch's own resize of the
+        meta storage comes first: its checks, and the size this storage reports."""
+        super().resize_(size)
+        session, owner, _, _ = self.__dict__["_gateway"]
+        session.enqueue("rc::storage_resize", [owner.handle, self.nbytes()], None, None)
+        return self
+
     def clone(self) -> torch.UntypedStorage:
         """A copy on the same device (torch's makes ``type(self)(n, device=...)``, which a
         CPU-only torch refuses for 'cuda'); also what ``copy.deepcopy`` of a storage does."""
@@ -299,7 +310,9 @@ class RemoteTensor(torch.Tensor):
     # ---------------------------------------------------------------- copies and pickling
     def __deepcopy__(self, memo: dict) -> RemoteTensor:
         """torch's deepcopy: leaves only, and views deepcopied together stay views of one copy
-        (torch copies each storage once per deepcopy): a view copies its base, and views that."""
+        (torch copies each storage once per deepcopy): a view copies its base, and views that. A lazy
+        conjugate's or negative's view of the copy reads the base's bytes plainly, so it is then
+        resolved (conj_physical, neg), as torch resolves its own deepcopy of one."""
         if id(self) in memo:
             return memo[id(self)]
         if not self.is_leaf:
@@ -314,6 +327,10 @@ class RemoteTensor(torch.Tensor):
                 new_base = copy.deepcopy(base, memo)
                 offset = self.storage_offset() - base.storage_offset() + new_base.storage_offset()
                 new = cast(RemoteTensor, new_base.as_strided(self.shape, self.stride(), offset))
+                if self.is_conj():
+                    new = cast(RemoteTensor, new.conj_physical())
+                if self.is_neg():
+                    new = cast(RemoteTensor, new.neg())
             else:
                 new = cast(RemoteTensor, self.clone())
         if self.requires_grad:

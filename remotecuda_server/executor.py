@@ -711,6 +711,36 @@ class Executor:
         for e in args:
             self.events.pop(e, None)
 
+    @internal_op("storage_resize", "[handle, nbytes]")
+    def _storage_resize(self, args: list) -> None:
+        """``untyped_storage().resize_(nbytes)`` of a tensor's storage: FSDP's and activation
+        offloading's way to free a tensor's memory while keeping the tensor (``resize_(0)``) and to
+        give it memory again before refilling it. Every tensor on that storage, views included, sees
+        the change, as on a GPU."""
+        if not (isinstance(args, list) and len(args) == 2 and type(args[0]) is int and type(args[1]) is int
+                and args[1] >= 0):
+            raise ProtocolError("malformed rc::storage_resize: expected [handle, nbytes >= 0]")
+        h, nbytes = args
+        storage = self._arg(Handle(h)).untyped_storage()
+        if not storage.resizable():
+            storage = self._own_storage(storage)
+        if isinstance(self.handles, CountedHandles):
+            self.handles.resize(storage, nbytes)
+        else:
+            storage.resize_(nbytes)
+
+    def _own_storage(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        """A resizable copy of a storage torch cannot resize (an upload landed in a recycled host
+        block, memory NumPy owns), with the session's tensors on it moved onto the copy, so that
+        they still share one storage: a GPU can resize any of its storages."""
+        key = storage._cdata
+        own = torch.empty(storage.nbytes(), dtype=torch.uint8, device=storage.device).untyped_storage()
+        own.copy_(storage)
+        for h, t in list(self.handles.items()):
+            if t.layout is torch.strided and t.untyped_storage()._cdata == key:
+                self.handles[h] = t.set_(own, t.storage_offset(), t.shape, t.stride())
+        return own
+
     @internal_op("memory", "[]")
     def _memory(self, args: list) -> dict:
         return self.memory_stats()
@@ -778,7 +808,8 @@ class Executor:
     @internal_op("live", "[first handle, how many]")
     def _live(self, args: list) -> dict:
         """What a snapshot must keep, taken at one point of the stream: each live handle as
-        [handle, storage number, dtype, shape, stride, offset] (views share their base's number),
+        [handle, storage number, dtype, shape, stride, offset(, math bits)] (views share their base's
+        number; the bits only where set, so a client that knows six fields still reads the rest),
         storage k's bytes stored as one uint8 tensor under handle first + k (the client fetches
         them), the default generator's state and each ``rc::gen_new`` generator's."""
         base, limit = args
@@ -793,17 +824,23 @@ class Executor:
                 if k >= limit:
                     raise RuntimeError(f"remotecuda: a snapshot of more than {limit} storages")
                 self.handles[base + k] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            rows.append([h, k, t.dtype, list(t.shape), list(t.stride()), t.storage_offset()])
+            rows.append([h, k, t.dtype, list(t.shape), list(t.stride()), t.storage_offset(), *_math_bits(t)])
         sizes = [self.handles[base + k].numel() for k in range(len(numbers))]
         return {"handles": rows, "storages": sizes, "rng": self._rng_get([]),
                 "gens": [[gid, g.get_state().numpy().tobytes()] for gid, g in self.generators.items()]}
 
-    @internal_op("restore_view", "[storage handle, dtype, shape, stride, offset]", stores=True)
+    @internal_op("restore_view", "[storage handle, dtype, shape, stride, offset(, math bits)]", stores=True)
     def _restore_view(self, args: list) -> torch.Tensor:
-        """A snapshot's tensor put back: a view of a restored storage, so aliasing is kept."""
-        src, dtype, shape, stride, offset = args
+        """A snapshot's tensor put back: a view of a restored storage, so aliasing is kept, with
+        the lazy conjugate's and negative's bits it had (``rc::live``), which give its bytes their
+        meaning (a client before them sends none)."""
+        src, dtype, shape, stride, offset, *bits = args
         base = self._arg(Handle(src))
-        return torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, shape, stride)
+        view = torch.empty(0, dtype=dtype, device=base.device).set_(base.untyped_storage(), offset, shape, stride)
+        if bits:
+            torch._C._set_conj(view, bool(bits[0] & 1))
+            torch._C._set_neg(view, bool(bits[0] & 2))
+        return view
 
     @internal_op("gen_get", "[generator id]")
     def _gen_get(self, args: list) -> bytes:
@@ -1147,6 +1184,28 @@ class CountedHandles(dict):
                 if self.account is not None:
                     self.account.give(entry[1])
 
+    def resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """``storage.resize_(nbytes)``, counted at once as CUDA's allocator counts it: growth is
+        taken from the account (or refused with its OutOfMemoryError), a shrink given back."""
+        entry = self.storages.get(storage._cdata)
+        if entry is None:  # (no tensor in the table holds it: nothing counted, nothing to count)
+            storage.resize_(nbytes)
+            return
+        delta = nbytes - entry[1]
+        if delta > 0 and self.account is not None:
+            self.account.take(delta)
+        try:
+            storage.resize_(nbytes)
+        except BaseException:
+            if delta > 0 and self.account is not None:
+                self.account.give(delta)
+            raise
+        if delta < 0 and self.account is not None:
+            self.account.give(-delta)
+        entry[1] = nbytes
+        self.allocated += delta
+        self.peak = max(self.peak, self.allocated)
+
     def recount(self) -> int:
         """Count again from the storages as they are now (catching in-place resizes)."""
         held = list(self.items())
@@ -1216,6 +1275,13 @@ def _set_backend_flag(key: str, value: Any) -> None:
     if setter is None:
         raise UnknownOpError(f"unknown backend flag {key!r}")
     setter(value)
+
+
+def _math_bits(t: torch.Tensor) -> list[int]:
+    """A tensor's lazy conjugate (1) and negative (2) bits, as a snapshot row keeps them: none
+    when neither is set (the row a client before them expects)."""
+    bits = int(t.is_conj()) | int(t.is_neg()) << 1
+    return [bits] if bits else []
 
 
 def _storages(t: torch.Tensor) -> list:

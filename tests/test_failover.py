@@ -230,3 +230,46 @@ def test_a_gateway_killed_under_a_large_upload_is_replaced_and_the_upload_kept()
         for gw in gws:
             gw.stop()
     assert "RESULT True" in r.stdout and "FAILOVERS 1" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+#: the client of the lazy-conjugate test: argv = the gateway's pid. Snapshots are taken while a
+#: lazy conjugate and a lazy negative of z are live, then the session's worker is killed.
+MATH_BITS_CLIENT = textwrap.dedent(r'''
+    import sys
+    import psutil, torch, remotecuda
+
+    remotecuda.activate(fallback="error")
+    z = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j], device="cuda")
+    c, n = z.conj(), z._neg_view()
+    for _ in range(100):  # past the log's bound: snapshots hold z's storage, c's and n's rows
+        float(torch.ones(64, device="cuda").sum())
+    (worker,) = psutil.Process(int(sys.argv[1])).children()
+    worker.kill()
+    c.mul_(2)  # through the lazy conjugate, after the session is rebuilt from the snapshot
+    print("RESULT", [c.is_conj(), n.is_neg(), z.cpu().tolist(), c.resolve_conj().cpu().tolist(),
+                     n.resolve_neg().cpu().tolist()], flush=True)
+    print("SNAPSHOTS", remotecuda.stats()["replay_log"]["snapshots"] > 0, flush=True)
+    print("FAILOVERS", len(remotecuda.stats()["failovers"]), flush=True)
+''')
+
+
+def test_a_lazy_conjugate_survives_a_failover_after_a_snapshot():
+    """A snapshot restores each tensor as a view of its storage's bytes; a lazy conjugate's or
+    negative's views are those same bytes read another way, so they are put back with their bits:
+    without them, after the failover c read as z itself and c.mul_(2) wrote conj(2·z) into z."""
+    import os
+
+    import torch
+    z = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j])
+    c, n = z.conj(), z._neg_view()
+    c.mul_(2)
+    want = [True, True, z.tolist(), c.resolve_conj().tolist(), n.resolve_neg().tolist()]
+    gw = GatewayProcess("--spare", "0")  # (its one child is then the session's worker)
+    try:
+        e = dict(os.environ, REMOTECUDA_SERVERS=gw.address, REMOTECUDA_SNAPSHOT_BYTES="5000")
+        r = subprocess.run([sys.executable, "-c", MATH_BITS_CLIENT, str(gw.proc.pid)],
+                           capture_output=True, text=True, timeout=150, cwd=ROOT, env=e)
+    finally:
+        gw.stop()
+    assert f"RESULT {want}" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "SNAPSHOTS True" in r.stdout and "FAILOVERS 1" in r.stdout, r.stdout + r.stderr[-3000:]

@@ -150,3 +150,23 @@ def test_gateway_depends_on_the_wire_not_the_client():
             "print(sorted(m for m in sys.modules if m == 'remotecuda' or m.startswith('remotecuda.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_snapshot_keeps_lazy_conjugate_and_negative_bits():
+    """A failover snapshot restores each tensor as a view of its storage's bytes: a lazy
+    conjugate's or negative's bit, which gives those bytes their meaning, is kept with it."""
+    ex = Executor(torch.device("cpu"))
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    ops = [["rc::upload", [1, 0, torch.complex64, [2], None], None, None],
+           ["aten::_conj.default", [protocol.Handle(1)], None, [2]],
+           ["aten::_neg_view.default", [protocol.Handle(1)], None, [3]],
+           ["rc::live", [100, 10], None, {"base": None}]]
+    live, err, _ = ex.run({"ops": ops, "n0": 0, "req": 1}, prepared={1: _upload(z)})
+    assert err is None
+    assert [len(row) for row in live["handles"]] == [6, 7, 7]  # (a plain row as a client before the bits reads it)
+    restore = [["rc::restore_view", [100, *row[2:]], None, [10 + row[0]]] for row in live["handles"]]
+    _, err, _ = ex.run({"ops": restore, "n0": 4})
+    assert err is None
+    assert [(ex.handles[h].is_conj(), ex.handles[h].is_neg()) for h in (11, 12, 13)] == \
+        [(False, False), (True, False), (False, True)]
+    assert torch.equal(ex.handles[12].resolve_conj(), z.conj().resolve_conj())
