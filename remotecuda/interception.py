@@ -63,6 +63,7 @@ from . import (
     generator,
     hub_kernels,
     indexing,
+    known,
     lazy_modules,
     legacy_types,
     library_caches,
@@ -439,6 +440,7 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
             return None
         func(self, new)
         follow(self, new)
+        known.forget(self)
         return None
     return func(*args, **kwargs)
 

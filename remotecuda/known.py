@@ -25,7 +25,7 @@ never known. A read answered here is no sync point: an asynchronous error comes 
 that goes to the gateway. A copy is valid while the tensor's version counter (torch's, shared by
 all views of one storage and bumped by every in-place write through any of them) is the one it
 was taken at; any write makes it unknown (but one through ``.data``, which PyTorch keeps from the
-counter too).
+counter too). ``t.data = new`` keeps ``t``'s counter as well, and drops its copy (``forget``).
 """
 from __future__ import annotations
 
@@ -71,6 +71,12 @@ def remember(t: Any, cpu: torch.Tensor, floats: bool = False) -> None:
     except RuntimeError:  # an inference tensor has no version counter: its writes cannot be seen
         return
     t.__dict__["_known"] = (cpu.detach().clone(), version)
+
+
+def forget(t: RemoteTensor) -> None:
+    """Drop ``t``'s copy: ``t.data = new`` makes the wrapper stand for another gateway tensor and
+    keeps its version counter (torch's ``set_data``), so the copy would still pass for its values."""
+    t.__dict__.pop("_known", None)
 
 
 def value(t: RemoteTensor) -> torch.Tensor | None:

@@ -75,3 +75,19 @@ def test_prefix_allowed_tokens_fn_sees_only_eager_steps():
             return list(range(64))
         return {"prefix_allowed_tokens_fn": allowed}
     _assert_eager_steps(watch)
+
+
+def test_a_mask_given_new_data_between_calls_is_read_anew():
+    """``mask.data = new`` between two calls (code that edits tensors in place through ``.data``):
+    the first call kept a CPU copy of the mask (known.py) and ``set_data`` keeps the tensor's
+    version counter, so the second call took the old copy for its values and decoded the row
+    now left-padded as if it were not (other tokens, silently)."""
+    def run(dev: str) -> list[torch.Tensor]:
+        model, ids = _llama().to(dev), torch.tensor([[5, 9, 14, 3, 7], [8, 4, 21, 30, 40]], device=dev)
+        mask = torch.ones_like(ids)
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        mask.data = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], device=dev)
+        second = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        return [first.cpu(), second.cpu()]
+    for got, want in zip(run("cuda"), run("cpu")):
+        assert torch.equal(got, want)
