@@ -768,10 +768,18 @@ def _everywhere(original: Callable, handler: Callable) -> Callable:
 
 
 def _data_property() -> property:
-    """``Tensor.data`` with a setter that keeps a wrapper's handle in step (``p.data = x``)."""
+    """``Tensor.data`` with a setter that keeps a wrapper's handle in step (``p.data = x``), and a
+    getter that drops a remote tensor's known values (known.py): PyTorch gives ``t.data`` a
+    version counter of its own, so a write through it (``mask.data[1, :2] = 0``) would not show
+    in ``t``'s, and the old copy would still pass for ``t``'s values."""
+    def get_data(self: torch.Tensor) -> torch.Tensor:
+        if isinstance(self, RemoteTensor):
+            known.forget(self)
+        return _DATA.__get__(self)
+
     def set_data(self: torch.Tensor, new: torch.Tensor) -> None:
         _set_data(_DATA.__set__, (self, new), {})
-    return property(_DATA.__get__, set_data, doc=_DATA.__doc__)
+    return property(get_data, set_data, doc=_DATA.__doc__)
 
 
 def _grad_property() -> property:

@@ -24,8 +24,8 @@ arguments, uninitialized memory (``empty``) and the indices of ties (``sort``, `
 never known. A read answered here is no sync point: an asynchronous error comes at the next read
 that goes to the gateway. A copy is valid while the tensor's version counter (torch's, shared by
 all views of one storage and bumped by every in-place write through any of them) is the one it
-was taken at; any write makes it unknown (but one through ``.data``, which PyTorch keeps from the
-counter too). ``t.data = new`` keeps ``t``'s counter as well, and drops its copy (``forget``).
+was taken at; any write makes it unknown. ``t.data`` has a counter of its own (PyTorch keeps its
+writes from ``t``'s) and ``t.data = new`` keeps ``t``'s counter: both drop ``t``'s copy (``forget``).
 """
 from __future__ import annotations
 
@@ -74,8 +74,9 @@ def remember(t: Any, cpu: torch.Tensor, floats: bool = False) -> None:
 
 
 def forget(t: RemoteTensor) -> None:
-    """Drop ``t``'s copy: ``t.data = new`` makes the wrapper stand for another gateway tensor and
-    keeps its version counter (torch's ``set_data``), so the copy would still pass for its values."""
+    """Drop ``t``'s copy, where its version counter cannot tell: ``t.data = new`` makes the
+    wrapper stand for another gateway tensor and keeps the counter (torch's ``set_data``), and a
+    write through ``t.data`` bumps another counter."""
     t.__dict__.pop("_known", None)
 
 

@@ -91,3 +91,18 @@ def test_a_mask_given_new_data_between_calls_is_read_anew():
         return [first.cpu(), second.cpu()]
     for got, want in zip(run("cuda"), run("cpu")):
         assert torch.equal(got, want)
+
+
+def test_a_mask_written_through_data_between_calls_is_read_anew():
+    """``mask.data[1, :2] = 0`` between two calls: a write through ``.data`` is kept from the
+    tensor's version counter (PyTorch gives ``.data`` a counter of its own), so the CPU copy the
+    first call kept (known.py) still passed for the mask's values in the second call."""
+    def run(dev: str) -> list[torch.Tensor]:
+        model, ids = _llama().to(dev), torch.tensor([[5, 9, 14, 3, 7], [8, 4, 21, 30, 40]], device=dev)
+        mask = torch.ones_like(ids)
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        mask.data[1, :2] = 0
+        second = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        return [first.cpu(), second.cpu()]
+    for got, want in zip(run("cuda"), run("cpu")):
+        assert torch.equal(got, want)
