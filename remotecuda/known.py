@@ -74,10 +74,14 @@ def remember(t: Any, cpu: torch.Tensor, floats: bool = False) -> None:
 
 
 def forget(t: RemoteTensor) -> None:
-    """Drop ``t``'s copy, where its version counter cannot tell: ``t.data = new`` makes the
-    wrapper stand for another gateway tensor and keeps the counter (torch's ``set_data``), and a
-    write through ``t.data`` bumps another counter."""
+    """Drop ``t``'s copy, and that of the tensor it is a view of, where their version counter
+    cannot tell: ``t.data = new`` makes the wrapper stand for another gateway tensor and keeps the
+    counter (torch's ``set_data``), and a write through ``t.data`` (``mask[1].data[:2] = 0``)
+    bumps another counter. (Other views of that base have copies only inside a decode.)"""
     t.__dict__.pop("_known", None)
+    base = t._base
+    if isinstance(base, RemoteTensor):
+        base.__dict__.pop("_known", None)
 
 
 def value(t: RemoteTensor) -> torch.Tensor | None:
