@@ -110,3 +110,21 @@ def test_a_mask_written_through_data_between_calls_is_read_anew(write: Callable[
         return [first.cpu(), second.cpu()]
     for got, want in zip(run("cuda"), run("cpu")):
         assert torch.equal(got, want)
+
+
+def test_a_model_moved_to_cuda_under_inference_mode_generates():
+    """Serving code that loads and moves its model inside ``torch.inference_mode()``: Module._apply
+    asks ``torch._has_compatible_shallow_copy_type(param, moved)``, which autograd answers
+    otherwise; with it off the question reached the dispatcher, went to the gateway with the CPU
+    parameter and failed ('Expected all tensors to be on the same device'). On a GPU it is False,
+    and the model moves."""
+    def run(dev: str) -> tuple[torch.Tensor, set[str]]:
+        with torch.inference_mode():
+            model = _llama().to(dev)
+            ids = PROMPT.to(dev)
+            out = model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=4, do_sample=False,
+                                 pad_token_id=0)
+        return out.cpu(), {p.device.type for p in model.parameters()}
+    (got, got_devices), (want, _) = run("cuda"), run("cpu")
+    assert got_devices == {"cuda"}
+    assert torch.equal(got, want)
