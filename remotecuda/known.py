@@ -25,7 +25,8 @@ never known. A read answered here is no sync point: an asynchronous error comes 
 that goes to the gateway. A copy is valid while the tensor's version counter (torch's, shared by
 all views of one storage and bumped by every in-place write through any of them) is the one it
 was taken at; any write makes it unknown. ``t.data`` has a counter of its own (PyTorch keeps its
-writes from ``t``'s) and ``t.data = new`` keeps ``t``'s counter: both drop ``t``'s copy (``forget``).
+writes from ``t``'s), ``t.data = new`` keeps ``t``'s counter, and a write through
+``t.untyped_storage()`` bumps none: all three drop ``t``'s copy (``forget``).
 """
 from __future__ import annotations
 
@@ -76,8 +77,9 @@ def remember(t: Any, cpu: torch.Tensor, floats: bool = False) -> None:
 def forget(t: RemoteTensor) -> None:
     """Drop ``t``'s copy, and that of the tensor it is a view of, where their version counter
     cannot tell: ``t.data = new`` makes the wrapper stand for another gateway tensor and keeps the
-    counter (torch's ``set_data``), and a write through ``t.data`` (``mask[1].data[:2] = 0``)
-    bumps another counter. (Other views of that base have copies only inside a decode.)"""
+    counter (torch's ``set_data``), a write through ``t.data`` (``mask[1].data[:2] = 0``) bumps
+    another counter, and one through its storage none. (Other views of that base have copies only
+    inside a decode.)"""
     t.__dict__.pop("_known", None)
     base = t._base
     if isinstance(base, RemoteTensor):

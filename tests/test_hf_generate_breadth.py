@@ -15,6 +15,7 @@ T = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.usefixtures("remote")
 
+MASKED = torch.tensor([[False] * 5, [True, True, False, False, False]])
 PROMPT = torch.tensor([[5, 9, 14, 3, 7], [0, 0, 21, 30, 40]])  # the second row left-padded
 
 
@@ -96,11 +97,13 @@ def test_a_mask_given_new_data_between_calls_is_read_anew():
 @pytest.mark.parametrize("write", [
     lambda mask: mask.data[1, :2].zero_(),
     lambda mask: mask[1].data[:2].zero_(),  # (a view's .data: the mask's copy goes too)
-], ids=["data", "view_data"])
+    lambda mask: mask.untyped_storage().copy_(mask.masked_fill(MASKED.to(mask.device), 0).untyped_storage()),
+], ids=["data", "view_data", "storage"])
 def test_a_mask_written_through_data_between_calls_is_read_anew(write: Callable[[torch.Tensor], None]):
     """``mask.data[1, :2] = 0`` between two calls: a write through ``.data`` is kept from the
-    tensor's version counter (PyTorch gives ``.data`` a counter of its own), so the CPU copy the
-    first call kept (known.py) still passed for the mask's values in the second call."""
+    tensor's version counter (PyTorch gives ``.data`` a counter of its own; a write through the
+    storage bumps none), so the CPU copy the first call kept (known.py) still passed for the
+    mask's values in the second call."""
     def run(dev: str) -> list[torch.Tensor]:
         model, ids = _llama().to(dev), torch.tensor([[5, 9, 14, 3, 7], [8, 4, 21, 30, 40]], device=dev)
         mask = torch.ones_like(ids)
