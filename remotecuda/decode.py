@@ -22,8 +22,9 @@ assistant, no streamer) runs in ``decoding``, where:
 So the tokens are eager's, and a greedy or sampled call costs at most one blocking round trip. When every row
 has met EOS early, the client learns it a few steps late, without waiting (``Progress``): the
 gateway decodes those steps, which are undone, its generator included.
-Anything else (an assistant, a streamer, a user-given cache, logits processors or stopping criteria
-of the user's own classes, a ``max_time``) takes the plain path, as before.
+Anything else (an assistant, a streamer, a user-given cache, logits processors, stopping criteria,
+forward hooks or a ``prefix_allowed_tokens_fn`` of the user's own: code that sees every step, and
+may keep what it saw; a ``max_time``) takes the plain path, as before.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def _generate(original: Any) -> Any:
 
 def _supported(model: Any, kwargs: dict) -> bool:
     """Whether a ``generate`` call is one decoded here: a model on a remote device,
-    no assistant, nothing that needs every token on the client."""
+    no assistant, nothing that needs every token on the client, no code of the user's that sees
+    every step (the steps undone after eager's last would have been seen too)."""
     config = getattr(model, "config", None)
     if config is None:
         return False
@@ -93,8 +95,9 @@ def _supported(model: Any, kwargs: dict) -> bool:
     except (AttributeError, StopIteration):
         return False
     return (all(kwargs.get(k) is None for k in ("streamer", "assistant_model", "prompt_lookup_num_tokens",
-                                                "past_key_values"))
+                                                "past_key_values", "prefix_allowed_tokens_fn"))
             and all(_own(kwargs.get(k)) for k in ("logits_processor", "stopping_criteria"))
+            and _own(_forward_hooks(model))
             and not _timed(model, kwargs))
 
 
@@ -110,11 +113,29 @@ def _timed(model: Any, kwargs: dict) -> bool:
 
 
 def _own(steps: Any) -> bool:
-    """Whether given logits processors or stopping criteria are all transformers' own classes, as
-    ``generate()`` builds from its arguments (Whisper's ``generate`` passes its suppressions so):
-    they compute on what they are given, so the steps undone after eager's last leave no trace.
-    A class of the user's may keep state or print, and sees every step on the plain path."""
-    return steps is None or all(type(s).__module__.startswith("transformers.") for s in steps)
+    """Whether given logits processors, stopping criteria or forward hooks are all transformers'
+    own, as ``generate()`` builds from its arguments (Whisper's ``generate`` passes its
+    suppressions so) and as its models install (the hooks that capture attentions): they compute
+    on what they are given, so the steps undone after eager's last leave no trace. A class or a
+    hook of the user's may keep state or print (a hook collecting each step's activations), and
+    sees every step on the plain path."""
+    return steps is None or all(_code_module(s).startswith("transformers.") for s in steps)
+
+
+def _code_module(obj: Any) -> str:
+    """The module that defines a callable: a function's, a ``functools.partial``'s function's, an
+    instance's class's."""
+    return getattr(getattr(obj, "func", obj), "__module__", None) or type(obj).__module__
+
+
+def _forward_hooks(model: torch.nn.Module) -> list:
+    """Every forward hook and pre-hook that a forward of the model runs: its modules' and the
+    global ones (``register_module_forward_hook``)."""
+    from torch.nn.modules import module as nn_module
+    hooks = [*nn_module._global_forward_hooks.values(), *nn_module._global_forward_pre_hooks.values()]
+    for m in model.modules():
+        hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+    return hooks
 
 
 def _learn_inputs(values: list) -> None:

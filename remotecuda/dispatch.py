@@ -1177,8 +1177,17 @@ def _packed_scalars(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     return m.func.overloadpacket.ScalarList(*lists, scalars.tolist(), **kwargs)
 
 
+def _shallow_copy_type(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> bool:
+    """``torch._has_compatible_shallow_copy_type(param, applied)``, asked by ``Module._apply``
+    (``model.to('cuda')``): it arrives here only under inference_mode (autograd, whose key answers
+    it otherwise, is off). A question about the tensors' C++ types, answered by its own kernel
+    here: the gateway would refuse a CPU argument beside a cuda one."""
+    return m.func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
+
+
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
+    aten._has_compatible_shallow_copy_type.default: _shallow_copy_type,
     aten.to.dtype_layout: _to,
     aten.to.device: _to,
     aten.to.dtype: _to,

@@ -65,6 +65,7 @@ from . import (
     generator,
     hub_kernels,
     indexing,
+    known,
     lazy_modules,
     legacy_types,
     library_caches,
@@ -497,6 +498,7 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
             torch._C._set_neg(self, bits[1])
             raise
         follow(self, new)
+        known.forget(self)
         return None
     return func(*args, **kwargs)
 
@@ -860,10 +862,18 @@ def _everywhere(original: Callable, handler: Callable) -> Callable:
 
 
 def _data_property() -> property:
-    """``Tensor.data`` with a setter that keeps a wrapper's handle in step (``p.data = x``)."""
+    """``Tensor.data`` with a setter that keeps a wrapper's handle in step (``p.data = x``), and a
+    getter that drops a remote tensor's known values (known.py): PyTorch gives ``t.data`` a
+    version counter of its own, so a write through it (``mask.data[1, :2] = 0``) would not show
+    in ``t``'s, and the old copy would still pass for ``t``'s values."""
+    def get_data(self: torch.Tensor) -> torch.Tensor:
+        if isinstance(self, RemoteTensor):
+            known.forget(self)
+        return _DATA.__get__(self)
+
     def set_data(self: torch.Tensor, new: torch.Tensor) -> None:
         _set_data(_DATA.__set__, (self, new), {})
-    return property(_DATA.__get__, set_data, doc=_DATA.__doc__)
+    return property(get_data, set_data, doc=_DATA.__doc__)
 
 
 def _grad_property() -> property:

@@ -24,8 +24,9 @@ arguments, uninitialized memory (``empty``) and the indices of ties (``sort``, `
 never known. A read answered here is no sync point: an asynchronous error comes at the next read
 that goes to the gateway. A copy is valid while the tensor's version counter (torch's, shared by
 all views of one storage and bumped by every in-place write through any of them) is the one it
-was taken at; any write makes it unknown (but one through ``.data``, which PyTorch keeps from the
-counter too).
+was taken at; any write makes it unknown. ``t.data`` has a counter of its own (PyTorch keeps its
+writes from ``t``'s), ``t.data = new`` keeps ``t``'s counter, and a write through
+``t.untyped_storage()`` bumps none: all three drop ``t``'s copy (``forget``).
 """
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ def remember(t: Any, cpu: torch.Tensor, floats: bool = False) -> None:
     except RuntimeError:  # an inference tensor has no version counter: its writes cannot be seen
         return
     t.__dict__["_known"] = (cpu.detach().clone(), version)
+
+
+def forget(t: RemoteTensor) -> None:
+    """Drop ``t``'s copy, and that of the tensor it is a view of, where their version counter
+    cannot tell: ``t.data = new`` makes the wrapper stand for another gateway tensor and keeps the
+    counter (torch's ``set_data``), a write through ``t.data`` (``mask[1].data[:2] = 0``) bumps
+    another counter, and one through its storage none. (Other views of that base have copies only
+    inside a decode.)"""
+    t.__dict__.pop("_known", None)
+    base = t._base
+    if isinstance(base, RemoteTensor):
+        base.__dict__.pop("_known", None)
 
 
 def value(t: RemoteTensor) -> torch.Tensor | None:

@@ -205,7 +205,11 @@ class RemoteTensor(torch.Tensor):
         gateway's storage (``data_ptr()`` less the offset). Libraries find tied tensors by device,
         storage pointer and size (safetensors refuses to save shared ones, transformers'
         ``id_tensor_storage``, Accelerate's ``save_state``); a meta storage's 0 would tie every two
-        tensors of one size, and a view's own wrapper spans only the view."""
+        tensors of one size, and a view's own wrapper spans only the view. A write through the
+        storage (``copy_``, or a tensor ``set_`` on it) bumps no tensor's version counter, so the
+        values the client knows of the tensor (known.py) are dropped."""
+        from . import known  # (known.py builds on this module)
+        known.forget(self)
         base = self._base
         owner = base if isinstance(base, RemoteTensor) and base._sid == self._sid else self
         storage = torch.Tensor.untyped_storage(owner)
