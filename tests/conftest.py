@@ -88,6 +88,7 @@ def reset_fp32_precision() -> None:
     """torch's TF32 settings (its newer API) as a fresh process has them: a test that set them
     leaves the next one a state the legacy getters may refuse to read."""
     from remotecuda import flags
+    torch.set_float32_matmul_precision("highest")  # (the legacy API's state, which mixes with the newer's)
     for backend, op in flags.FP32_PRECISION:
         torch._C._set_fp32_precision_setter(backend, op, flags.DEFAULTS[f"fp32_precision.{backend}.{op}"])
 
