@@ -491,7 +491,7 @@ class Dispatcher:
         elif m.name in layouts.ELEMENTWISE:  # (its meta kernel forgets the layout its kernels give)
             out = layouts.elementwise(margs, out)
         elif m.name in layouts.CONTIGUOUS:
-            out = out.contiguous()
+            out = layouts.contiguous(out)
         rets = out if m.multi else (out,)
         items: list[Any] = []
         for r, alias in zip(rets, m.ret_alias):

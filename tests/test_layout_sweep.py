@@ -1,0 +1,72 @@
+"""Output layouts where torch's kernels and meta kernels disagree: the strides the client reports
+for an op's output must be those of the tensor the gateway holds, or what the program plans on
+them (``y.view(-1)``, ``y.as_strided(...)``, a kernel reading the storage) fails on the gateway or
+reads its values in another order, while ``y.cpu()`` (fetched in the gateway's own layout) looks
+right.
+
+The cases were found by tests/scripts/layout_sweep.py (every OpInfo's samples, forward and
+backward, with inputs transposed, channels-last, broadcast and sliced, the client's metadata
+compared with the gateway's tensors). Here: torch's Python meta kernel follows the input's
+strides where the kernels (shared by CPU and CUDA) return a contiguous tensor: the client's
+metadata follows the kernels (remotecuda_wire/layouts.py, ``CONTIGUOUS``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def _randn(*shape: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    """x's values, its last two dimensions stored transposed (laid out where x is)."""
+    return x.mT.contiguous().mT
+
+
+def _grad(fn: Callable, x: torch.Tensor) -> list:
+    """[output, gradient of (output * fixed weights).sum() with respect to x]."""
+    x = x.detach().requires_grad_()
+    y = fn(x)
+    (g,) = torch.autograd.grad(y, x, _transposed(_randn(*y.shape, seed=1, device=x.device.type)))
+    return [y.detach(), g]
+
+
+#: name → the outputs to check, computed on the device given
+CASES: dict[str, Callable[[str], list]] = {
+    # Python meta kernels follow a transposed input; the kernels (CPU and CUDA) are contiguous
+    "pow_scalar": lambda d: [torch.pow(2, _transposed(_randn(4, 3, device=d)))],
+    "isin": lambda d: [torch.isin(_transposed(torch.arange(12, device=d).view(3, 4)), torch.tensor([1, 5], device=d))],
+    "log_softmax_grad": lambda d: _grad(lambda x: F.log_softmax(x, -1), _transposed(_randn(4, 3, device=d))),
+    "layer_norm_grad": lambda d: _grad(lambda x: F.layer_norm(x, (2,)), _transposed(_randn(3, 2, 2, device=d))),
+}
+#: outputs that are random draws (compared with themselves only)
+RANDOM = {"standard_gamma": lambda d: [torch._standard_gamma(_transposed(_randn(4, 3, device=d)).abs() + 0.5)]}
+
+
+def _assert_laid_out_as_told(y: torch.Tensor) -> None:
+    """The gateway's storage holds y in the strides the client reports."""
+    torch.testing.assert_close(y.as_strided(y.shape, y.stride(), y.storage_offset()).cpu(), y.cpu())
+    if y.is_contiguous():
+        torch.testing.assert_close(y.view(-1).cpu(), y.cpu().reshape(-1))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_output_is_laid_out_as_the_client_reports(name):
+    got, want = CASES[name]("cuda"), CASES[name]("cpu")
+    for y, expected in zip(got, want, strict=True):
+        assert y.is_cuda
+        _assert_laid_out_as_told(y)
+        torch.testing.assert_close(y.cpu(), expected)
+
+
+@pytest.mark.parametrize("name", list(RANDOM))
+def test_random_output_is_laid_out_as_the_client_reports(name):
+    for y in RANDOM[name]("cuda"):
+        _assert_laid_out_as_told(y)
