@@ -6,9 +6,13 @@ right.
 
 The cases were found by tests/scripts/layout_sweep.py (every OpInfo's samples, forward and
 backward, with inputs transposed, channels-last, broadcast and sliced, the client's metadata
-compared with the gateway's tensors). Here: torch's Python meta kernel follows the input's
-strides where the kernels (shared by CPU and CUDA) return a contiguous tensor: the client's
-metadata follows the kernels (remotecuda_wire/layouts.py, ``CONTIGUOUS``).
+compared with the gateway's tensors). Two kinds:
+
+- the CPU's kernel lays its output out otherwise than CUDA's, whose layout the meta kernel (so the
+  client) gives: the gateway conforms (remotecuda_server/cuda_kernels.py, ``META_LAYOUT``);
+- torch's Python meta kernel follows the input's strides where the kernels (shared by CPU and
+  CUDA) return a contiguous tensor: the client's metadata follows the kernels
+  (remotecuda_wire/layouts.py, ``CONTIGUOUS``).
 """
 from __future__ import annotations
 
@@ -38,8 +42,20 @@ def _grad(fn: Callable, x: torch.Tensor) -> list:
     return [y.detach(), g]
 
 
+def _unpool(x: torch.Tensor) -> torch.Tensor:
+    return F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2)
+
+
 #: name → the outputs to check, computed on the device given
 CASES: dict[str, Callable[[str], list]] = {
+    # LAPACK's Vh and eigenvectors are column-major, cuSOLVER's path's row-major
+    "svd": lambda d: list(torch.linalg.svd(_randn(5, 4, device=d), full_matrices=False)),
+    "svd_full": lambda d: list(torch.linalg.svd(_randn(3, 4, 5, device=d))),
+    "eig": lambda d: list(torch.linalg.eig(_randn(5, 5, device=d))),
+    # pocketfft's and cuFFT's multi-dimensional real-to-complex outputs
+    "rfftn": lambda d: [torch.fft.rfftn(_randn(4, 6, 5, device=d))],
+    # the CPU keeps a channels-last input's layout, CUDA's output is contiguous
+    "max_unpool2d": lambda d: [_unpool(_randn(2, 3, 4, 6, device=d).contiguous(memory_format=torch.channels_last))],
     # Python meta kernels follow a transposed input; the kernels (CPU and CUDA) are contiguous
     "pow_scalar": lambda d: [torch.pow(2, _transposed(_randn(4, 3, device=d)))],
     "isin": lambda d: [torch.isin(_transposed(torch.arange(12, device=d).view(3, 4)), torch.tensor([1, 5], device=d))],
