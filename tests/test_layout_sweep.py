@@ -86,3 +86,32 @@ def test_output_is_laid_out_as_the_client_reports(name):
 def test_random_output_is_laid_out_as_the_client_reports(name):
     for y in RANDOM[name]("cuda"):
         _assert_laid_out_as_told(y)
+
+
+def _empty_outs(d: str, *dtypes: torch.dtype) -> tuple:
+    return tuple(torch.empty(0, dtype=dt, device=d) for dt in dtypes)
+
+
+_F, _L, _I = torch.float32, torch.int64, torch.int32
+#: name → out= calls whose empty out tensors the kernel resizes, computed on the device given
+OUT_RESIZED: dict[str, Callable[[str], tuple]] = {
+    "add": lambda d: (torch.add(_randn(5, 4, device=d), 1, out=torch.empty(0, device=d)),),
+    "add_wrong_size": lambda d: (torch.add(_randn(5, 4, device=d), 1, out=torch.empty(3, device=d)),),
+    "max_dim": lambda d: torch.max(_randn(5, 4, device=d), 0, out=_empty_outs(d, _F, _L)),
+    "sort": lambda d: torch.sort(_randn(5, 4, device=d), 0, out=_empty_outs(d, _F, _L)),
+    "topk": lambda d: torch.topk(_randn(5, 4, device=d), 2, out=_empty_outs(d, _F, _L)),
+    "frexp": lambda d: torch.frexp(_randn(5, 4, device=d), out=_empty_outs(d, _F, _I)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+@pytest.mark.parametrize("name", list(OUT_RESIZED))
+def test_out_tensor_the_kernel_resizes_takes_its_new_shape(name):
+    """``torch.add(x, 1, out=torch.empty(0, device='cuda'))``: the kernel resizes the out tensor;
+    its wrapper kept shape (0,), so ``out.shape`` lied and later ops on it were planned for an
+    empty tensor while the gateway held the full one."""
+    got, want = OUT_RESIZED[name]("cuda"), OUT_RESIZED[name]("cpu")
+    for y, expected in zip(got, want, strict=True):
+        assert (y.shape, y.stride()) == (expected.shape, expected.stride())
+        _assert_laid_out_as_told(y)
+        torch.testing.assert_close((y * 2).cpu(), expected * 2)
