@@ -508,14 +508,16 @@ class Dispatcher:
         elif m.name in layouts.ELEMENTWISE:  # (its meta kernel forgets the layout its kernels give)
             out = layouts.elementwise(margs, out)
         elif m.name in layouts.CONTIGUOUS:
-            out = out.contiguous()
+            out = layouts.contiguous(out)
         rets = out if m.multi else (out,)
         items: list[Any] = []
+        # (a metadata-mutating op's own change is applied after it is sent: _mutate_wrapper)
+        given = None if m.metadata_mutation else (args, kwargs)
         for r, alias in zip(rets, m.ret_alias):
             if isinstance(r, torch.Tensor):
-                items.append(_spec(r, alias))
+                items.append(_spec(r, alias, given))
             elif isinstance(r, (list, tuple)):
-                items.append([_spec(x, alias) if isinstance(x, torch.Tensor) else None for x in r])
+                items.append([_spec(x, alias, given) if isinstance(x, torch.Tensor) else None for x in r])
             elif isinstance(r, (int, torch.SymInt)):
                 items.append(ConstOut(int(r)))
             else:
@@ -716,12 +718,17 @@ def not_dense(lay: torch.layout, doing: str) -> NotImplementedError:
         f"or keep the sparse tensor on the CPU")
 
 
-def _spec(r: torch.Tensor, alias: Any) -> ArgOut | ViewOut | NewOut:
+def _spec(r: torch.Tensor, alias: Any, given: tuple | None) -> ArgOut | ViewOut | NewOut:
+    """What output ``r`` of the meta kernel is: a written argument, a view of one, or new.
+    ``given``: the op's (args, kwargs), to tell a written argument the kernel resizes (an
+    ``out=`` tensor of another shape), whose wrapper must follow."""
     if r.layout is not torch.strided:
         raise not_dense(r.layout, "made on")
-    if alias is not None and alias[2]:
-        return ArgOut(alias[0], alias[1])
     lay = layout(r.shape, r.stride(), int(r.storage_offset()), r.dtype)
+    if alias is not None and alias[2]:
+        written = None if given is None else _arg_at(given[0], given[1], alias[0], alias[1])
+        resized = isinstance(written, RemoteTensor) and written._k != lay[0]
+        return ArgOut(alias[0], alias[1], lay if resized else None)
     if alias is not None:
         return ViewOut(alias[0], alias[1], lay)
     return NewOut(lay)
@@ -815,7 +822,10 @@ def _build(entry: Entry, s: Any, args: tuple, kwargs: dict, outs: list) -> Any:
             return spec.value
         if t is ArgOut:
             outs.append(None)
-            return _arg_at(args, kwargs, spec.pos, spec.name)
+            written = _arg_at(args, kwargs, spec.pos, spec.name)
+            if spec.resized is not None:
+                _resize_wrapper(written, spec.resized)
+            return written
         h = s.new_handle()
         outs.append(h)
         if t is NewOut:
@@ -838,6 +848,15 @@ def _mutate_wrapper(func: Any, args: tuple, kwargs: dict) -> None:
         func(*margs, **kwargs)
     refresh_key(target, args[1] if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset)
                 else None)
+
+
+def _resize_wrapper(t: RemoteTensor, lay: tuple) -> None:
+    """Give the wrapper of an ``out=`` tensor the layout its op's kernel resized it to."""
+    _, shape, stride, offset = lay[0]
+    with torch._C._AutoDispatchBelowADInplaceOrView(), _DisableTorchDispatch():
+        t.resize_(offset + extent(shape, stride))
+        t.as_strided_(shape, stride, offset)
+    refresh_key(t)
 
 
 def _iter_tensors(xs: list):

@@ -91,10 +91,13 @@ class ViewOut:
 
 @dataclass(frozen=True, slots=True)
 class ArgOut:
-    """The written argument (``pos``, ``name``) itself (in-place and out= ops)."""
+    """The written argument (``pos``, ``name``) itself (in-place and out= ops); ``resized``: the
+    layout the op gives it where that is not its own (an ``out=`` tensor of another shape, which
+    the kernel resizes), else None."""
 
     pos: int | None
     name: str
+    resized: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,16 +31,21 @@ def _instead(*names: str) -> Callable:
     return register
 
 
-#: ops whose CPU kernel lays a non-contiguous input's output out otherwise than CUDA's, whose
-#: layout the meta kernel (and so the client's metadata) gives: the CPU's keeps a channels-last
-#: input's layout for pixel and channel shuffles and reflection/replication pads and their
-#: gradients (CUDA's: contiguous), and makes log-sigmoid's and rrelu's outputs and glu's input
-#: gradient contiguous (the meta kernel: the input's strides). Left so, a view or an
-#: ``as_strided`` the client plans on its strides reads the gateway's storage in another order.
+#: ops whose CPU kernel lays an output out otherwise than CUDA's, whose layout the meta kernel
+#: (and so the client's metadata) gives: the CPU's keeps a channels-last input's layout for pixel
+#: and channel shuffles, reflection/replication pads and their gradients and max_unpool2d (CUDA's:
+#: contiguous), and makes log-sigmoid's and rrelu's outputs and glu's input gradient contiguous
+#: (the meta kernel: the input's strides). Whatever the input's layout, LAPACK leaves an SVD's Vh
+#: and eig's eigenvectors column-major where cuSOLVER's path returns them row-major (the meta
+#: kernels check for CUDA), and pocketfft lays a multi-dimensional real-to-complex FFT's output
+#: out otherwise than cuFFT's plan (whose strides the meta kernel reproduces). Left so, a view or
+#: an ``as_strided`` the client plans on its strides reads the gateway's storage in another order
+#: (``Vh.view(-1)`` fails on the gateway).
 META_LAYOUT = frozenset({
     "log_sigmoid_forward", "rrelu_with_noise", "glu_backward", "pixel_shuffle", "channel_shuffle",
-    "native_channel_shuffle", *(f"{kind}_pad{n}d{grad}" for kind in ("reflection", "replication")
-                                for n in (1, 2, 3) for grad in ("", "_backward"))})
+    "native_channel_shuffle", "max_unpool2d", "_linalg_svd", "linalg_eig", "_fft_r2c",
+    *(f"{kind}_pad{n}d{grad}" for kind in ("reflection", "replication")
+      for n in (1, 2, 3) for grad in ("", "_backward"))})
 
 
 def cuda_like(op: Any, fn: Callable) -> Callable:

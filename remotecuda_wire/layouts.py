@@ -23,7 +23,9 @@ the meta kernel said, autograd keeps such a gradient as ``.grad`` (its layout lo
 parameter's) and a later ``.grad.view(...)`` fails on the gateway. The reverse holds for three
 losses' backward (``CONTIGUOUS``): their kernels (Loss.cpp, shared by CPU and CUDA) write into
 ``zeros_like(input, contiguous)``, their meta kernels follow a transposed input, and
-``F.mse_loss(pred.transpose(1, 2), ...)`` then failed its backward's ``view`` on the gateway.
+``F.mse_loss(pred.transpose(1, 2), ...)`` then failed its backward's ``view`` on the gateway. So
+do a few more (found by tests/scripts/layout_sweep.py): log-softmax's and layer norm's input
+gradients of a transposed input, ``torch.pow(2, x)``, ``isin`` and the gamma sampler.
 """
 from __future__ import annotations
 
@@ -53,9 +55,16 @@ ELEMENTWISE = frozenset({
     "aten::logit_backward.default", "aten::xlogy.Tensor", "aten::special_xlog1py.default",
     "aten::copysign.Tensor", "aten::floor_divide.default"})
 
-#: ops whose kernels, on every device, return a contiguous tensor where their meta kernels do not
+#: ops whose kernels, on every device, return contiguous tensors where their Python meta kernels
+#: follow the inputs' strides: the losses' backward above; pow of a scalar base, isin and
+#: log-softmax's backward, whose structured kernels' shared C++ meta function allocates a
+#: contiguous output; the gamma sampler and layer norm's backward, whose CPU and CUDA kernels
+#: both allocate theirs contiguous
 CONTIGUOUS = frozenset({"aten::mse_loss_backward.default", "aten::huber_loss_backward.default",
-                        "aten::smooth_l1_loss_backward.default"})
+                        "aten::smooth_l1_loss_backward.default", "aten::pow.Scalar",
+                        "aten::isin.Tensor_Tensor", "aten::isin.Tensor_Scalar",
+                        "aten::_log_softmax_backward_data.default", "aten::_standard_gamma.default",
+                        "aten::native_layer_norm_backward.default"})
 
 
 def elementwise(args: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
@@ -89,6 +98,14 @@ def conform(name: str, args: Sequence[Any], kwargs: dict, out: Any) -> Any:
         fmt = conv_memory_format(args[1], args[2])
         return tuple(t if t is None or i == 2 else _laid_out(t, fmt) for i, t in enumerate(out))
     return _laid_out(out, conv_memory_format(args[0], args[1]))
+
+
+def contiguous(out: Any) -> Any:
+    """``out`` (the results of one of ``CONTIGUOUS``: a tensor, or a tuple of tensors and Nones)
+    made contiguous."""
+    if isinstance(out, torch.Tensor):
+        return out.contiguous()
+    return tuple(None if t is None else t.contiguous() for t in out)
 
 
 def _laid_out(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
