@@ -18,8 +18,15 @@ pytestmark = pytest.mark.usefixtures("remote")
 
 
 def _allocated() -> int:
-    gc.collect()  # (wrappers already dropped are released first, not between two readings)
-    return torch.cuda.memory_allocated()
+    """The session's allocated bytes once what earlier tests dropped is released (their garbage,
+    collected here, is freed by the next message: read until two readings agree)."""
+    last = None
+    while True:
+        gc.collect()
+        now = torch.cuda.memory_allocated()
+        if now == last:
+            return now
+        last = now
 
 
 def _free_and_refill(device: str) -> tuple:
