@@ -67,11 +67,39 @@ def gateway():
     gw.stop()
 
 
+#: ``REMOTECUDA_SERVERS`` as the run was given it (None: not set)
+_SERVERS_GIVEN = os.environ.get("REMOTECUDA_SERVERS")
+
+
+def _unname_harness_gateways() -> None:
+    """An activation that names its gateways names them to the processes the program starts
+    (``REMOTECUDA_SERVERS``, set again whenever its interception is installed); this process's
+    activations are the harness's, and the programs its tests start (a discovery test, a CURVE
+    client) name their own."""
+    if _SERVERS_GIVEN is None:
+        os.environ.pop("REMOTECUDA_SERVERS", None)
+
+
+def harness_activate(addresses: str | list[str]) -> object:
+    """``activate(addresses)`` for the test process itself (see ``_unname_harness_gateways``)."""
+    import remotecuda
+    rt = remotecuda.activate(addresses, fallback="error")
+    _unname_harness_gateways()
+    return rt
+
+
+@pytest.fixture(autouse=True)
+def _harness_gateways_unnamed():
+    """Each test starts with no gateways named by the harness's activations (an earlier test's
+    ``interception_removed`` installed the interception, and its variable, again)."""
+    _unname_harness_gateways()
+
+
 @pytest.fixture(scope="session")
 def _activation(gateway):
     """remotecuda activated against the session's gateway for the whole test run (in this process)."""
     import remotecuda
-    remotecuda.activate(gateway.address, fallback="error")
+    harness_activate(gateway.address)
     yield
     remotecuda.deactivate()
 
@@ -81,7 +109,7 @@ def remote(_activation, gateway):
     """The active runtime: a test module that activates over gateways of its own (and deactivates
     the run's activation meanwhile) activates anew after it, so ask each time."""
     import remotecuda
-    return remotecuda.runtime.active() or remotecuda.activate(gateway.address, fallback="error")
+    return remotecuda.runtime.active() or harness_activate(gateway.address)
 
 
 def reset_fp32_precision() -> None:
@@ -124,7 +152,7 @@ def active_over(addresses):
     remotecuda.deactivate()
     hidden = os.environ.pop(visible_devices.VAR, None)
     try:
-        remotecuda.activate(addresses, fallback="error")
+        harness_activate(addresses)
         yield
     finally:
         remotecuda.deactivate()
@@ -132,7 +160,7 @@ def active_over(addresses):
         if hidden is not None:
             os.environ[visible_devices.VAR] = hidden
         if restore:
-            remotecuda.activate(restore, fallback="error")
+            harness_activate(restore)
 
 
 def run_python(code: str, env: dict | None = None, timeout: float = 300, args: list | None = None):

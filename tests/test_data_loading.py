@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, random_split
 
 import remotecuda
 
-from conftest import private_discovery, run_python
+from conftest import harness_activate, private_discovery, run_python
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -149,6 +149,18 @@ def test_a_child_forked_after_cuda_use_is_a_bad_fork_until_it_activates():
     assert x.sum().item() == 4.0 and os.getpid() != child.pid
 
 
+@pytest.fixture
+def activated_as_a_program(gateway):
+    """The run's activation made again as a program makes it, naming its gateway to the processes
+    it starts (the harness's own activations do not: conftest.harness_activate)."""
+    remotecuda.deactivate()
+    remotecuda.activate(gateway.address, fallback="error")
+    yield
+    remotecuda.deactivate()
+    harness_activate(gateway.address)
+
+
+@pytest.mark.usefixtures("activated_as_a_program")
 def test_a_started_process_that_activates_finds_the_gateways_the_program_named(gateway):
     """``activate("host:port")`` and then a spawned child (``mp.spawn``, a DataLoader's spawn
     workers, ``subprocess``) that calls ``remotecuda.activate()``, as the README says to: the child
@@ -205,6 +217,7 @@ def _activate(worker_id: int) -> None:
     remotecuda.activate(fallback="error")
 
 
+@pytest.mark.usefixtures("activated_as_a_program")
 def test_spawned_workers_making_cuda_batches_say_cuda_tensors_cannot_cross_processes():
     """A GPU's spawned workers send 'cuda' batches by CUDA IPC, which remote devices lack (README's
     limits). default_collate makes a worker's batch in memory to share (``_new_shared``): it said
