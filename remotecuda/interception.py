@@ -84,7 +84,7 @@ from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
-from .tensor import RemoteTensor, follow, is_pinned, wrapper_type
+from .tensor import OWN_KEYS, RemoteTensor, follow, is_pinned, wrapper_type
 
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
@@ -482,7 +482,7 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
         if not isinstance(self, RemoteTensor):  # p.data = p.data.cuda(): p becomes a cuda tensor
             fresh = new.detach()
             fresh.requires_grad_(self.requires_grad)
-            saved = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_is_param"}
+            saved = {k: v for k, v in self.__dict__.items() if k not in OWN_KEYS}  # (all its attributes)
             if isinstance(self, torch.nn.Parameter):
                 saved["_is_param"] = True  # Parameter's isinstance check for subclass-backed parameters
             torch.utils.swap_tensors(self, fresh)

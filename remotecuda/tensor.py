@@ -75,7 +75,6 @@ LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "Ha
                  "BoolTensor": torch.bool}
 
 
-
 def wrapper_type(types: Any) -> type | None:
     """Another library's wrapper subclass among an op's tensor types (a jagged ``torch.nested``
     tensor, whose values and offsets are RemoteTensors), or None: that wrapper's own
@@ -128,6 +127,17 @@ class RemoteStorage(torch.UntypedStorage):
         """A copy on the same device (torch's makes ``type(self)(n, device=...)``, which a
         CPU-only torch refuses for 'cuda'); also what ``copy.deepcopy`` of a storage does."""
         return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self).clone().untyped_storage()
+
+
+#: what ties a wrapper to its gateway tensor
+_HANDLE_FIELDS = ("_h", "_w", "_s", "_dev", "_sid", "_k", "_owner")
+#: where known.py keeps the client's copy of a remote tensor's values
+KNOWN_KEY = "_known"
+#: remotecuda's own ``__dict__`` keys on a remote tensor. They are underscored to stay out of
+#: torch.Tensor's namespace, but so are other libraries' attributes (MONAI's ``MetaTensor._meta``),
+#: so it is this set, not a leading ``_``, that tells them apart: pickling, deepcopy and
+#: ``p.data =`` carry every other attribute, as torch does.
+OWN_KEYS = frozenset((*_HANDLE_FIELDS, KNOWN_KEY))
 
 
 class RemoteTensor(torch.Tensor):
@@ -341,13 +351,17 @@ class RemoteTensor(torch.Tensor):
             new.requires_grad_(True)
         if self.grad is not None:
             new.grad = self.grad.__deepcopy__(memo)
-        for k, v in self.__dict__.items():
-            if not k.startswith("_") or k == "_is_param":
-                new.__dict__[k] = copy.deepcopy(v, memo)
+        for k, v in self.__getstate__().items():
+            new.__dict__[k] = copy.deepcopy(v, memo)
         if type(self) is not RemoteTensor:  # a Parameter swapped onto the wrapper keeps its class
             new.__class__ = type(self)
         memo[id(self)] = new
         return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The tensor's attributes, as torch reads them to pickle or deepcopy a subclass or a
+        Parameter (``torch._utils._get_obj_state``): its ``__dict__`` less remotecuda's own keys."""
+        return {k: v for k, v in self.__dict__.items() if k not in OWN_KEYS}
 
     def __reduce_ex__(self, proto: SupportsIndex) -> Any:
         """Save as a CPU tensor that torch rebuilds on 'cuda:N' (as it does for XLA and PrivateUse1)."""
@@ -368,12 +382,11 @@ RemoteTensor.__name__ = "Tensor"
 def as_subclass_reduction(t: RemoteTensor, reduction: tuple) -> tuple:
     """``reduction`` (a rebuild function and its arguments) of a remote tensor, for one that is
     another library's subclass (tensor_subclasses.py) as torch reduces one: rebuilt, then made that
-    library's class with its attributes (all but the underscored ones, where remotecuda's are)."""
+    library's class with its attributes (``__getstate__``)."""
     if type(t) is RemoteTensor:
         return reduction
     library = next(c for c in type(t).__mro__ if not issubclass(c, RemoteTensor))
-    state = {k: v for k, v in t.__dict__.items() if not k.startswith("_")}
-    return (torch._tensor._rebuild_from_type_v2, (reduction[0], library, reduction[1], state))
+    return (torch._tensor._rebuild_from_type_v2, (reduction[0], library, reduction[1], t.__getstate__()))
 
 
 def contiguous_strides(shape: tuple) -> tuple:
@@ -436,10 +449,6 @@ def refresh_key(t: RemoteTensor, storage_of: RemoteTensor | None = None) -> None
     t.__dict__["_k"] = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
     if storage_of is not None:
         t.__dict__["_sid"] = storage_of._sid
-
-
-#: what ties a wrapper to its gateway tensor
-_HANDLE_FIELDS = ("_h", "_w", "_s", "_dev", "_sid", "_k", "_owner")
 
 
 def follow(t: RemoteTensor, new: RemoteTensor) -> None:
