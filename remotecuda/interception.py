@@ -483,8 +483,10 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
             fresh = new.detach()
             fresh.requires_grad_(self.requires_grad)
             saved = {k: v for k, v in self.__dict__.items() if k not in OWN_KEYS}  # (all its attributes)
-            if isinstance(self, torch.nn.Parameter):
+            if type(self) is torch.nn.Parameter:
                 saved["_is_param"] = True  # Parameter's isinstance check for subclass-backed parameters
+            else:  # a library's subclass stays one, as on a GPU (the swap gives self fresh's class)
+                tensor_subclasses.become(fresh, type(self))
             torch.utils.swap_tensors(self, fresh)
             self.__dict__.update(saved)
             return None

@@ -140,6 +140,13 @@ KNOWN_KEY = "_known"
 OWN_KEYS = frozenset((*_HANDLE_FIELDS, KNOWN_KEY))
 
 
+def stands_for_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is what a GPU's ``nn.Parameter`` is here: a RemoteTensor that ``nn.Parameter``
+    marked (``_is_param``, torch's mark for a tensor subclass made a parameter), not a library's
+    subclass so marked, which torch copies and pickles as that subclass."""
+    return type(t) is RemoteTensor and isinstance(t, torch.nn.Parameter)
+
+
 class RemoteTensor(torch.Tensor):
     # Set by wrap(), and read by the dispatcher, downloads, rnn, attention and transfer: the
     # wrapper's own fields, underscored to stay out of torch.Tensor's namespace; changed only here
@@ -327,6 +334,8 @@ class RemoteTensor(torch.Tensor):
         (torch copies each storage once per deepcopy): a view copies its base, and views that. A lazy
         conjugate's or negative's view of the copy reads the base's bytes plainly, so it is then
         resolved (conj_physical, neg), as torch resolves its own deepcopy of one."""
+        if stands_for_parameter(self):  # (a new Parameter of a clone: no attributes, no grad)
+            return cast(RemoteTensor, torch.nn.Parameter.__deepcopy__(self, memo))
         if id(self) in memo:
             return memo[id(self)]
         if not self.is_leaf:
@@ -365,9 +374,13 @@ class RemoteTensor(torch.Tensor):
 
     def __reduce_ex__(self, proto: SupportsIndex) -> Any:
         """Save as a CPU tensor that torch rebuilds on 'cuda:N' (as it does for XLA and PrivateUse1)."""
-        if isinstance(self, torch.nn.Parameter):
+        if stands_for_parameter(self):  # (as Parameter.__reduce_ex__, whose class has no ``_is_param``)
             from collections import OrderedDict
-            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+            state = {k: v for k, v in self.__getstate__().items() if k != "_is_param"}
+            if not state:
+                return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+            return (torch._utils._rebuild_parameter_with_state,
+                    (self.detach(), self.requires_grad, OrderedDict(), state))
         cpu = self.detach().cpu().clone()
         return as_subclass_reduction(self, (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                                             (cpu, self.dtype, str(self.device), self.requires_grad)))

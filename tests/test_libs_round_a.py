@@ -218,3 +218,20 @@ def test_a_subclass_keeps_its_underscored_attributes_on_cuda(remote):
     assert got == want and devices == {"cuda"}
     assert want["save"][3] == {"_meta": {"affine": [0, 2]}, "tag": "t0"}
 
+
+def _parameters_and_data_setter(dev: str) -> tuple[dict[str, tuple], set[str]]:
+    p = _tagged(torch.nn.Parameter(torch.zeros(3, device=dev)), 1)
+    p.grad = torch.ones(3, device=dev)
+    got, devices = _saved_and_copied(p)
+    s = _tagged(torch.zeros(3).as_subclass(Tagged), 2)
+    s.data = torch.ones(3, device=dev)
+    got["subclass.data"] = _attributes(s)
+    return got, devices | {s.device.type}
+
+
+def test_a_cuda_parameter_saves_and_copies_as_torchs(remote):
+    """A 'cuda' Parameter was pickled and saved without its attributes (torch's Parameter keeps
+    them), and deepcopied with them and its grad (torch's new Parameter of a clone has neither);
+    ``sub.data = x.cuda()`` made a subclass's tensor a plain one."""
+    (got, devices), (want, _) = _parameters_and_data_setter("cuda"), _parameters_and_data_setter("cpu")
+    assert got == want and devices == {"cuda"}
