@@ -169,8 +169,18 @@ def _made_here(func: Callable, args: tuple, kwargs: dict, meta: bool) -> Any:
     return func(*args, **kwargs)
 
 
+def _subclass_first(t: Any) -> bool:
+    """Whether ``t`` is of a subclass whose ``__torch_function__`` comes first. The C++ method a
+    route replaces calls it (torch's default one keeps ``sub.to('cuda')`` a ``Sub``; MONAI's
+    MetaTensor also carries its metadata over), and the route must too: it calls back, with the
+    subclass's override off, into the route."""
+    return type(t) is not torch.Tensor and torch.overrides.has_torch_function_unary(t)
+
+
 def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
+    if _subclass_first(self):
+        return torch.overrides.handle_torch_function(torch.Tensor.to, (self,), *args, **kwargs)
     kw = dict(kwargs)
     copy = kw.pop("copy", False)
     rest = args[1:]
@@ -298,6 +308,8 @@ def _opcheck(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
+    if _subclass_first(self):
+        return torch.overrides.handle_torch_function(torch.Tensor.cuda, (self,), *args, **kwargs)
     device = args[1] if len(args) > 1 else kwargs.get("device")
     non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
     d = _device(device) or torch.device("cuda")

@@ -235,3 +235,31 @@ def test_a_cuda_parameter_saves_and_copies_as_torchs(remote):
     ``sub.data = x.cuda()`` made a subclass's tensor a plain one."""
     (got, devices), (want, _) = _parameters_and_data_setter("cuda"), _parameters_and_data_setter("cpu")
     assert got == want and devices == {"cuda"}
+
+
+class Carrying(torch.Tensor):
+    """MONAI's MetaTensor pattern: its ``__torch_function__`` gives an op's result its input's ``_meta``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs)
+        if isinstance(out, Carrying) and isinstance(args[0], Carrying) and "_meta" in vars(args[0]):
+            out._meta = vars(args[0])["_meta"]
+        return out
+
+
+def _moved(dev: str) -> tuple[list[tuple], set[str]]:
+    s = torch.arange(3.).as_subclass(Carrying)
+    s._meta = {"affine": 1}
+    moved = [s.to(dev), s.to(dev, torch.float64), s.to(device=dev, dtype=torch.float16), torch.zeros(1).to(dev)]
+    moved += [s.cuda(), s.cuda().to("cuda", torch.float64)] if dev == "cuda" else [s, s.to(torch.float64)]
+    return [(type(m).__name__, isinstance(m, Carrying), m.dtype, vars(m).get("_meta")) for m in moved], \
+        {m.device.type for m in moved}
+
+
+def test_a_subclass_moved_to_cuda_stays_one_through_its_torch_function(remote):
+    """``sub.to('cuda')`` and ``sub.cuda()`` of a CPU subclass (MONAI's MetaTensor, fastai's
+    TensorBase) gave a plain tensor without its metadata: the routed ``Tensor.to`` skipped the
+    subclass's ``__torch_function__``, which torch's C++ method calls first."""
+    (got, devices), (want, _) = _moved("cuda"), _moved("cpu")
+    assert got == want and devices == {"cuda"}
