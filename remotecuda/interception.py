@@ -84,7 +84,7 @@ from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
-from .tensor import RemoteTensor, follow, is_pinned, wrapper_type
+from .tensor import OWN_KEYS, RemoteTensor, follow, is_pinned, wrapper_type
 
 _active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
@@ -169,8 +169,18 @@ def _made_here(func: Callable, args: tuple, kwargs: dict, meta: bool) -> Any:
     return func(*args, **kwargs)
 
 
+def _subclass_first(t: Any) -> bool:
+    """Whether ``t`` is of a subclass whose ``__torch_function__`` comes first. The C++ method a
+    route replaces calls it (torch's default one keeps ``sub.to('cuda')`` a ``Sub``; MONAI's
+    MetaTensor also carries its metadata over), and the route must too: it calls back, with the
+    subclass's override off, into the route."""
+    return type(t) is not torch.Tensor and torch.overrides.has_torch_function_unary(t)
+
+
 def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
+    if _subclass_first(self):
+        return torch.overrides.handle_torch_function(torch.Tensor.to, (self,), *args, **kwargs)
     kw = dict(kwargs)
     copy = kw.pop("copy", False)
     rest = args[1:]
@@ -298,6 +308,8 @@ def _opcheck(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
+    if _subclass_first(self):
+        return torch.overrides.handle_torch_function(torch.Tensor.cuda, (self,), *args, **kwargs)
     device = args[1] if len(args) > 1 else kwargs.get("device")
     non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
     d = _device(device) or torch.device("cuda")
@@ -482,9 +494,11 @@ def _set_data(func: Callable, args: tuple, kwargs: dict) -> Any:
         if not isinstance(self, RemoteTensor):  # p.data = p.data.cuda(): p becomes a cuda tensor
             fresh = new.detach()
             fresh.requires_grad_(self.requires_grad)
-            saved = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_is_param"}
-            if isinstance(self, torch.nn.Parameter):
+            saved = {k: v for k, v in self.__dict__.items() if k not in OWN_KEYS}  # (all its attributes)
+            if type(self) is torch.nn.Parameter:
                 saved["_is_param"] = True  # Parameter's isinstance check for subclass-backed parameters
+            else:  # a library's subclass stays one, as on a GPU (the swap gives self fresh's class)
+                tensor_subclasses.become(fresh, type(self))
             torch.utils.swap_tensors(self, fresh)
             self.__dict__.update(saved)
             return None

@@ -36,7 +36,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .device_type import DEVICE
-from .tensor import RemoteTensor
+from .tensor import KNOWN_KEY, RemoteTensor
 
 #: the most elements a known value holds (a batch of prompts' ids and masks)
 LIMIT = 1 << 16
@@ -71,7 +71,7 @@ def remember(t: Any, cpu: torch.Tensor, floats: bool = False) -> None:
         version = t._version
     except RuntimeError:  # an inference tensor has no version counter: its writes cannot be seen
         return
-    t.__dict__["_known"] = (cpu.detach().clone(), version)
+    t.__dict__[KNOWN_KEY] = (cpu.detach().clone(), version)
 
 
 def forget(t: RemoteTensor) -> None:
@@ -80,15 +80,15 @@ def forget(t: RemoteTensor) -> None:
     counter (torch's ``set_data``), a write through ``t.data`` (``mask[1].data[:2] = 0``) bumps
     another counter, and one through its storage none. (Other views of that base have copies only
     inside a decode.)"""
-    t.__dict__.pop("_known", None)
+    t.__dict__.pop(KNOWN_KEY, None)
     base = t._base
     if isinstance(base, RemoteTensor):
-        base.__dict__.pop("_known", None)
+        base.__dict__.pop(KNOWN_KEY, None)
 
 
 def value(t: RemoteTensor) -> torch.Tensor | None:
     """The CPU copy of ``t``'s values, when the client knows them."""
-    known = t.__dict__.get("_known")
+    known = t.__dict__.get(KNOWN_KEY)
     if known is None:
         return None
     cpu, version = known
@@ -112,7 +112,7 @@ def _remote(args: tuple, kwargs: dict) -> list | None:
     for a in (*args, *kwargs.values()):
         for t in (a if type(a) in (list, tuple) else (a,)):
             if isinstance(t, RemoteTensor):
-                if "_known" not in t.__dict__:
+                if KNOWN_KEY not in t.__dict__:
                     return None
                 remote.append(t)
     return remote

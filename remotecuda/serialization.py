@@ -30,7 +30,7 @@ import torch
 
 from . import downloads, runtime
 from .device_type import DEVICE
-from .tensor import RemoteStorage, RemoteTensor, as_subclass_reduction, extent
+from .tensor import RemoteStorage, RemoteTensor, as_subclass_reduction, extent, stands_for_parameter
 
 #: during torch.load: ``current``, its _Load
 _loading = threading.local()
@@ -333,7 +333,7 @@ def _reduce_ex(plain: Any) -> Any:
     locates on 'cuda:N' (torch's own form for a CUDA tensor); elsewhere ``plain``'s."""
     def __reduce_ex__(self: RemoteTensor, proto: Any) -> Any:
         storages = getattr(_saving, "storages", None)
-        if storages is None or isinstance(self, torch.nn.Parameter):
+        if storages is None or stands_for_parameter(self):
             return plain(self, proto)
         found = storages.get((id(self._s), self._sid, self.dtype))
         if found is None and self.numel():  # (reached by pickling only, not by the finder's pass)

@@ -75,7 +75,6 @@ LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "Ha
                  "BoolTensor": torch.bool}
 
 
-
 def wrapper_type(types: Any) -> type | None:
     """Another library's wrapper subclass among an op's tensor types (a jagged ``torch.nested``
     tensor, whose values and offsets are RemoteTensors), or None: that wrapper's own
@@ -128,6 +127,24 @@ class RemoteStorage(torch.UntypedStorage):
         """A copy on the same device (torch's makes ``type(self)(n, device=...)``, which a
         CPU-only torch refuses for 'cuda'); also what ``copy.deepcopy`` of a storage does."""
         return torch.empty(0, dtype=torch.uint8, device=self.device).set_(self).clone().untyped_storage()
+
+
+#: what ties a wrapper to its gateway tensor
+_HANDLE_FIELDS = ("_h", "_w", "_s", "_dev", "_sid", "_k", "_owner")
+#: where known.py keeps the client's copy of a remote tensor's values
+KNOWN_KEY = "_known"
+#: remotecuda's own ``__dict__`` keys on a remote tensor. They are underscored to stay out of
+#: torch.Tensor's namespace, but so are other libraries' attributes (MONAI's ``MetaTensor._meta``),
+#: so it is this set, not a leading ``_``, that tells them apart: pickling, deepcopy and
+#: ``p.data =`` carry every other attribute, as torch does.
+OWN_KEYS = frozenset((*_HANDLE_FIELDS, KNOWN_KEY))
+
+
+def stands_for_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is what a GPU's ``nn.Parameter`` is here: a RemoteTensor that ``nn.Parameter``
+    marked (``_is_param``, torch's mark for a tensor subclass made a parameter), not a library's
+    subclass so marked, which torch copies and pickles as that subclass."""
+    return type(t) is RemoteTensor and isinstance(t, torch.nn.Parameter)
 
 
 class RemoteTensor(torch.Tensor):
@@ -317,6 +334,8 @@ class RemoteTensor(torch.Tensor):
         (torch copies each storage once per deepcopy): a view copies its base, and views that. A lazy
         conjugate's or negative's view of the copy reads the base's bytes plainly, so it is then
         resolved (conj_physical, neg), as torch resolves its own deepcopy of one."""
+        if stands_for_parameter(self):  # (a new Parameter of a clone: no attributes, no grad)
+            return cast(RemoteTensor, torch.nn.Parameter.__deepcopy__(self, memo))
         if id(self) in memo:
             return memo[id(self)]
         if not self.is_leaf:
@@ -341,19 +360,27 @@ class RemoteTensor(torch.Tensor):
             new.requires_grad_(True)
         if self.grad is not None:
             new.grad = self.grad.__deepcopy__(memo)
-        for k, v in self.__dict__.items():
-            if not k.startswith("_") or k == "_is_param":
-                new.__dict__[k] = copy.deepcopy(v, memo)
+        for k, v in self.__getstate__().items():
+            new.__dict__[k] = copy.deepcopy(v, memo)
         if type(self) is not RemoteTensor:  # a Parameter swapped onto the wrapper keeps its class
             new.__class__ = type(self)
         memo[id(self)] = new
         return new
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The tensor's attributes, as torch reads them to pickle or deepcopy a subclass or a
+        Parameter (``torch._utils._get_obj_state``): its ``__dict__`` less remotecuda's own keys."""
+        return {k: v for k, v in self.__dict__.items() if k not in OWN_KEYS}
+
     def __reduce_ex__(self, proto: SupportsIndex) -> Any:
         """Save as a CPU tensor that torch rebuilds on 'cuda:N' (as it does for XLA and PrivateUse1)."""
-        if isinstance(self, torch.nn.Parameter):
+        if stands_for_parameter(self):  # (as Parameter.__reduce_ex__, whose class has no ``_is_param``)
             from collections import OrderedDict
-            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+            state = {k: v for k, v in self.__getstate__().items() if k != "_is_param"}
+            if not state:
+                return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, OrderedDict()))
+            return (torch._utils._rebuild_parameter_with_state,
+                    (self.detach(), self.requires_grad, OrderedDict(), state))
         cpu = self.detach().cpu().clone()
         return as_subclass_reduction(self, (torch._utils._rebuild_device_tensor_from_cpu_tensor,
                                             (cpu, self.dtype, str(self.device), self.requires_grad)))
@@ -368,12 +395,11 @@ RemoteTensor.__name__ = "Tensor"
 def as_subclass_reduction(t: RemoteTensor, reduction: tuple) -> tuple:
     """``reduction`` (a rebuild function and its arguments) of a remote tensor, for one that is
     another library's subclass (tensor_subclasses.py) as torch reduces one: rebuilt, then made that
-    library's class with its attributes (all but the underscored ones, where remotecuda's are)."""
+    library's class with its attributes (``__getstate__``)."""
     if type(t) is RemoteTensor:
         return reduction
     library = next(c for c in type(t).__mro__ if not issubclass(c, RemoteTensor))
-    state = {k: v for k, v in t.__dict__.items() if not k.startswith("_")}
-    return (torch._tensor._rebuild_from_type_v2, (reduction[0], library, reduction[1], state))
+    return (torch._tensor._rebuild_from_type_v2, (reduction[0], library, reduction[1], t.__getstate__()))
 
 
 def contiguous_strides(shape: tuple) -> tuple:
@@ -436,10 +462,6 @@ def refresh_key(t: RemoteTensor, storage_of: RemoteTensor | None = None) -> None
     t.__dict__["_k"] = (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
     if storage_of is not None:
         t.__dict__["_sid"] = storage_of._sid
-
-
-#: what ties a wrapper to its gateway tensor
-_HANDLE_FIELDS = ("_h", "_w", "_s", "_dev", "_sid", "_k", "_owner")
 
 
 def follow(t: RemoteTensor, new: RemoteTensor) -> None:

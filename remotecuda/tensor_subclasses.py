@@ -68,7 +68,7 @@ def as_subclass(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
     x, cls = (args + (kwargs.get("cls"),))[:2]
     if not isinstance(x, RemoteTensor):  # (a remote class's result moved to the CPU: the library's class)
         return original(x, _library_class(cls))
-    return _become(torch.ops.aten.alias.default(x), cls)
+    return become(torch.ops.aten.alias.default(x), cls)
 
 
 def make_subclass(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -79,10 +79,10 @@ def make_subclass(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor
         # (a plain tensor, or the options only torch's own subclasses use)
         return original(_library_class(cls), *args[1:], **kwargs)
     require_grad = args[2] if len(args) > 2 else kwargs.get("require_grad", False)
-    return _become(data.detach().requires_grad_(require_grad), cls)
+    return become(data.detach().requires_grad_(require_grad), cls)
 
 
-def _become(t: torch.Tensor, cls: type) -> torch.Tensor:
+def become(t: torch.Tensor, cls: type) -> torch.Tensor:
     """``t`` (a new remote tensor of its own) made a ``cls``, by the remote class of ``cls``."""
     if not isinstance(cls, type) or not issubclass(cls, torch.Tensor):
         raise TypeError(f"cls must be a type (got {cls!r})" if not isinstance(cls, type)

@@ -165,3 +165,101 @@ def test_a_plain_subclass_of_a_cuda_tensor_saves_pickles_and_prints(remote):
         assert isinstance(back, Sub) and back.is_cuda and back.tag == "kept"
         torch.testing.assert_close(back.cpu().as_subclass(torch.Tensor), torch.arange(3.))
     assert repr(s) == "Sub([0., 1., 2.], device='cuda:0')"
+
+
+
+class Tagged(torch.Tensor):
+    """A plain subclass keeping its state under an underscored name, as MONAI's ``MetaTensor``
+    (``_meta``) does; ``new_empty`` in the class, which torch's deepcopy of a subclass needs."""
+
+    def new_empty(self, *args, **kwargs):
+        return super().new_empty(*args, **kwargs).as_subclass(type(self))
+
+
+def _tagged(t: torch.Tensor, n: int) -> torch.Tensor:
+    t._meta, t.tag = {"affine": [n, 2]}, f"t{n}"
+    return t
+
+
+def _attributes(t: torch.Tensor) -> tuple:
+    """What a copy kept: its class, whether it is a Parameter, and its attributes (its device apart)."""
+    return (isinstance(t, Tagged), isinstance(t, torch.nn.Parameter), t.grad is None,
+            {k: v for k, v in vars(t).items() if k in ("_meta", "tag")})
+
+
+def _saved_and_copied(t: torch.Tensor) -> tuple[dict[str, tuple], set[str]]:
+    """``t`` through torch.save and torch.load, pickling and deepcopy: what each copy kept, and the
+    copies' devices."""
+    import copy
+    import io
+    import pickle
+
+    buf = io.BytesIO()
+    torch.save({"t": t}, buf)
+    buf.seek(0)
+    copies = {"save": torch.load(buf, weights_only=False)["t"], "pickle": pickle.loads(pickle.dumps(t)),
+              "deepcopy": copy.deepcopy(t)}
+    return {k: _attributes(c) for k, c in copies.items()}, {c.device.type for c in copies.values()}
+
+
+def _underscored_attributes(dev: str) -> tuple[dict[str, tuple], set[str]]:
+    got, devices = _saved_and_copied(_tagged(torch.arange(3.).to(dev).as_subclass(Tagged), 0))
+    p = _tagged(torch.nn.Parameter(torch.zeros(3)), 1)
+    p.data = torch.ones(3, device=dev)
+    got["parameter.data"] = _attributes(p)
+    return got, devices | {p.device.type}
+
+
+def test_a_subclass_keeps_its_underscored_attributes_on_cuda(remote):
+    """A subclass's attributes whose names start with ``_`` (MONAI's ``MetaTensor._meta``) were
+    dropped by torch.save, pickling, deepcopy and ``p.data = x.cuda()``, which kept only the public
+    ones (remotecuda's own state is underscored too): torch keeps them all."""
+    (got, devices), (want, _) = _underscored_attributes("cuda"), _underscored_attributes("cpu")
+    assert got == want and devices == {"cuda"}
+    assert want["save"][3] == {"_meta": {"affine": [0, 2]}, "tag": "t0"}
+
+
+def _parameters_and_data_setter(dev: str) -> tuple[dict[str, tuple], set[str]]:
+    p = _tagged(torch.nn.Parameter(torch.zeros(3, device=dev)), 1)
+    p.grad = torch.ones(3, device=dev)
+    got, devices = _saved_and_copied(p)
+    s = _tagged(torch.zeros(3).as_subclass(Tagged), 2)
+    s.data = torch.ones(3, device=dev)
+    got["subclass.data"] = _attributes(s)
+    return got, devices | {s.device.type}
+
+
+def test_a_cuda_parameter_saves_and_copies_as_torchs(remote):
+    """A 'cuda' Parameter was pickled and saved without its attributes (torch's Parameter keeps
+    them), and deepcopied with them and its grad (torch's new Parameter of a clone has neither);
+    ``sub.data = x.cuda()`` made a subclass's tensor a plain one."""
+    (got, devices), (want, _) = _parameters_and_data_setter("cuda"), _parameters_and_data_setter("cpu")
+    assert got == want and devices == {"cuda"}
+
+
+class Carrying(torch.Tensor):
+    """MONAI's MetaTensor pattern: its ``__torch_function__`` gives an op's result its input's ``_meta``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs)
+        if isinstance(out, Carrying) and isinstance(args[0], Carrying) and "_meta" in vars(args[0]):
+            out._meta = vars(args[0])["_meta"]
+        return out
+
+
+def _moved(dev: str) -> tuple[list[tuple], set[str]]:
+    s = torch.arange(3.).as_subclass(Carrying)
+    s._meta = {"affine": 1}
+    moved = [s.to(dev), s.to(dev, torch.float64), s.to(device=dev, dtype=torch.float16), torch.zeros(1).to(dev)]
+    moved += [s.cuda(), s.cuda().to("cuda", torch.float64)] if dev == "cuda" else [s, s.to(torch.float64)]
+    return [(type(m).__name__, isinstance(m, Carrying), m.dtype, vars(m).get("_meta")) for m in moved], \
+        {m.device.type for m in moved}
+
+
+def test_a_subclass_moved_to_cuda_stays_one_through_its_torch_function(remote):
+    """``sub.to('cuda')`` and ``sub.cuda()`` of a CPU subclass (MONAI's MetaTensor, fastai's
+    TensorBase) gave a plain tensor without its metadata: the routed ``Tensor.to`` skipped the
+    subclass's ``__torch_function__``, which torch's C++ method calls first."""
+    (got, devices), (want, _) = _moved("cuda"), _moved("cpu")
+    assert got == want and devices == {"cuda"}
