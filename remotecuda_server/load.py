@@ -42,8 +42,11 @@ class GpuLoad:
         return 0.0 if span <= 0 else round(min(1.0, (self.busy - busy0) / span), 3)
 
     def latency(self) -> float:
-        """Mean execution time of the window's ops, in ms (the last known when none ran)."""
+        """Mean execution time of the window's ops, in ms (the last known when none ran, or when
+        those that ran are too brief to measure: a closing session's frees would read as a GPU of
+        no latency, which the latency-optimized strategy would then prefer)."""
         _, _, run0, ops0 = self.samples[0]
         if self.ops > ops0:
-            self.latency_ms = round((self.run - run0) / (self.ops - ops0) * 1000.0, 4)
+            mean = round((self.run - run0) / (self.ops - ops0) * 1000.0, 4)
+            self.latency_ms = mean or self.latency_ms
         return self.latency_ms

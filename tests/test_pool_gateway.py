@@ -18,6 +18,7 @@ import zmq
 
 from remotecuda_server import memory_account
 from remotecuda_server.devices import detect, parse_size, simulated_devices
+from remotecuda_server.load import GpuLoad
 from remotecuda_wire import beacon, protocol
 
 from conftest import ROOT, GatewayProcess, private_discovery, run_python, wait_for
@@ -74,6 +75,20 @@ def test_sizes_and_lists():
         [("A", 10**9, [7, 0], False, "cpu", True), ("B", 10**9, [7, 0], False, "cpu", True)]
     with pytest.raises(ValueError, match="3 values for 2"):
         simulated_devices(2, "1GB,2GB,3GB")
+
+
+def test_op_latency_keeps_its_last_measure_through_a_window_of_unmeasurably_brief_ops():
+    """A closing session's frees take no measurable time: a window of only those read as a GPU of
+    0 ms latency (a CI run of test_per_gpu_figures_... read 0 once its load had ended), which the
+    latency-optimized placement would prefer."""
+    load = GpuLoad(0.0)
+    load.report({}, {"busy_s": 0.5, "run_s": 0.4, "ops": 100})
+    load.sample(1.0)
+    assert load.latency() == 4.0
+    for t in (5.0, 9.0):  # (the window moves past the measured ops)
+        load.sample(t)
+    load.report({"run_s": 0.4, "ops": 100}, {"run_s": 0.4, "ops": 103})
+    assert load.latency() == 4.0
 
 
 def test_bad_gpu_options_are_refused():
