@@ -339,18 +339,25 @@ print("DONE")
 '''
 
 
-def test_the_default_filters_show_a_deprecation_in_main_as_python_does(gateway, tmp_path):
-    """Python's default filters show a DeprecationWarning placed in ``__main__`` and ignore one
-    placed in any other module. Placed in remotecuda's autocast mode, it met "ignore" there and was
-    dropped before remotecuda could move it to the program's line."""
+def _warning_lines(program: str, gateway, tmp_path) -> tuple:
+    """``program`` run as a file with Python's default filters, on 'cpu' and on 'cuda': its path,
+    and the warning lines each run printed."""
     path = tmp_path / "main.py"
-    path.write_text(DEPRECATED_HELPER)
+    path.write_text(program)
     env = {"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error", "PYTHONWARNINGS": ""}
     seen = {}
     for dev in ("cpu", "cuda"):
         r = run_python("", env=env, args=[str(path), dev])
         assert r.returncode == 0 and "DONE" in r.stdout, r.stderr[-3000:]
         seen[dev] = [line for line in r.stderr.splitlines() if "Warning" in line]
+    return path, seen
+
+
+def test_the_default_filters_show_a_deprecation_in_main_as_python_does(gateway, tmp_path):
+    """Python's default filters show a DeprecationWarning placed in ``__main__`` and ignore one
+    placed in any other module. Placed in remotecuda's autocast mode, it met "ignore" there and was
+    dropped before remotecuda could move it to the program's line."""
+    path, seen = _warning_lines(DEPRECATED_HELPER, gateway, tmp_path)
     assert seen["cpu"] == [f"{path}:17: DeprecationWarning: doubled() is deprecated"]
     assert seen["cuda"] == seen["cpu"]
 
@@ -375,14 +382,7 @@ def test_the_first_op_does_not_show_shown_warnings_again(gateway, tmp_path):
     Python reference kernels, which remotecuda runs for a 'cuda' tensor's shapes and dtypes,
     import sympy at their first call, and sympy's import adds a filter: a warning the program
     had shown was shown again after its first op on 'cuda' (a GPU runs no such kernel)."""
-    path = tmp_path / "main.py"
-    path.write_text(SHOWN_BEFORE_THE_FIRST_OP)
-    env = {"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error", "PYTHONWARNINGS": ""}
-    seen = {}
-    for dev in ("cpu", "cuda"):
-        r = run_python("", env=env, args=[str(path), dev])
-        assert r.returncode == 0 and "DONE" in r.stdout, r.stderr[-3000:]
-        seen[dev] = [line for line in r.stderr.splitlines() if "Warning" in line]
+    path, seen = _warning_lines(SHOWN_BEFORE_THE_FIRST_OP, gateway, tmp_path)
     assert seen["cpu"] == [f"{path}:8: UserWarning: a note of the program's"]
     assert seen["cuda"] == seen["cpu"]
 
