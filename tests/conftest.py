@@ -296,9 +296,9 @@ class Client:
         return sock, auth.DIRECT
 
 
-def still_served_with_token(gw: GatewayProcess) -> None:
-    """The gateway is up and serves a new sealed client, which computes right."""
-    assert gw.proc.poll() is None
+def still_served(gw: GatewayProcess) -> None:
+    """The gateway is up and serves a new client (sealed where it holds a token), which computes right."""
+    assert gw.proc.poll() is None, "the gateway process died"
     c = Client(gw.endpoint)
     try:
         c.hello()

@@ -15,7 +15,7 @@ import zmq
 from remotecuda_wire import auth, protocol
 from remotecuda_wire.protocol import Handle
 
-from conftest import ROOT, Client, GatewayProcess, run_python, still_served_with_token, wait_for
+from conftest import ROOT, Client, GatewayProcess, run_python, still_served, wait_for
 from fuzzing import Campaign, GoodClient
 
 TOKEN = "fuzzing-token-0123456789-abcdefghij"
@@ -70,7 +70,7 @@ def test_fuzzing_every_connection_kind_while_a_client_works(tokened, monkeypatch
         ctx.destroy(linger=0)
     assert not good.is_alive(), "the well-behaved client hung"
     assert good.failure is None, good.failure
-    still_served_with_token(tokened)  # a new client is served, and computes right
+    still_served(tokened)  # a new client is served, and computes right
 
 
 # ============================================================================ 8 clients × 10,000 ops
