@@ -269,19 +269,19 @@ def remote_tensors(obj: Any) -> list[RemoteTensor]:
     return finder.found
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as they are: a lazy conjugate's or negative's view without its bit (the file
-    keeps the storage's bytes and each tensor's bits, as torch saves a CUDA tensor)."""
-    t = t.conj() if t.is_conj() else t
-    return t._neg_view() if t.is_neg() else t
-
-
 def _with_bits(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` (a plain view of a storage moved to the device) read as ``like`` reads those bytes: a
-    lazy conjugate or negative view, made by the ops that make one, so the gateway holds the bits
-    too (``torch._utils.set_tensor_metadata`` would set them on the client's tensor only)."""
+    """``t`` with ``like``'s lazy conjugate and negative bits flipped, by the ops that flip them (so
+    the gateway holds the bits too; ``torch._utils.set_tensor_metadata`` would set them on the
+    client's tensor only): a plain view of a storage moved to the device then reads its bytes as
+    ``like`` does, and ``like`` itself becomes its plain bytes."""
     t = t.conj() if like.is_conj() else t
     return t._neg_view() if like.is_neg() else t
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as they are, without its bits (the file keeps the storage's bytes and each
+    tensor's bits, as torch saves a CUDA tensor)."""
+    return _with_bits(t, t)
 
 
 def _own(cpu: torch.Tensor) -> torch.UntypedStorage:
