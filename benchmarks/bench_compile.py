@@ -4,7 +4,9 @@
 one more (remotecuda/compiled.py), where eager code sends every aten op. This counts, under
 valgrind's callgrind (counting only around the measured steps, so load-independent), the
 client's instructions for the same training step (forward, cross-entropy, backward, SGD step)
-run (a) locally eagerly, (b) through a gateway eagerly and (c) through a gateway compiled, for
+run (a) locally eagerly, (b) through a gateway eagerly, (c) through a gateway compiled and (d)
+through a gateway eagerly with step replay on (``activate(replay=True)``: no torch.compile in the
+code; remotecuda/step_replay.py traces the model's repeated calls itself), for
 an MLP and a small transformer encoder, and divides each by the number of aten ops the eager
 step runs locally: the work per op the issue's target is stated in. It also reports
 wall-clock step times (best of 20; a shared machine scatters them).
@@ -47,7 +49,7 @@ else:
     x, y = torch.randn(8, 16, 64), torch.randint(0, 10, (8,))
 if server != "local":
     import remotecuda
-    remotecuda.activate(server, fallback="error")
+    remotecuda.activate(server, fallback="error", replay=how == "replayed")
     model, x, y = model.cuda(), x.cuda(), y.cuda()
 run = torch.compile(model) if how == "compiled" else model
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -85,7 +87,7 @@ else:
 print("RESULT " + json.dumps({"ops": ops, "best_step_s": best}))
 '''
 
-CASES = (("local", "eager"), ("remote", "eager"), ("remote", "compiled"))
+CASES = (("local", "eager"), ("remote", "eager"), ("remote", "compiled"), ("remote", "replayed"))
 #: an MLP (17 layers, 34 parameters) and a 2-layer transformer encoder (more ops per parameter)
 MODELS = ("mlp", "transformer")
 
@@ -134,8 +136,9 @@ def _model(steps: int, server: str, model: str) -> dict:
     n = out["eager_ops_per_step"]
     for where, how in CASES:
         out[f"{where}_{how}_instructions_per_op"] = round(out[f"{where}_{how}_instructions_per_step"] / n)
-    out["remote_eager_over_compiled"] = (out["remote_eager_instructions_per_step"]
-                                         / out["remote_compiled_instructions_per_step"])
+    for how in ("compiled", "replayed"):
+        out[f"remote_eager_over_{how}"] = (out["remote_eager_instructions_per_step"]
+                                           / out[f"remote_{how}_instructions_per_step"])
     return out
 
 

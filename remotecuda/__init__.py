@@ -58,7 +58,8 @@ __all__ = ["activate", "deactivate", "is_active", "stats", "synchronize", "runti
 
 
 def activate(servers: str | list[str] | None = None, *, fallback: str | None = None,
-             sync: bool | None = None, strategy: str | None = None, devices: str | None = None) -> Any:
+             sync: bool | None = None, strategy: str | None = None, devices: str | None = None,
+             replay: bool | None = None) -> Any:
     """Turn interception on: 'cuda' now means the GPU pool. Returns the runtime (runtime.py), or
     the active one when remotecuda is active already.
 
@@ -70,9 +71,11 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
     placed (``REMOTECUDA_STRATEGY``; adaptive, load-balancing, memory-aware, latency-optimized).
     ``fallback``: "cpu" (default; warn once and run on a local CPU gateway when none answers) or
     "error" (``REMOTECUDA_FALLBACK``). ``sync``: make every op synchronous for debugging
-    (``REMOTECUDA_SYNC=1``). docs/POOL.md says more.
+    (``REMOTECUDA_SYNC=1``). ``replay``: trace a model's repeated calls once and replay them on the
+    gateway as one op each (``REMOTECUDA_REPLAY=1``; off by default, see remotecuda/step_replay.py).
+    docs/POOL.md says more.
     """
-    from . import interception, lazydynamo, progress, runtime
+    from . import interception, lazydynamo, progress, runtime, step_replay
     from .discovery import servers_from_env
     from .scheduler import check_strategy, devices_from_env, parse_devices, strategy_from_env
     active = runtime.active()
@@ -86,11 +89,12 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
         sync = limits.switch("REMOTECUDA_SYNC", os.environ.get("REMOTECUDA_SYNC"), False)
     strategy = strategy_from_env() if strategy is None else check_strategy(strategy)
     pins = devices_from_env() if devices is None else parse_devices(devices, "devices")
+    replay = step_replay.wanted(replay)
     progress.after()  # a malformed REMOTECUDA_PROGRESS is refused now, not at the first long transfer
     lazydynamo.install()  # the first op on 'cuda' must not wait ~1 s for torch._dynamo
     named = servers if isinstance(servers, str) or servers is None else ",".join(servers)
     return runtime.start(servers_from_env(servers), interception.install, fallback=fallback, sync=sync,
-                         strategy=strategy, devices=pins, named=named or "")
+                         strategy=strategy, devices=pins, named=named or "", replay=replay)
 
 
 def set_strategy(name: str) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import operator
 import traceback
 import types
@@ -62,6 +63,8 @@ _TENSOR = object()
 _ABSENT = object()
 #: (module, attribute name) -> value: a module's plain attributes (see ``_attributes``)
 Attributes = dict[tuple[torch.nn.Module, str], Any]
+#: (module, attribute name) -> (object, shallow copy of a container): its other attributes (see ``_objects``)
+Objects = dict[tuple[torch.nn.Module, str], tuple[Any, Any]]
 
 
 class Unsupported(Exception):
@@ -84,8 +87,14 @@ def compile(model: Any = None, **kwargs: Any) -> Any:
 class Compiled:
     """A compiled callable: its traces per input signature, or why a signature runs eagerly."""
 
-    def __init__(self, fn: Callable, options: dict[str, Any]) -> None:
+    def __init__(self, fn: Callable, options: dict[str, Any], *, automatic: bool = False) -> None:
+        """``automatic``: compiled by step replay (step_replay.py), not by the program: a signature
+        is traced at its second call (a call seen once may be the only one), and a call that runs
+        eagerly says so in the log only (the program asked for no compilation)."""
         self.fn = fn
+        self.automatic = automatic
+        #: signatures called once, not traced yet (``automatic`` only)
+        self.once: set[tuple] = set()
         #: the modules whose parameters and buffers become graph inputs (see ``_modules``)
         self.modules = _modules(fn)
         self.traces: dict[tuple, _Trace | str] = {}
@@ -122,6 +131,9 @@ class Compiled:
                 entry = None  # (a new session: the gateway does not know the old one's graphs)
             if entry is None and len(self.traces) >= MAX_TRACES:
                 entry = f"it was traced for {MAX_TRACES} input signatures already"
+            elif entry is None and self.automatic and key not in self.once:
+                self.once.add(cast(tuple, key))
+                return self.fn(*args, **kwargs)
             elif entry is None:
                 entry = self._trace(state, leaves, spec, tensors)
                 self.traces[self._watch(entry, cast(tuple, key))] = entry
@@ -177,20 +189,27 @@ class Compiled:
         if not self.warned:
             self.warned = True
             name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
-            warnings.warn(f"remotecuda: torch.compile runs {name} eagerly: {why}", stacklevel=3)
+            if self.automatic:
+                logging.getLogger("remotecuda").debug("step replay runs %s eagerly: %s", name, why)
+            else:
+                warnings.warn(f"remotecuda: torch.compile runs {name} eagerly: {why}", stacklevel=3)
 
     def _trace(self, state: list, leaves: list, spec: Any, tensors: list) -> _Trace | str:
         """A new trace, or why the call runs eagerly; then with its modules' attributes as they
         were before it (the eager call changes them itself)."""
-        before = _attributes(self.modules)
+        before, objects = _attributes(self.modules), _objects(self.modules)
         try:
-            return _Trace(self.fn, self.modules, [(i, n) for i, n, _ in state], leaves, spec, tensors, before,
-                          inductor=self.options.get("backend", "inductor") == "inductor")
+            trace = _Trace(self.fn, self.modules, [(i, n) for i, n, _ in state], leaves, spec, tensors, before,
+                           inductor=self.options.get("backend", "inductor") == "inductor")
+            _unchanged_objects(self.modules, objects)
+            return trace
         except Unsupported as e:
             _restore(self.modules, before)
+            _restore_objects(self.modules, objects)
             return str(e)
         except Exception as e:  # noqa: BLE001 - whatever stops the trace, the call still runs eagerly
             _restore(self.modules, before)
+            _restore_objects(self.modules, objects)
             return _reason(e)
 
 
@@ -308,6 +327,47 @@ def _restore(modules: list[torch.nn.Module], saved: Attributes) -> None:
         del m.__dict__[n]
     for (m, n), v in saved.items():
         m.__dict__[n] = v
+
+
+def _objects(modules: list[torch.nn.Module]) -> Objects:
+    """The other objects the modules hold as attributes (tensors, lists, dicts — their
+    parameters and buffers included —, configs), with a shallow copy of each container: a call
+    that replaces one or changes a container's contents does something a trace cannot repeat
+    at each run, and while tracing it would keep stand-in tensors there (``self.last = h``)."""
+    def copy(v: Any) -> Any:
+        return next((kind(v) for kind in (list, dict, set) if isinstance(v, kind)), None)
+    return {(m, n): (v, copy(v)) for top in modules for m in top.modules() for n, v in vars(m).items()
+            if not isinstance(v, _PLAIN) and n != "_modules"}
+
+
+def _unchanged_objects(modules: list[torch.nn.Module], before: Objects) -> None:
+    """Raise Unsupported naming the first object attribute a traced call replaced, added or changed."""
+    def same(v: Any, copy: Any, now: Any) -> bool:
+        if now is not v:
+            return False
+        if isinstance(copy, dict):
+            return copy.keys() == now.keys() and all(copy[k] is now[k] for k in copy)
+        if isinstance(copy, list):
+            return len(copy) == len(now) and all(a is b for a, b in zip(copy, now))
+        return copy is None or copy == now
+    after = _objects(modules)
+    for (m, n), (v, _) in after.items():
+        old, copy = before.get((m, n), (_ABSENT, None))
+        if not same(old, copy, v):
+            raise Unsupported(f"it changes {type(m).__name__}.{n} while it runs, which a trace cannot repeat")
+
+
+def _restore_objects(modules: list[torch.nn.Module], saved: Objects) -> None:
+    """The modules' object attributes, and the containers' contents, put back to ``saved``."""
+    for (m, n) in _objects(modules).keys() - saved.keys():
+        del m.__dict__[n]
+    for (m, n), (v, copy) in saved.items():
+        m.__dict__[n] = v
+        if isinstance(copy, list):
+            v[:] = copy
+        elif isinstance(copy, (dict, set)):
+            v.clear()
+            v.update(copy)
 
 
 def _changed(before: Attributes, after: Attributes) -> Attributes:

@@ -74,6 +74,7 @@ from . import (
     runtime,
     serialization,
     sparse,
+    step_replay,
     tensor_subclasses,
     torchscript,
     transfer,
@@ -1499,6 +1500,8 @@ def install(rt: Runtime) -> Interception:
     for lst in foreach:
         lst.append(RemoteTensor)
     p.set(torch.nn.Module, "_apply", _module_apply(torch.nn.Module._apply))
+    if rt.replay:
+        step_replay.install(p)
     device_context._device_constructors()  # `with torch.device(...)` caches the originals: before patching
     for owner, name, handler in _ROUTES:
         p.set(owner, name, _routed(getattr(owner, name), handler))

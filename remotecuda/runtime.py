@@ -61,7 +61,10 @@ class Runtime:
     """One activation of remotecuda (see the module's docstring for what it owns)."""
 
     def __init__(self, servers: list[str], *, fallback: str = "cpu", sync: bool = False,
-                 strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None, named: str = "") -> None:
+                 strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None, named: str = "",
+                 replay: bool = False) -> None:
+        #: whether repeated top-level module calls are traced and replayed (step_replay.py)
+        self.replay = replay
         #: the gateways as the program named them (``activate(servers)``, keys included), which the
         #: processes it starts are told of (discovery.tell_children); empty: not named
         self.named = named
@@ -249,14 +252,15 @@ def active() -> Runtime | None:
 
 def start(servers: list[str], install: Callable[[Runtime], Installed], *, fallback: str = "cpu",
           sync: bool = False, strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None,
-          named: str = "") -> Runtime:
+          named: str = "", replay: bool = False) -> Runtime:
     """Make a runtime for ``servers`` (empty: discovery), make it current, and install interception
     with ``install``; the active runtime, if there is one already."""
     global _current
     if _current is not None:
         return _current
     forked_child.leave()  # (a forked child activating itself: torch.cuda is interception's again)
-    rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices, named=named)
+    rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices, named=named,
+                 replay=replay)
     _current = rt
     try:
         rt.interception = install(rt)

@@ -240,6 +240,34 @@ def test_a_branch_on_a_value_runs_eagerly_with_one_warning(remote):
         torch.testing.assert_close(g, f(x))
 
 
+def test_a_forward_that_keeps_a_tensor_or_fills_a_list_runs_eagerly(remote):
+    """A trace cannot repeat such stores at each run, and would have left its stand-in tensors
+    there (the attribute was a FunctionalTensor, and ``cpu()`` of it failed)."""
+    class Keeps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.last, self.calls = nn.Linear(4, 4), None, []
+
+        def forward(self, x):
+            h = self.lin(x)
+            self.last = h.detach()
+            self.calls.append(x.shape[0])
+            return h.relu().sum()
+
+    model = Keeps().cuda()
+    compiled = torch.compile(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (2, 2, 3):
+            x = torch.randn(n, 4)
+            compiled(x.cuda())
+            w, b = model.lin.weight.cpu(), model.lin.bias.cpu()
+            torch.testing.assert_close(model.last.cpu(), x @ w.T + b)
+    assert model.calls == [2, 2, 3]
+    eager = [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    assert len(eager) == 1 and "it changes Keeps.last while it runs" in eager[0], eager
+
+
 def test_a_compiled_training_step_runs_eagerly_saying_it_runs_backward(remote):
     """``@torch.compile`` on a whole step (forward, ``loss.backward()``, ``opt.step()``), as
     compiled-optimizer tutorials write it: the step runs eagerly, with the same values, and the

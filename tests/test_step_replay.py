@@ -1,0 +1,172 @@
+"""Step replay (remotecuda/step_replay.py): a model's repeated calls traced once and replayed on a
+real gateway as one op each; every result compared with the same loop run locally on the CPU."""
+from __future__ import annotations
+
+import copy
+import json
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import run_python
+
+
+@pytest.fixture
+def replaying(remote):
+    """The run's activation with replay on for the test (as ``activate(replay=True)`` has it)."""
+    from remotecuda import interception
+    remote.interception.remove()
+    remote.replay = True
+    remote.interception = interception.install(remote)
+    yield remote
+    remote.interception.remove()
+    remote.replay = False
+    remote.interception = interception.install(remote)
+
+
+class Encoder(nn.Module):
+    """Many ops per parameter (attention, layer norms) and a batch norm's buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.norm, self.head = nn.BatchNorm1d(16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.enc(x).mean(1)))
+
+
+def _steps(model: nn.Module, batches: list, rt=None) -> tuple[list[float], list[int]]:
+    """SGD steps over ``batches``; the losses, and the ops each step sent (with ``rt``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, ops = [], []
+    for x, y in batches:
+        before = rt.pool.counters()["ops"] if rt else 0
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        ops.append(rt.pool.counters()["ops"] - before if rt else 0)
+    return losses, ops
+
+
+def _on_cuda(batches: list) -> list:
+    return [(x.cuda(), y.cuda()) for x, y in batches]
+
+
+def _close(remote_model: nn.Module, local_model: nn.Module) -> None:
+    for (name, a), (_, b) in zip(local_model.state_dict().items(), remote_model.state_dict().items()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_repeated_training_step_is_replayed_with_eager_results(replaying):
+    torch.manual_seed(0)
+    model = Encoder()
+    batches = [(torch.randn(4, 6, 16), torch.randint(0, 3, (4,))) for _ in range(6)]
+    local = copy.deepcopy(model)
+    expected, _ = _steps(local, batches)
+    remote = model.cuda()
+    got, ops = _steps(remote, _on_cuda(batches), replaying)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    _close(remote, local)
+    # step 0 eager, step 1 traced, then replayed: the forward and backward one op each
+    assert max(ops[2:]) * 3 < ops[0], ops
+    remote.eval()
+    local.eval()
+    with torch.no_grad():
+        for _ in range(3):  # (eval and no_grad: another signature, traced at its second call)
+            torch.testing.assert_close(remote(batches[0][0].cuda()).cpu(), local(batches[0][0]), rtol=1e-4, atol=1e-5)
+
+
+def test_new_shapes_and_value_branches_fall_back_with_eager_results(replaying):
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if h.sum() > 0:  # a value read: this model is never replayed
+                h = h * 2
+            return self.b(h.relu())
+
+    torch.manual_seed(1)
+    for model in (Branchy(), nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))):
+        sizes = [4, 4, 2, 4, 2, 2, 3, 4]  # a batch size seen once, twice, and alternating
+        batches = [(torch.randn(n, 8) * (1 if i % 2 else -1), torch.randint(0, 2, (n,)))
+                   for i, n in enumerate(sizes)]
+        local = copy.deepcopy(model)
+        expected, _ = _steps(local, batches)
+        got, _ = _steps(model.cuda(), _on_cuda(batches), replaying)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        _close(model, local)
+
+
+def test_hooks_and_attributes_a_forward_sets_stay_eager(replaying):
+    class Keeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+            self.last: torch.Tensor | None = None
+            self.seen: list[int] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x).tanh()
+            self.last = h.detach()
+            self.seen.append(len(self.seen))
+            return self.b(h)
+
+    torch.manual_seed(2)
+    model = Keeps().cuda()
+    calls = []
+    for i in range(4):
+        x = torch.randn(3, 8)
+        out = model(x.cuda())
+        assert isinstance(model.last, torch.Tensor) and model.last.device.type == "cuda"
+        torch.testing.assert_close(model.last.cpu(), torch.tanh(x @ model.a.weight.cpu().T + model.a.bias.cpu()))
+        assert model.seen == list(range(i + 1))
+        torch.testing.assert_close(out.cpu(), model.last.cpu() @ model.b.weight.cpu().T + model.b.bias.cpu())
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).cuda()
+    for _ in range(3):
+        plain(torch.randn(2, 8, device="cuda"))
+    plain[0].register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    for _ in range(3):  # replayed before the hook: with it, every call runs its Python again
+        plain(torch.randn(2, 8, device="cuda"))
+    assert calls == [torch.Size([2, 8])] * 3
+
+
+def test_replay_is_off_unless_asked():
+    from remotecuda import step_replay
+    assert step_replay.wanted(None) is False
+    assert step_replay.wanted(True) is True
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REMOTECUDA_REPLAY", "sometimes")
+        with pytest.raises(ValueError, match="REMOTECUDA_REPLAY"):
+            step_replay.wanted(None)
+        mp.setenv("REMOTECUDA_REPLAY", "1")
+        assert step_replay.wanted(None) is True
+
+
+def test_the_variable_turns_it_on_for_a_program(gateway):
+    code = textwrap.dedent(f"""
+        import json, torch, torch.nn as nn, remotecuda
+        rt = remotecuda.activate({gateway.address!r}, fallback="error")
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]).cuda()
+        x = torch.randn(4, 8, device="cuda")
+        ops = []
+        for _ in range(4):
+            before = rt.pool.counters()["ops"]
+            model(x).sum().backward()
+            ops.append(rt.pool.counters()["ops"] - before)
+        print(json.dumps(ops))
+    """)
+    off = run_python(code)
+    on = run_python(code, env={"REMOTECUDA_REPLAY": "1"})
+    assert off.returncode == 0 and on.returncode == 0, off.stderr[-2000:] + on.stderr[-2000:]
+    off_ops, on_ops = json.loads(off.stdout.splitlines()[-1]), json.loads(on.stdout.splitlines()[-1])
+    assert on_ops[-1] * 2 < off_ops[-1], (off_ops, on_ops)
