@@ -34,6 +34,7 @@ import operator
 import traceback
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -201,7 +202,7 @@ class Compiled:
         try:
             trace = _Trace(self.fn, self.modules, [(i, n) for i, n, _ in state], leaves, spec, tensors, before,
                            inductor=self.options.get("backend", "inductor") == "inductor")
-            _unchanged_objects(self.modules, objects)
+            _restore_objects(self.modules, objects)  # (what parametrizing for the trace rebuilt, as it was)
             return trace
         except Unsupported as e:
             _restore(self.modules, before)
@@ -341,20 +342,42 @@ def _objects(modules: list[torch.nn.Module]) -> Objects:
 
 
 def _unchanged_objects(modules: list[torch.nn.Module], before: Objects) -> None:
-    """Raise Unsupported naming the first object attribute a traced call replaced, added or changed."""
-    def same(v: Any, copy: Any, now: Any) -> bool:
-        if now is not v:
+    """Raise Unsupported naming the first object attribute a traced call replaced, added or
+    changed (a container replaced by an equal one is unchanged)."""
+    def same_item(a: Any, b: Any) -> bool:
+        if a is b:
+            return True
+        if isinstance(a, torch.Tensor) or type(a) is not type(b):
+            return False
+        if isinstance(a, weakref.ref):
+            return a() is b()
+        try:
+            return bool(a == b)  # (a name, a number)
+        except Exception:  # noqa: BLE001 - an object that cannot say: changed
+            return False
+
+    def same(old: Any, copy: Any, now: Any) -> bool:
+        if now is not old and (copy is None or type(now) is not type(old)):
             return False
         if isinstance(copy, dict):
-            return copy.keys() == now.keys() and all(copy[k] is now[k] for k in copy)
+            return copy.keys() == now.keys() and all(same_item(copy[k], now[k]) for k in copy)
         if isinstance(copy, list):
-            return len(copy) == len(now) and all(a is b for a, b in zip(copy, now))
+            return len(copy) == len(now) and all(same_item(a, b) for a, b in zip(copy, now))
         return copy is None or copy == now
     after = _objects(modules)
     for (m, n), (v, _) in after.items():
         old, copy = before.get((m, n), (_ABSENT, None))
-        if not same(old, copy, v):
+        if not same(old, copy, v) and not _derived(m, n):
             raise Unsupported(f"it changes {type(m).__name__}.{n} while it runs, which a trace cannot repeat")
+
+
+#: attributes a module rebuilds from its parameters when they are swapped (for the trace's
+#: stand-ins, in its forward): caches, not effects; put back after the trace like the others
+_DERIVED = ((torch.nn.RNNBase, ("_flat_weights", "_flat_weight_refs")),)
+
+
+def _derived(module: torch.nn.Module, name: str) -> bool:
+    return any(isinstance(module, kind) and name in names for kind, names in _DERIVED)
 
 
 def _restore_objects(modules: list[torch.nn.Module], saved: Objects) -> None:
@@ -499,7 +522,9 @@ class _Trace:
                     # (torch.compiler.is_compiling(), as under Dynamo and non-strict export: libraries
                     # skip their value checks then, such as transformers' packed-sequence test)
                     stack.enter_context(torch.compiler._compile_session_context())
+                    objects = _objects(modules)  # (as parametrized: nn.LSTM's weight lists rebuilt)
                     out = fn(*args, **kwargs)
+                    _unchanged_objects(modules, objects)
                 outs, out_spec = pytree.tree_flatten(out)
                 for x in outs:
                     if not isinstance(x, (torch.Tensor, *_PLAIN)):

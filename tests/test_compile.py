@@ -268,6 +268,25 @@ def test_a_forward_that_keeps_a_tensor_or_fills_a_list_runs_eagerly(remote):
     assert len(eager) == 1 and "it changes Keeps.last while it runs" in eager[0], eager
 
 
+def test_a_compiled_lstm_keeps_its_own_weight_list(remote):
+    """nn.LSTM rebuilds its list of weights when they are swapped, as for the trace's stand-ins:
+    the list is put back after the trace (it kept FunctionalTensors), and its rebuilding is no
+    effect that keeps the call from being traced."""
+    torch.manual_seed(3)
+    lstm = nn.LSTM(4, 6, batch_first=True)
+    x = torch.randn(2, 3, 4)
+    expected = lstm(x)[0]
+    remote_lstm = lstm.cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # traced, not eager
+        compiled = torch.compile(remote_lstm)
+        got = [compiled(x.cuda())[0].cpu() for _ in range(2)]
+    for g in got:
+        torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-6)
+    assert all(w is getattr(remote_lstm, n) for w, n in zip(remote_lstm._flat_weights, remote_lstm._flat_weights_names))
+    torch.testing.assert_close(remote_lstm(x.cuda())[0].cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_compiled_training_step_runs_eagerly_saying_it_runs_backward(remote):
     """``@torch.compile`` on a whole step (forward, ``loss.backward()``, ``opt.step()``), as
     compiled-optimizer tutorials write it: the step runs eagerly, with the same values, and the
