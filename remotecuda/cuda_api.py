@@ -19,7 +19,7 @@ import torch
 from . import runtime
 from .cuda_graphs import is_current_stream_capturing
 from .device_type import DEVICE
-from .generator import CudaGenerator, seed_value
+from .generator import CudaGenerator, seed_value, state_bytes
 from .pool import VirtualDevice
 from .session import Session
 
@@ -602,8 +602,7 @@ def get_rng_state(device: Any = "cuda") -> torch.Tensor:
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-    state = new_state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    _session(device).enqueue("rc::rng_set", [state], None, None)
+    _session(device).enqueue("rc::rng_set", [state_bytes(new_state)], None, None)
 
 
 def default_generators() -> tuple[torch._C.Generator, ...]:

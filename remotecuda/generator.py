@@ -29,10 +29,31 @@ DEFAULT_SEED = 67280421310721  # what a fresh CUDA generator starts from
 
 
 def seed_value(seed: Any) -> int:
-    """``seed`` as torch's ``Generator.manual_seed`` takes it (an int from -2**63 to 2**64 - 1),
-    else torch's own error at the call: one over 64 bits could not be sent to the gateway."""
-    torch.Generator().manual_seed(seed)
-    return int(seed)
+    """``seed`` as torch's ``Generator.manual_seed`` keeps it (an int from -2**63 to 2**64 - 1, kept
+    as an unsigned 64-bit number: ``initial_seed()`` after -1 is 2**64 - 1), else torch's own error
+    at the call: one over 64 bits could not be sent to the gateway."""
+    return torch._C.Generator().manual_seed(seed).initial_seed()
+
+
+def state_bytes(new_state: Any) -> bytes:
+    """The bytes of a generator state a program sets, checked at the call as torch checks it (a
+    CPU ByteTensor): sent unchecked, a float state went as its bytes, and the gateway's refusal
+    came at a later sync, as an unrelated op's error about the state's size."""
+    if not isinstance(new_state, torch.Tensor):
+        raise TypeError(f"expected a torch.ByteTensor, but got {type(new_state).__name__}")
+    if new_state.dtype != torch.uint8 or new_state.layout != torch.strided or new_state.device.type != "cpu":
+        raise TypeError("RNG state must be a torch.ByteTensor")
+    return new_state.detach().contiguous().numpy().tobytes()
+
+
+def _state_tensor(state: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(state), dtype=torch.uint8)
+
+
+def remade(device: torch.device) -> torch._C.Generator:
+    """A pickled 'cuda' generator made again (its state follows, by ``__setstate__``): by the
+    ``torch.Generator`` of the moment, on a gateway while active."""
+    return torch.Generator(device)
 
 
 class CudaGenerator(torch._C.Generator):
@@ -86,15 +107,26 @@ class CudaGenerator(torch._C.Generator):
 
     def get_state(self) -> torch.Tensor:  # type: ignore[override]
         """The gateway generator's state, a CPU uint8 tensor (as a CUDA generator's is)."""
-        return torch.frombuffer(bytearray(self.session.request("rc::gen_get", [self.gid])), dtype=torch.uint8)
+        return _state_tensor(self.session.request("rc::gen_get", [self.gid]))
 
     def set_state(self, new_state: torch.Tensor) -> CudaGenerator:  # type: ignore[override]
-        if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8 or new_state.is_cuda:
-            kind = new_state.type() if isinstance(new_state, torch.Tensor) else type(new_state).__name__
-            raise TypeError(f"expected a torch.ByteTensor, but got {kind}")
-        state = new_state.detach().contiguous().numpy().tobytes()
-        self._send("rc::gen_set", [self.gid, state])
+        self._send("rc::gen_set", [self.gid, state_bytes(new_state)])
         return self
+
+    def clone_state(self) -> CudaGenerator:  # type: ignore[override]
+        """A new generator on this one's device, at its seed and state (the carrier's own
+        ``clone_state`` was a CPU generator naming this one's gateway generator: an alias)."""
+        return twin_of(self.session, self.user_seed, self.get_state())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """``copy.deepcopy`` and pickle, as torch's ``(Generator, (device,), (seed, offset, state))``."""
+        return remade, (self.device,), (self.user_seed, None, self.get_state())
+
+    def __setstate__(self, state: tuple[int, int | None, torch.Tensor]) -> None:
+        """The seed and state a pickled generator had (the offset is within a CUDA state)."""
+        seed, _offset, new_state = state
+        self.user_seed = seed_value(seed)
+        self.set_state(new_state)
 
     def __repr__(self) -> str:
         return f"<torch.Generator device='cuda:{self.index}' (remotecuda)>"
@@ -135,15 +167,28 @@ class DefaultCudaGenerator(torch._C.Generator):
         return s
 
     def get_state(self) -> torch.Tensor:  # type: ignore[override]
-        return torch.frombuffer(bytearray(self.session_of(self.index).request("rc::rng_get", [])), dtype=torch.uint8)
+        return _state_tensor(self.session_of(self.index).request("rc::rng_get", []))
 
     def set_state(self, new_state: torch.Tensor) -> DefaultCudaGenerator:  # type: ignore[override]
-        state = new_state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-        self.session_of(self.index).enqueue("rc::rng_set", [state], None, None)
+        self.session_of(self.index).enqueue("rc::rng_set", [state_bytes(new_state)], None, None)
         return self
+
+    def clone_state(self) -> CudaGenerator:  # type: ignore[override]
+        """A new generator on the device at the default's seed and state, as torch's is."""
+        return twin_of(self.session_of(self.index), self.initial_seed(), self.get_state())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return remade, (self.device,), (self.initial_seed(), None, self.get_state())
 
     def __repr__(self) -> str:
         return f"<torch.Generator device='cuda:{self.index}' (remotecuda: the device's default)>"
+
+
+def twin_of(session: Any, seed: int, state: torch.Tensor) -> CudaGenerator:
+    """A new generator on ``session``'s device at ``seed`` and ``state``: a generator's copy."""
+    twin = CudaGenerator(session)
+    twin.__setstate__((seed, None, state))
+    return twin
 
 
 def on_cuda(g: Any) -> bool:

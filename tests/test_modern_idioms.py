@@ -98,7 +98,7 @@ def test_cuda_generator_state_round_trip():
         torch.testing.assert_close(a, b)
         return first, a
     _both(replay)
-    with pytest.raises(TypeError, match="expected a torch.ByteTensor"):
+    with pytest.raises(TypeError, match="RNG state must be a torch.ByteTensor"):  # (torch's words)
         torch.Generator(device="cuda").set_state(torch.zeros(3))
 
 
