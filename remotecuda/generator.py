@@ -43,18 +43,23 @@ class CudaGenerator(torch._C.Generator):
     session: Any
     user_seed: int
 
-    def __new__(cls, session: Any) -> CudaGenerator:
+    def __new__(cls, session: Any, clone_of: tuple[int | None, int] | None = None) -> CudaGenerator:
+        """A fresh generator, or with ``clone_of`` = (the source's id, None for the device's
+        default; its initial seed) a copy of another's state on the gateway (``clone_state``)."""
         self = torch._C.Generator.__new__(cls, "cpu")  # type: ignore[call-arg]  # (torch's stub)
         self.gid = next(_ids)
         self.index = session.vdev
         self.session = session
-        self.user_seed = DEFAULT_SEED
+        self.user_seed = DEFAULT_SEED if clone_of is None else clone_of[1]
         torch._C.Generator.manual_seed(self, _MAGIC | self.gid)
         _live[self.gid] = self
-        self._send("rc::gen_new", [self.gid, DEFAULT_SEED])
+        if clone_of is None:
+            self._send("rc::gen_new", [self.gid, DEFAULT_SEED])
+        else:
+            self._send("rc::gen_clone", [self.gid, clone_of[0]])
         return self
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: Any, clone_of: tuple[int | None, int] | None = None) -> None:
         pass
 
     def _send(self, op: str, args: list) -> None:
@@ -95,6 +100,11 @@ class CudaGenerator(torch._C.Generator):
         state = new_state.detach().contiguous().numpy().tobytes()
         self._send("rc::gen_set", [self.gid, state])
         return self
+
+    def clone_state(self) -> CudaGenerator:  # type: ignore[override]
+        """A generator of its own in this one's state, as a CUDA generator's ``clone_state`` gives:
+        torch's would clone the carrier, whose seed names this same gateway generator."""
+        return CudaGenerator(self.session, (self.gid, self.user_seed))
 
     def __repr__(self) -> str:
         return f"<torch.Generator device='cuda:{self.index}' (remotecuda)>"
@@ -141,6 +151,11 @@ class DefaultCudaGenerator(torch._C.Generator):
         state = new_state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
         self.session_of(self.index).enqueue("rc::rng_set", [state], None, None)
         return self
+
+    def clone_state(self) -> CudaGenerator:  # type: ignore[override]
+        """A generator of its own in the default's state (torch's clone of the carrier would still
+        mean the default)."""
+        return CudaGenerator(self.session_of(self.index), (None, self.initial_seed()))
 
     def __repr__(self) -> str:
         return f"<torch.Generator device='cuda:{self.index}' (remotecuda: the device's default)>"

@@ -1,0 +1,49 @@
+"""Current PyTorch training idioms on 'cuda', round 2, against the local CPU: generators cloned
+with ``clone_state``."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def _both(fn: Callable[[str], object]) -> None:
+    """``fn`` on 'cuda' and on the CPU give the same values (tensors come back to the CPU)."""
+    def run(dev: str) -> object:
+        torch.manual_seed(0)
+        return torch.utils._pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, fn(dev))
+    torch.testing.assert_close(run("cuda"), run("cpu"))
+
+
+def test_a_cloned_generator_draws_on_its_own_from_the_state_it_was_cloned_at():
+    """``Generator.clone_state()`` is an independent generator in the same state: the clone and
+    the original then draw the same numbers, each advancing only itself (the clone was a second
+    carrier of the original's id, so both drew from one gateway generator)."""
+    def clone(dev: str) -> object:
+        g = torch.Generator(device=dev).manual_seed(5)
+        torch.randn(2, device=dev, generator=g)
+        c = g.clone_state()
+        assert c.device == g.device and c.initial_seed() == 5
+        from_clone = torch.randn(3, device=dev, generator=c), torch.rand(2, device=dev, generator=c)
+        from_original = torch.randn(3, device=dev, generator=g), torch.rand(2, device=dev, generator=g)
+        torch.testing.assert_close(from_clone, from_original)
+        return from_clone
+    _both(clone)
+
+
+def test_a_clone_of_the_default_generator_is_a_generator_of_its_own():
+    """``torch.cuda.default_generators[0].clone_state()`` (the CPU's: ``torch.default_generator``)
+    starts where the default is and then leaves it alone (it drew from the default itself)."""
+    def clone(dev: str) -> object:
+        default = torch.cuda.default_generators[0] if dev == "cuda" else torch.default_generator
+        torch.manual_seed(3)
+        c = default.clone_state()
+        assert c.device == torch.empty(0, device=dev).device and c.initial_seed() == 3
+        ahead = torch.rand(2, device=dev), torch.rand(2, device=dev)
+        again = torch.rand(2, device=dev, generator=c), torch.rand(2, device=dev, generator=c)
+        torch.testing.assert_close(again, ahead)
+        return ahead
+    _both(clone)
