@@ -81,7 +81,10 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
         # gateway's device (and a pick that depends on whether the mask needs a gradient gave the
         # trace's check, run without gradients, another graph)
         return func(*args, **kwargs)
-    q, k, v, mask, p, causal, scale, gqa = _bind(*args, **kwargs)
+    try:
+        q, k, v, mask, p, causal, scale, gqa = _bind(*args, **kwargs)
+    except TypeError:
+        return func(*args, **kwargs)  # a misnamed or missing argument: torch's parser's TypeError, in its words
     if type(causal) is not bool or type(gqa) is not bool:
         return func(*args, **kwargs)  # torch's argument parser refuses it (a numpy bool): its TypeError
     # as torch's parser takes them: a numpy scalar or a one-element tensor is a float (each would

@@ -47,3 +47,15 @@ def test_a_clone_of_the_default_generator_is_a_generator_of_its_own():
         torch.testing.assert_close(again, ahead)
         return ahead
     _both(clone)
+
+
+def test_an_argument_sdpa_does_not_take_is_refused_in_torchs_words():
+    """``F.scaled_dot_product_attention(..., set_priority=True)`` (``sdpa_kernel``'s argument, put on
+    the call) raised a TypeError naming remotecuda's own ``_bind()``."""
+    def refused(dev: str) -> str:
+        q = torch.ones(1, 1, 2, 4, device=dev)
+        with pytest.raises(TypeError) as e:
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, set_priority=True)
+        return str(e.value)
+    assert refused("cuda") == refused("cpu")
+    assert "scaled_dot_product_attention()" in refused("cpu")
