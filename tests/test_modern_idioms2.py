@@ -2,6 +2,7 @@
 with ``clone_state``."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -59,3 +60,43 @@ def test_an_argument_sdpa_does_not_take_is_refused_in_torchs_words():
         return str(e.value)
     assert refused("cuda") == refused("cpu")
     assert "scaled_dot_product_attention()" in refused("cpu")
+
+
+def _put_under_determinism(dev: str, warn_only: bool = False) -> tuple:
+    """``put_`` (its kernel alerts under deterministic algorithms, on the CPU as on a GPU) in a
+    ``try`` that falls back to ``index_put_``; what it raised or warned at the call, and the result."""
+    torch._C._set_deterministic_algorithms(True, warn_only=warn_only)  # (use_deterministic_algorithms imports inductor)
+    try:
+        x = torch.zeros(4, device=dev)
+        index, values = torch.tensor([1, 1], device=dev), torch.tensor([1.0, 2.0], device=dev)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            try:
+                x.put_(index, values)
+                raised = None
+            except RuntimeError as e:
+                raised = str(e)
+                x.index_put_((index,), values, accumulate=True)
+            at_call = [str(w.message) for w in warned]
+        return raised, at_call, x.tolist()
+    finally:
+        torch._C._set_deterministic_algorithms(False)
+
+
+def test_a_deterministic_algorithms_alert_is_raised_at_the_call():
+    """A kernel with no deterministic implementation refuses, under ``use_deterministic_algorithms(True)``,
+    on the host before it starts: at the call, where ``try``/``except`` around it catches it. Queued,
+    the op failed on the gateway and its error came at the next sync (here ``tolist()``), past the
+    handler, with every op after it poisoned."""
+    raised, _, result = _put_under_determinism("cuda")
+    assert (raised, result) == _put_under_determinism("cpu")[::2]
+    assert raised is not None and "put_ does not have a deterministic implementation" in raised
+    ones = torch.ones(2, device="cuda")  # (the setting off again: put_ queued, and run)
+    assert torch.zeros(2, device="cuda").put_(torch.tensor([0, 0], device="cuda"), ones).tolist() == [1.0, 0.0]
+
+
+def test_a_deterministic_algorithms_warning_is_given_at_the_call():
+    """With ``warn_only=True`` the alert is a warning, given at the call (not at a later sync)."""
+    got = _put_under_determinism("cuda", warn_only=True)
+    assert got == _put_under_determinism("cpu", warn_only=True)
+    assert len(got[1]) == 1 and "put_ does not have a deterministic implementation" in got[1][0]
