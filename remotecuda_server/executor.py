@@ -1260,6 +1260,14 @@ _FLAGS = {
         lambda v: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", _reduction(v)),
     "deterministic_algorithms": lambda v: _set_deterministic(bool(v[0]), bool(v[1])),
     "default_dtype": lambda v: torch.set_default_dtype(_DEFAULT_DTYPES[str(v)]),
+    # which attention backends ``_fused_sdp_choice`` may pick (``sdpa_kernel``), and in what order
+    "sdp.flash": lambda v: torch._C._set_sdp_use_flash(bool(v)),
+    "sdp.mem_efficient": lambda v: torch._C._set_sdp_use_mem_efficient(bool(v)),
+    "sdp.math": lambda v: torch._C._set_sdp_use_math(bool(v)),
+    "sdp.cudnn": lambda v: torch._C._set_sdp_use_cudnn(bool(v)),
+    "sdp.overrideable": lambda v: torch._C._set_sdp_use_overrideable(bool(v)),
+    "sdp.priority_order": lambda v: torch._C._set_sdp_priority_order([int(x) for x in v]),
+    "sdp.math_fp16_bf16_reduction": lambda v: torch._C._set_math_sdp_allow_fp16_bf16_reduction(bool(v)),
 }
 
 

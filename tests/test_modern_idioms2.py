@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -100,3 +102,30 @@ def test_a_deterministic_algorithms_warning_is_given_at_the_call():
     got = _put_under_determinism("cuda", warn_only=True)
     assert got == _put_under_determinism("cpu", warn_only=True)
     assert len(got[1]) == 1 and "put_ does not have a deterministic implementation" in got[1][0]
+
+
+def _attention(dev: str, backends: list) -> object:
+    """Attention (and its gradient) with only ``backends`` allowed; torch's error if none fits."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 8, generator=gen).to(dev) for _ in range(3))
+    q.requires_grad_()
+    try:
+        with sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except RuntimeError as e:
+        return str(e)
+    out.sum().backward()
+    return out.detach().cpu(), q.grad.cpu()
+
+
+def test_sdpa_kernel_picks_the_backend_on_the_gateway():
+    """``with sdpa_kernel(...)`` sets which attention backends the device may pick: the gateway
+    picked with all of them enabled (its flags were never told), so MATH alone still ran its fused
+    kernel, and a backend its device lacks ran instead of being refused."""
+    for backends in ([SDPBackend.MATH], [SDPBackend.EFFICIENT_ATTENTION], [SDPBackend.FLASH_ATTENTION],
+                     [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):
+        remote, local = _attention("cuda", backends), _attention("cpu", backends)
+        if isinstance(local, str):
+            assert remote == local, backends
+        else:
+            assert isinstance(remote, tuple) and all(torch.equal(a, b) for a, b in zip(remote, local)), backends
