@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import nested, runtime
+from . import flags, nested, runtime
 from .tensor import RemoteTensor, contiguous_strides, layout, wrap
 
 aten = torch.ops.aten
@@ -81,7 +81,10 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
         # gateway's device (and a pick that depends on whether the mask needs a gradient gave the
         # trace's check, run without gradients, another graph)
         return func(*args, **kwargs)
-    q, k, v, mask, p, causal, scale, gqa = _bind(*args, **kwargs)
+    try:
+        q, k, v, mask, p, causal, scale, gqa = _bind(*args, **kwargs)
+    except TypeError:
+        return func(*args, **kwargs)  # a misnamed or missing argument: torch's parser's TypeError, in its words
     if type(causal) is not bool or type(gqa) is not bool:
         return func(*args, **kwargs)  # torch's argument parser refuses it (a numpy bool): its TypeError
     # as torch's parser takes them: a numpy scalar or a one-element tensor is a float (each would
@@ -95,7 +98,8 @@ def sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     rt = runtime.current()
     kind = rt.device(q._dev).kind
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    key = (kind, q._k, k._k, v._k, None if mask is None else mask._k, p > 0, causal, scale, gqa, grad)
+    key = (kind, q._k, k._k, v._k, None if mask is None else mask._k, p > 0, causal, scale, gqa, grad,
+           flags.sdp_backends())
     if kind == "cpu" and mask is not None and mask.requires_grad:
         return func(*args, **kwargs)  # CPU's check_attn_mask_shape; the gateway's mask has no grad
     if rt.decoding and not grad and not p:

@@ -24,7 +24,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -984,6 +984,46 @@ def _check_errors(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+#: ops whose kernels may alert under deterministic algorithms: on a GPU (torch's list in
+#: ``use_deterministic_algorithms``'s documentation, every overload) or on a CPU-served device
+#: (``put_``); each packet with the condition, if any, on which its kernel can alert
+_MAY_ALERT: dict[Any, Callable[[tuple, dict], bool] | None] = {
+    **dict.fromkeys((aten.put_, aten.put, aten.histc, aten.bincount, aten.median, aten.nanmedian, aten.kthvalue,
+                     aten.scatter_reduce, aten.scatter_reduce_, aten.nll_loss_forward, aten.nll_loss2d_forward,
+                     aten._ctc_loss_backward, aten._embedding_bag_dense_backward, aten.avg_pool3d_backward,
+                     aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward,
+                     aten.adaptive_max_pool2d_backward, aten.adaptive_max_pool3d_backward,
+                     aten.fractional_max_pool2d_backward, aten.fractional_max_pool3d_backward, aten.max_unpool2d,
+                     aten.max_unpool3d, aten.upsample_linear1d_backward, aten.upsample_bilinear2d_backward,
+                     aten.upsample_bicubic2d_backward, aten.upsample_trilinear3d_backward,
+                     aten._upsample_bilinear2d_aa_backward, aten._upsample_bicubic2d_aa_backward,
+                     aten.reflection_pad1d_backward, aten.reflection_pad2d_backward, aten.reflection_pad3d_backward,
+                     aten.grid_sampler_2d_backward, aten.grid_sampler_3d_backward)),
+    **dict.fromkeys((aten.cumsum, aten.cumsum_), lambda args, kwargs: _float_sum(*args, **kwargs)),
+}
+
+
+def _float_sum(self: Any, dim: Any, dtype: torch.dtype | None = None, **out: Any) -> bool:
+    """Whether a cumsum sums floats or complex numbers, whose CUDA kernel alerts (an integer one, a
+    mask's positions, stays queued)."""
+    dtype = dtype or self.dtype
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _alerts_at_call(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
+    """An op whose kernel may have no deterministic implementation: under
+    ``torch.use_deterministic_algorithms(True)`` a GPU's refuses on the host before it starts, so
+    the RuntimeError comes at the call (``try``/``except`` around it catches it; ``backward()``
+    raises it), and with ``warn_only=True`` the warning is given there. Queued, the gateway's
+    refusal came at a later sync, past any handler, and poisoned the ops after it. While the setting
+    is on such an op runs as a request, the gateway's own kernel deciding (so the alert is the one its
+    device gives, word for word); otherwise it is queued as any op."""
+    condition = _MAY_ALERT[m.func.overloadpacket]
+    if not torch.are_deterministic_algorithms_enabled() or (condition is not None and not condition(args, kwargs)):
+        return d.run(m, args, kwargs)
+    return d.run(replace(m, bypass=dc.DETERMINISM_AT_CALL, special=None), args, kwargs)
+
+
 def _set_storage(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
     """``t.set_(storage[, offset, size, stride])``, the way torch reaches a storage's bytes (a
     TypedStorage's ``cpu()``, ``tolist()``, indexing, ``float()``, ``copy_`` between storages): a
@@ -1233,5 +1273,6 @@ _SPECIAL = {
     aten._foreach_addcmul.Tensor: _packed_scalars,
     aten._foreach_addcmul_.Tensor: _packed_scalars,
     **dict.fromkeys(_CHECKED_EX, _check_errors),
+    **{getattr(p, o): _alerts_at_call for p in _MAY_ALERT for o in p.overloads()},
 }
 

@@ -42,6 +42,9 @@ META_REFUSED = "meta kernel refused"
 #: an op that reads its result on a GPU to raise at the call (``_linalg_check_errors``: ``except
 #: torch.linalg.LinAlgError`` around ``cholesky`` expects the error there, not at a later sync)
 CHECKS_AT_CALL = "checks at the call"
+#: an op whose kernel may refuse (or warn) under ``torch.use_deterministic_algorithms(True)``,
+#: which a GPU does on the host, at the call, while the setting is on
+DETERMINISM_AT_CALL = "deterministic algorithms: alerts at the call"
 
 
 @dataclass(frozen=True, slots=True)

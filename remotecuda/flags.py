@@ -1,10 +1,10 @@
 """Backend flags a script sets (cuDNN, TF32, matmul precision, deterministic algorithms,
-``torch.set_default_dtype``) reach the gateways, where the work they govern runs.
+``torch.set_default_dtype``, the attention backends) reach the gateways, where the work they govern runs.
 
 Every Python-level way of setting them (``torch.backends.cudnn.benchmark = True``,
 ``cudnn.flags(...)``, ``torch.backends.cuda.matmul.allow_tf32``,
 ``torch.set_float32_matmul_precision``, ``torch.backends.fp32_precision``,
-``torch.use_deterministic_algorithms``) ends in
+``torch.use_deterministic_algorithms``, ``torch.nn.attention.sdpa_kernel``) ends in
 one of a few ``torch._C`` setters; while active those are wrapped to queue an
 ``rc::set_flags`` op with what changed. It travels with the next batch of ops: no
 round trip, and nothing at all when a flag is set to the value the gateway already has.
@@ -53,6 +53,17 @@ def _fp32_precision(backend: str, op: str) -> Callable[[], str]:
 
 _READ.update({f"fp32_precision.{b}.{o}": _fp32_precision(b, o) for b, o in FP32_PRECISION})
 
+#: scaled_dot_product_attention's backends the device may pick (``torch.nn.attention.sdpa_kernel``,
+#: ``torch.backends.cuda.enable_flash_sdp``...), in what order, and whether its math path may reduce
+#: in half precision: the gateway picks the backend (attention.py), so it must know them (torch._C's
+#: getter and setter names, those this torch has)
+_SDP = {key: name for key, name in {
+    "sdp.flash": "flash_sdp_enabled", "sdp.mem_efficient": "mem_efficient_sdp_enabled", "sdp.math": "math_sdp_enabled",
+    "sdp.cudnn": "cudnn_sdp_enabled", "sdp.overrideable": "overrideable_sdp_enabled",
+    "sdp.priority_order": "sdp_priority_order", "sdp.math_fp16_bf16_reduction": "math_sdp_allow_fp16_bf16_reduction",
+}.items() if hasattr(torch._C, f"_get_{name}")}
+_READ.update({key: getattr(torch._C, f"_get_{name}") for key, name in _SDP.items()})
+
 #: a fresh process's values: what a gateway's worker starts with
 DEFAULTS: dict[str, Any] = {
     "cudnn.enabled": True, "cudnn.benchmark": False, "cudnn.deterministic": False, "cudnn.allow_tf32": True,
@@ -61,16 +72,26 @@ DEFAULTS: dict[str, Any] = {
     "deterministic_algorithms": [False, False], "default_dtype": "float32",
     "fp32_precision.generic.all": "none", "fp32_precision.cuda.all": "none", "fp32_precision.cuda.matmul": "none",
     "fp32_precision.cuda.conv": "tf32", "fp32_precision.cuda.rnn": "tf32",
+    "sdp.flash": True, "sdp.mem_efficient": True, "sdp.math": True, "sdp.cudnn": True, "sdp.overrideable": True,
+    "sdp.priority_order": [1, 2, 0, 3, 4], "sdp.math_fp16_bf16_reduction": False,
 }
 
 #: the torch._C setters every route above ends in
 _SETTERS = ("_set_cudnn_enabled", "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_allow_tf32",
             "_set_cublas_allow_tf32", "_set_cublas_allow_fp16_reduced_precision_reduction",
             "_set_cublas_allow_bf16_reduced_precision_reduction", "_set_float32_matmul_precision",
-            "_set_deterministic_algorithms", "_set_default_dtype", "_set_fp32_precision_setter")
+            "_set_deterministic_algorithms", "_set_default_dtype", "_set_fp32_precision_setter",
+            *(name for name in ("_set_sdp_use_flash", "_set_sdp_use_mem_efficient", "_set_sdp_use_math",
+                                "_set_sdp_use_cudnn", "_set_sdp_use_overrideable", "_set_sdp_priority_order",
+                                "_set_math_sdp_allow_fp16_bf16_reduction") if hasattr(torch._C, name)))
 #: cudnn's properties hold their setter, not torch._C's attribute: re-pointed while active
 _CUDNN_PROPS = {"enabled": "_set_cudnn_enabled", "benchmark": "_set_cudnn_benchmark",
                 "deterministic": "_set_cudnn_deterministic", "allow_tf32": "_set_cudnn_allow_tf32"}
+
+
+def sdp_backends() -> tuple:
+    """The attention settings as they are now (part of a backend choice's key: attention.py)."""
+    return tuple(tuple(v) if isinstance(v, list) else v for v in (_READ[key]() for key in _SDP))
 
 
 def _current() -> dict[str, Any]:

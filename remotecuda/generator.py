@@ -64,18 +64,23 @@ class CudaGenerator(torch._C.Generator):
     session: Any
     user_seed: int
 
-    def __new__(cls, session: Any) -> CudaGenerator:
+    def __new__(cls, session: Any, clone_of: tuple[int | None, int] | None = None) -> CudaGenerator:
+        """A fresh generator, or with ``clone_of`` = (the source's id, None for the device's
+        default; its initial seed) a copy of another's state on the gateway (``clone_state``)."""
         self = torch._C.Generator.__new__(cls, "cpu")  # type: ignore[call-arg]  # (torch's stub)
         self.gid = next(_ids)
         self.index = session.vdev
         self.session = session
-        self.user_seed = DEFAULT_SEED
+        self.user_seed = DEFAULT_SEED if clone_of is None else clone_of[1]
         torch._C.Generator.manual_seed(self, _MAGIC | self.gid)
         _live[self.gid] = self
-        self._send("rc::gen_new", [self.gid, DEFAULT_SEED])
+        if clone_of is None:
+            self._send("rc::gen_new", [self.gid, DEFAULT_SEED])
+        else:
+            self._send("rc::gen_clone", [self.gid, clone_of[0]])
         return self
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: Any, clone_of: tuple[int | None, int] | None = None) -> None:
         pass
 
     def _send(self, op: str, args: list) -> None:
@@ -114,9 +119,9 @@ class CudaGenerator(torch._C.Generator):
         return self
 
     def clone_state(self) -> CudaGenerator:  # type: ignore[override]
-        """A new generator on this one's device, at its seed and state (the carrier's own
-        ``clone_state`` was a CPU generator naming this one's gateway generator: an alias)."""
-        return twin_of(self.session, self.user_seed, self.get_state())
+        """A generator of its own in this one's state, as a CUDA generator's ``clone_state`` gives:
+        torch's would clone the carrier, whose seed names this same gateway generator."""
+        return CudaGenerator(self.session, (self.gid, self.user_seed))
 
     def __reduce__(self) -> tuple[Any, ...]:
         """``copy.deepcopy`` and pickle, as torch's ``(Generator, (device,), (seed, offset, state))``."""
@@ -174,21 +179,15 @@ class DefaultCudaGenerator(torch._C.Generator):
         return self
 
     def clone_state(self) -> CudaGenerator:  # type: ignore[override]
-        """A new generator on the device at the default's seed and state, as torch's is."""
-        return twin_of(self.session_of(self.index), self.initial_seed(), self.get_state())
+        """A generator of its own in the default's state (torch's clone of the carrier would still
+        mean the default)."""
+        return CudaGenerator(self.session_of(self.index), (None, self.initial_seed()))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return remade, (self.device,), (self.initial_seed(), None, self.get_state())
 
     def __repr__(self) -> str:
         return f"<torch.Generator device='cuda:{self.index}' (remotecuda: the device's default)>"
-
-
-def twin_of(session: Any, seed: int, state: torch.Tensor) -> CudaGenerator:
-    """A new generator on ``session``'s device at ``seed`` and ``state``: a generator's copy."""
-    twin = CudaGenerator(session)
-    twin.__setstate__((seed, None, state))
-    return twin
 
 
 def on_cuda(g: Any) -> bool:

@@ -617,6 +617,16 @@ class Executor:
         g = self.generators[gid] = torch.Generator(device=self.device)
         g.manual_seed(seed)
 
+    @internal_op("gen_clone", "[generator id, source generator id or nil]")
+    def _gen_clone(self, args: list) -> None:
+        """``Generator.clone_state()``: a new generator in the source's state (nil: the device's
+        default generator's), drawing on its own from then on."""
+        gid, source = args
+        g = self._default_generator() if source is None else self.generators.get(source)
+        if g is None:
+            raise RuntimeError(f"remotecuda: generator {source} is unknown to the gateway")
+        self.generators[gid] = g.clone_state()
+
     @internal_op("gen_free", "[generator id, ...]")
     def _gen_free(self, args: list) -> None:
         """Device generators the client dropped."""
@@ -859,6 +869,13 @@ class Executor:
         if g is None:
             g = self.generators[gid] = torch.Generator(device=self.device)
         g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+    def _default_generator(self) -> torch.Generator:
+        """The device's default generator (a worker's CUDA device always names its index)."""
+        if self.device.type == "cuda":
+            assert self.device.index is not None
+            return torch.cuda.default_generators[self.device.index]
+        return torch.default_generator
 
     def _rng_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
@@ -1243,6 +1260,14 @@ _FLAGS = {
         lambda v: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", _reduction(v)),
     "deterministic_algorithms": lambda v: _set_deterministic(bool(v[0]), bool(v[1])),
     "default_dtype": lambda v: torch.set_default_dtype(_DEFAULT_DTYPES[str(v)]),
+    # which attention backends ``_fused_sdp_choice`` may pick (``sdpa_kernel``), and in what order
+    "sdp.flash": lambda v: torch._C._set_sdp_use_flash(bool(v)),
+    "sdp.mem_efficient": lambda v: torch._C._set_sdp_use_mem_efficient(bool(v)),
+    "sdp.math": lambda v: torch._C._set_sdp_use_math(bool(v)),
+    "sdp.cudnn": lambda v: torch._C._set_sdp_use_cudnn(bool(v)),
+    "sdp.overrideable": lambda v: torch._C._set_sdp_use_overrideable(bool(v)),
+    "sdp.priority_order": lambda v: torch._C._set_sdp_priority_order([int(x) for x in v]),
+    "sdp.math_fp16_bf16_reduction": lambda v: torch._C._set_math_sdp_allow_fp16_bf16_reduction(bool(v)),
 }
 
 
