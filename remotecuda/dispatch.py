@@ -1069,12 +1069,15 @@ def _math_bit_checked(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> An
 
 
 def _composite(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
-    """Ops whose kernel is a composite reading a CPU argument (``_pack_padded_sequence``'s
-    lengths; its ``batch_sizes`` result stays on the CPU, as on a GPU): run that kernel here,
-    its slices and ``cat`` on the remote input come back through dispatch. Its checks see a cuda
-    argument's C++ device, meta: their messages name the device a GPU's would."""
+    """Ops whose kernel is a composite reading an argument's values here: ``_pack_padded_sequence``'s
+    CPU lengths (its ``batch_sizes`` result stays on the CPU, as on a GPU), ``linspace``'s and
+    ``logspace``'s 0-d tensor ends (``item()``, then made on the device asked: the CPU by default,
+    which their metadata from meta stand-ins would have called 'meta'). Run that kernel here; the
+    ops it calls on the remote tensors, and its factories asked for 'cuda', come back through
+    dispatch (the mode on: ``as_user``). Its checks see a cuda argument's C++ device, meta: their
+    messages name the device a GPU's would."""
     try:
-        return m.func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+        return d.as_user(lambda: m.func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs))
     except RuntimeError as e:
         remote = next((a for a in _iter_tensors(list(args)) if isinstance(a, RemoteTensor)), None)
         if remote is None or " meta " not in str(e):
@@ -1244,6 +1247,10 @@ def _shallow_copy_type(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> b
     return m.func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
 
 
+#: ``linspace``/``logspace`` given 0-d tensor ends: composites that read them (``_composite``)
+_TENSOR_ENDS = tuple(getattr(getattr(aten, op), ends + out) for op in ("linspace", "logspace")
+                     for ends in ("Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor") for out in ("", "_out"))
+
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten._has_compatible_shallow_copy_type.default: _shallow_copy_type,
@@ -1257,6 +1264,7 @@ _SPECIAL = {
     aten.set_.source_Storage: _set_storage,
     aten.set_.source_Storage_storage_offset: _set_storage,
     aten._pack_padded_sequence.default: _composite,
+    **dict.fromkeys(_TENSOR_ENDS, _composite),
     aten._conj.default: _math_bit_view,
     aten._neg_view.default: _math_bit_view,
     aten.view_as_real.default: _math_bit_checked,

@@ -92,9 +92,9 @@ def _compare(local: object, remote: object, tol: tuple[float, float], path: str,
         bad.append(f"{path}: local {local!r}, remote {remote!r}")
 
 
-@pytest.mark.parametrize("name,tol", PROGRAMS)
-def test_program(gateway, name: str, tol: tuple[float, float]):
-    """The program's printed values are the local CPU's, and the remote run really used 'cuda'."""
+def assert_program_matches(gateway, name: str, tol: tuple[float, float]) -> None:
+    """tests/corpus/NAME.py under ``remotecuda run`` prints the values plain ``python`` prints, the
+    remote run really used 'cuda', and it gives no warning the local run does not."""
     script = os.path.join(CORPUS, f"{name}.py")
     kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     local = subprocess.Popen([sys.executable, script], env=_env(), **kw)
@@ -107,3 +107,9 @@ def test_program(gateway, name: str, tol: tuple[float, float]):
     assert not bad, "remote differs from local:\n" + "\n".join(bad[:20])
     extra = _warnings(remote_err) - _warnings(local_err)
     assert not extra, f"warnings only the remote run gives: {sorted(extra)}"
+
+
+@pytest.mark.parametrize("name,tol", PROGRAMS)
+def test_program(gateway, name: str, tol: tuple[float, float]):
+    """The program's printed values are the local CPU's, and the remote run really used 'cuda'."""
+    assert_program_matches(gateway, name, tol)

@@ -374,6 +374,30 @@ def test_a_cuda_tensors_factories_go_where_they_are_told():
     assert x.new_zeros(2).is_cuda and torch.zeros_like(x).is_cuda and x.new_tensor([1.0]).is_cuda
 
 
+def test_linspace_and_logspace_with_cuda_scalar_ends_read_them_as_a_gpu_does():
+    """``torch.linspace(start, end, n)`` with 0-d 'cuda' ends (a schedule from a tensor's max): torch's
+    kernel reads them (``item()``) and makes the result on the device asked, the CPU by default. It
+    gave an unusable 'meta' tensor (the result was computed from the ends' meta stand-ins)."""
+    lo, hi = torch.tensor(0.5, device="cuda"), torch.tensor(2.5, device="cuda")
+    cases = [(torch.linspace, (lo, hi, 5), {}), (torch.linspace, (0, hi, 3), {}), (torch.linspace, (lo, 3, 4), {}),
+             (torch.logspace, (lo, hi, 3), {}), (torch.logspace, (lo, 2, 3), {"base": 2.0}),
+             (torch.linspace, (lo, hi, 3), {"dtype": torch.float64})]
+    for fn, args, kw in cases:
+        want = fn(*[a.cpu() if isinstance(a, torch.Tensor) else a for a in args], **kw)
+        got = fn(*args, **kw)
+        assert type(got) is torch.Tensor and got.device.type == "cpu", (fn.__name__, args, got.device)
+        assert torch.equal(got, want)
+        on_cuda = fn(*args, **kw, device="cuda")
+        assert on_cuda.is_cuda and torch.equal(on_cuda.cpu(), want)
+    out = torch.empty(3)
+    assert torch.linspace(lo, hi, 3, out=out) is out and out.tolist() == [0.5, 1.5, 2.5]
+    out = torch.empty(3, device="cuda")
+    torch.logspace(lo, hi, 3, out=out)
+    assert torch.equal(out.cpu(), torch.logspace(0.5, 2.5, 3))
+    with pytest.raises(RuntimeError, match="0-dimensional"):
+        torch.linspace(torch.zeros(2, device="cuda"), hi, 3)
+
+
 def test_other_threads_get_plain_pytorch_not_meta_tensors():
     """Interception is per thread (README, Limits): a thread no active thread started (here one
     started below ``threading``) gets plain PyTorch, where 'cuda' fails as on a CPU build. (Threads
