@@ -11,7 +11,6 @@ weakref finalizer: ``torch.utils.swap_tensors`` (which keeps Parameter identity 
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -95,6 +94,23 @@ class RemoteStorage(torch.UntypedStorage):
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return self.__dict__["_device"]
+
+    def data_ptr(self) -> int:
+        """The fake address of the gateway's storage (``RemoteTensor.data_ptr`` less the tensor's
+        offset), a slice's ``start`` bytes further, as a GPU's slice points into its parent."""
+        _, _, _, sid = self.__dict__["_gateway"]
+        return _address(self.device.index, sid) + self.__dict__["_start"]
+
+    def __getitem__(self, idx: Any) -> Any:
+        """``s[i]`` (one byte, read through ``set_`` as every read is) and ``s[a:b]``: C++ makes a
+        slice as a storage of this class on the bytes from ``a`` (its checks, its size, not
+        resizable), and here it is told where those bytes are: in the same gateway storage, ``a``
+        bytes further (``start``), which ``set_`` onto the slice reaches (dispatch's ``_set_storage``)."""
+        part = super().__getitem__(idx)
+        if isinstance(idx, slice):
+            start = self.__dict__["_start"] + idx.indices(self.nbytes())[0]
+            part.__dict__.update(_device=self.device, _gateway=self.__dict__["_gateway"], _start=start)
+        return part
 
     def is_shared(self) -> bool:
         """True, as torch says of every CUDA storage (device memory is shared between processes
@@ -234,7 +250,7 @@ class RemoteTensor(torch.Tensor):
         storage.__dict__["_device"] = self.device
         dtype, shape, stride, offset = owner._k
         storage.__dict__["_gateway"] = (owner._s, owner._owner, layout(shape, stride, offset, dtype), owner._sid)
-        storage.data_ptr = functools.partial(_address, self._dev, self._sid)  # type: ignore[method-assign]
+        storage.__dict__["_start"] = 0  # (where its bytes begin in the gateway's storage: a slice's are further)
         return storage
 
     def is_pinned(self, device: Any = None) -> bool:

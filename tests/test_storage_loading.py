@@ -1,0 +1,72 @@
+"""Storages, loading and initialisation idioms on 'cuda' as on a GPU: slices of a storage and
+storages made by their constructors. Values are compared with the same code run on the CPU,
+whose storages have the same semantics."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def _slices(device: str) -> tuple:
+    """A storage's slices read, sliced again, written through and viewed by tensors ``set_`` on
+    them, and their addresses relative to the whole storage's."""
+    a = torch.arange(6, dtype=torch.float32, device=device)
+    whole = a.untyped_storage()
+    part = whole[8:20]
+    inner = part[4:8]
+    reads = (part.nbytes(), part.tolist(), inner.tolist(), part[-1], part.cpu().tolist(), part.clone().tolist())
+    on_part = torch.empty(0, device=device).set_(part, 1, (2,), (1,))
+    whole[0:4].copy_(part[0:4])  # a[0] = a[2], storage to storage
+    inner.fill_(0)  # a[3] = 0
+    addresses = (part.data_ptr() - whole.data_ptr(), inner.data_ptr() - whole.data_ptr())
+    return reads, addresses, on_part.cpu(), a.cpu(), str(part.device), type(part).__mro__.count(torch.UntypedStorage)
+
+
+def test_a_storage_slice_reads_writes_and_views_the_storages_bytes():
+    """``s[a:b]`` of a 'cuda' storage (a storage of the bytes from ``a``, as a GPU's points into
+    its parent) raised KeyError '_device': the slice, made by C++ as an object of the storage's
+    class, was not told which device and gateway tensor it belongs to."""
+    remote, local = _slices("cuda"), _slices("cpu")
+    assert remote[:2] == local[:2]
+    assert torch.equal(remote[2], local[2]) and torch.equal(remote[3], local[3])
+    assert remote[4:] == ("cuda:0", 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_tensor_set_past_a_slices_end_is_refused_as_torch_refuses_it(device):
+    """A tensor ``set_`` onto a slice must fit in the slice, not in the storage it was cut from
+    (torch would grow the storage, which a slice's cannot)."""
+    part = torch.zeros(4, device=device).untyped_storage()[4:12]
+    with pytest.raises(RuntimeError, match="Trying to resize storage that is not resizable"):
+        torch.empty(0, device=device).set_(part, 1, (2,))
+    with pytest.raises(RuntimeError, match="Trying to resize storage that is not resizable"):
+        part.resize_(4)
+
+
+def _constructed(device: str, legacy: type) -> tuple:
+    """Storages made by their constructors: untyped (a size, bytes, none), typed, and legacy."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (TypedStorage's deprecation)
+        sized = torch.UntypedStorage(12, device=device).fill_(3)
+        from_bytes = torch.UntypedStorage([1, 2, 3, 4], device=device)
+        empty = torch.UntypedStorage(device=device)
+        typed = torch.TypedStorage([1.5, -2.0], dtype=torch.float64, device=device)
+        old = legacy(3).fill_(2)
+        on_it = torch.empty(0, dtype=torch.int32, device=device).set_(sized)
+        return (sized.nbytes(), sized.tolist(), from_bytes.tolist(), empty.nbytes(), typed.tolist(),
+                typed.dtype, old.tolist(), old.dtype, on_it.cpu().tolist(),
+                [str(s.device) for s in (sized, from_bytes, empty, typed, old)])
+
+
+def test_storages_made_on_cuda_by_their_constructors():
+    """``torch.UntypedStorage(n, device='cuda')``, and the TypedStorage and legacy
+    ``torch.cuda.FloatStorage(n)`` constructors that build on it, said "Storage device not
+    recognized: cuda" (a CPU-only torch's C++); they make a storage on the current device."""
+    remote = _constructed("cuda", torch.cuda.FloatStorage)
+    local = _constructed("cpu", torch.FloatStorage)
+    assert remote[:-1] == local[:-1]
+    assert remote[-1] == ["cuda:0"] * 5 and local[-1] == ["cpu"] * 5
