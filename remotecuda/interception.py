@@ -1508,6 +1508,7 @@ def install(rt: Runtime) -> Interception:
     p.set(torch.Tensor, "__new__", staticmethod(legacy_types.tensor_base_new(torch._C.TensorBase.__new__)))
     storage_new = _routed(torch._C.StorageBase.__new__, storages.untyped_storage_new)
     p.set(torch.UntypedStorage, "__new__", staticmethod(storage_new))
+    storages.install(p)
     p.set(torch.Tensor, "data", _data_property())
     p.set(torch.Tensor, "grad", _grad_property())
     for name in ("device", "is_cuda", "is_meta"):

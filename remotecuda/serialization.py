@@ -32,6 +32,8 @@ from . import downloads, runtime
 from .device_type import DEVICE
 from .tensor import RemoteStorage, RemoteTensor, as_subclass_reduction, extent, stands_for_parameter
 
+#: the dtypes of which TypedStorage refuses to make a CUDA storage
+_QUANTIZED = frozenset((torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32, torch.qint8))
 #: during torch.load: ``current``, its _Load
 _loading = threading.local()
 #: during torch.save: ``storages``, {(session id, storage id, dtype): (CPU UntypedStorage, its first element's offset)}
@@ -159,16 +161,18 @@ def _map_location_device(map_location: Any) -> torch.device | None:
 
 
 class _Mover:
-    """``map_location='cuda'`` (``target`` says 'cuda' of every tensor), or a legacy-format file
-    (``target`` names the device of a tensor's storage, None for a CPU one): every loaded tensor
-    moved there (torch loaded them on the CPU); shared tensors stay shared, and tensors that view
-    one storage view one remote storage."""
+    """``map_location='cuda'`` (``target`` says 'cuda' of every tensor), or a file whose storages
+    are located on 'cuda' (``target`` names the device of a tensor's storage, None for a CPU one):
+    every loaded tensor and storage moved there (torch loaded them on the CPU); shared tensors
+    stay shared, and tensors and storages that view one storage view one remote storage."""
 
-    def __init__(self, target: Callable[[torch.Tensor], torch.device | None]):
+    def __init__(self, target: Callable[[torch.Tensor], torch.device | None],
+                 bases: dict[tuple, torch.Tensor] | None = None):
         self.target = target
         self.memo: dict[int, Any] = {}
         self.viewers: dict[int, int] = {}  # storage (its StorageImpl) → how many loaded tensors view it
-        self.bases: dict[tuple, torch.Tensor] = {}  # (storage, dtype) → the storage moved
+        #: (storage, dtype) → the storage moved (a _Load's, when its tensors moved as they were built)
+        self.bases: dict[tuple, torch.Tensor] = {} if bases is None else bases
 
     def __call__(self, obj: Any) -> Any:
         self._count(obj, set())
@@ -185,8 +189,8 @@ class _Mover:
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, RemoteTensor):
-            ptr = obj.untyped_storage()._cdata
+        if isinstance(obj, (torch.Tensor, torch.TypedStorage)) and not isinstance(obj, RemoteTensor):
+            ptr = obj.untyped_storage()._cdata if isinstance(obj, torch.Tensor) else obj._untyped_storage._cdata
             self.viewers[ptr] = self.viewers.get(ptr, 0) + 1
         for v in self._children(obj):
             self._count(v, seen)
@@ -202,6 +206,8 @@ class _Mover:
         elif isinstance(obj, torch.Tensor):
             if not isinstance(obj, RemoteTensor):
                 out = self._tensor_to(obj)
+        elif isinstance(obj, torch.TypedStorage):
+            out = self._storage_to(obj)
         elif isinstance(obj, dict):
             new: Any = type(obj)() if type(obj) is not dict else {}
             for k, v in obj.items():
@@ -237,6 +243,25 @@ class _Mover:
         if isinstance(obj, torch.nn.Parameter):
             return torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
         return moved.requires_grad_(obj.requires_grad)
+
+
+    def _storage_to(self, obj: torch.TypedStorage) -> torch.TypedStorage:
+        """A loaded storage (torch.load gives each as a TypedStorage) on the target, as a GPU's
+        torch.load gives one the file locates on 'cuda': the storage of its bytes moved, the same
+        one the loaded tensors on it view."""
+        storage = obj._untyped_storage
+        if isinstance(storage, RemoteStorage) or obj.dtype in _QUANTIZED:  # (torch has no CUDA storage of those)
+            return obj
+        view = torch.empty(0, dtype=obj.dtype).set_(storage)
+        dest = self.target(view)
+        if dest is None:
+            return obj
+        key = (storage._cdata, obj.dtype)
+        base = self.bases.get(key)
+        if base is None:
+            with torch.no_grad():
+                base = self.bases[key] = view.to(dest)
+        return torch.TypedStorage(wrap_storage=base.untyped_storage(), dtype=obj.dtype, _internal=True)
 
 
 class _Finder(pickle.Pickler):
@@ -363,12 +388,27 @@ def _make_load(original: Any) -> Any:
             if target is not None and target.type == "cuda":
                 return _Mover(lambda t: target)(original(f, "cpu", *args, **kwargs))
             loaded = original(f, map_location, *args, **kwargs)
-            return _Mover(current.located)(loaded) if current.deferred else loaded
+            if current.deferred or (current.storages and _holds_storage(loaded)):
+                return _Mover(current.located, current.bases)(loaded)
+            return loaded
         finally:
             _loading.current = outer
     load.__doc__ = original.__doc__
     load.__wrapped__ = original  # type: ignore[attr-defined]  # (as functools.wraps sets it)
     return load
+
+
+def _holds_storage(obj: Any) -> bool:
+    """Whether a loaded object holds a storage where ``_Mover`` looks (itself, or in dicts, lists
+    and tuples): a storage saved as one, which torch.load leaves on the CPU (the tensors on a
+    storage the file locates on 'cuda' are moved there as they are built)."""
+    if isinstance(obj, torch.TypedStorage):
+        return True
+    if isinstance(obj, dict):
+        return any(map(_holds_storage, obj.values()))
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return any(map(_holds_storage, obj))
+    return False
 
 
 def _not_shared(t: RemoteTensor) -> Any:

@@ -1,4 +1,4 @@
-"""A storage made on 'cuda' by its constructor.
+"""'cuda' storages where torch's Python meets them: made by a constructor, saved and pickled.
 
 ``torch.UntypedStorage(n, device='cuda')``, and through it every TypedStorage made on the device
 (``torch.TypedStorage(n, dtype=..., device='cuda')``, the legacy ``torch.cuda.FloatStorage(n)``,
@@ -6,6 +6,13 @@ both of which build their bytes with it), is refused by a CPU-only torch's C++ (
 not recognized: cuda"). A storage on a remote device is the storage of a byte tensor made there
 (tensor.py's ``RemoteStorage``), which holds the gateway's memory as a GPU's storage holds its
 own: so the constructor makes that tensor and gives its storage.
+
+Such a storage is a ``RemoteStorage``, which ``torch.is_storage`` (a lookup of the exact class
+among torch's storage classes) did not know: ``torch.save`` and ``pickle`` of one then took it
+for a plain object and recursed through ``_StorageBase.__reduce__`` (which saves it again). While
+active ``torch.is_storage`` knows it, and it is saved under ``UntypedStorage``'s name, as a GPU's
+storage is. (It is not added to ``torch._storage_classes`` itself: the weights-only unpickler
+makes every class there a legacy storage type it can name, and a RemoteStorage is none.)
 """
 from __future__ import annotations
 
@@ -14,6 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .tensor import RemoteStorage
 
 
 def untyped_storage_new(original: Callable, args: tuple, kwargs: dict) -> Any:
@@ -32,3 +41,25 @@ def untyped_storage_new(original: Callable, args: tuple, kwargs: dict) -> Any:
         return torch.empty(size, dtype=torch.uint8, device=device).untyped_storage()
     on_cpu = original(torch.UntypedStorage, *rest, **{**kwargs, "device": "cpu"})
     return torch.empty(0, dtype=torch.uint8).set_(on_cpu).to(device).untyped_storage()
+
+
+def _normalize_storage_type(original: Callable) -> Callable:
+    """``torch.serialization.normalize_storage_type``, the class a saved storage names by its name
+    in ``torch``: a RemoteStorage is saved as the ``UntypedStorage`` it stands for."""
+    def normalize_storage_type(storage_type: type) -> Any:
+        return original(torch.UntypedStorage if issubclass(storage_type, RemoteStorage) else storage_type)
+    return normalize_storage_type
+
+
+def _is_storage(original: Callable) -> Callable:
+    """``torch.is_storage``: a RemoteStorage is one, as a GPU's storage is."""
+    def is_storage(obj: Any) -> bool:
+        return type(obj) is RemoteStorage or original(obj)
+    return is_storage
+
+
+def install(patches: Any) -> None:
+    """A RemoteStorage known to ``torch.is_storage``, and saved as an ``UntypedStorage``."""
+    patches.set(torch, "is_storage", _is_storage(torch.is_storage))
+    patches.set(torch.serialization, "normalize_storage_type",
+                _normalize_storage_type(torch.serialization.normalize_storage_type))

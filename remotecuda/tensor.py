@@ -112,6 +112,11 @@ class RemoteStorage(torch.UntypedStorage):
             part.__dict__.update(_device=self.device, _gateway=self.__dict__["_gateway"], _start=start)
         return part
 
+    def _write_file(self, *args: Any) -> None:
+        """How the legacy format writes a storage (``pickle`` of one uses it): its bytes fetched to
+        the CPU first, as torch's C++ copies a GPU's (from the meta storage C++ would read none)."""
+        self.cpu()._write_file(*args)
+
     def is_shared(self) -> bool:
         """True, as torch says of every CUDA storage (device memory is shared between processes
         without moving it; ``share_memory_`` leaves it): the meta storage's own answer is False."""

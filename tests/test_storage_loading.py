@@ -3,6 +3,7 @@ storages made by their constructors. Values are compared with the same code run 
 whose storages have the same semantics."""
 from __future__ import annotations
 
+import io
 import warnings
 
 import pytest
@@ -70,3 +71,49 @@ def test_storages_made_on_cuda_by_their_constructors():
     local = _constructed("cpu", torch.FloatStorage)
     assert remote[:-1] == local[:-1]
     assert remote[-1] == ["cuda:0"] * 5 and local[-1] == ["cpu"] * 5
+
+
+def test_torch_is_storage_knows_a_cuda_storage():
+    """``torch.is_storage`` (an exact-class lookup in torch's set) said False of a 'cuda' storage."""
+    s = torch.arange(4.0, device="cuda").untyped_storage()
+    assert torch.is_storage(s) and torch.is_storage(s[4:8]) and not torch.is_storage(torch.ones(1, device="cuda"))
+
+
+def _saved_storages(device: str) -> list:
+    """Storages saved as themselves (untyped, a slice, typed, in the legacy format), loaded back:
+    their class, device, dtype and bytes."""
+    a = torch.arange(4.0, device=device)
+    out = []
+    for obj, kwargs in [(a.untyped_storage(), {}), (a.untyped_storage()[4:12], {}), (a.storage(), {}),
+                        ({"s": a.storage()}, {"_use_new_zipfile_serialization": False})]:
+        buf = io.BytesIO()
+        torch.save(obj, buf, **kwargs)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=True)
+        loaded = loaded["s"] if isinstance(loaded, dict) else loaded
+        out.append((type(loaded).__name__, loaded.device.type, loaded.dtype, loaded.tolist()))
+    return out
+
+
+def test_a_saved_cuda_storage_loads_back_on_cuda():
+    """``torch.save`` of a 'cuda' storage recursed until RecursionError (torch took it for a plain
+    object, whose ``__reduce__`` saves it again); loaded, a storage the file locates on 'cuda' stayed
+    on the CPU (only tensors were moved), where a GPU's torch.load gives it on 'cuda'."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (TypedStorage's deprecation)
+        remote, local = _saved_storages("cuda"), _saved_storages("cpu")
+    assert [r[:1] + r[2:] for r in remote] == [r[:1] + r[2:] for r in local]
+    assert {r[1] for r in remote} == {"cuda"}
+
+
+def test_a_storage_loaded_with_map_location_cuda_goes_there():
+    """...and stays the storage of the tensors loaded on it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        a = torch.arange(3.0)
+        buf = io.BytesIO()
+        torch.save([a.storage(), a], buf)
+        buf.seek(0)
+        storage, tensor = torch.load(buf, map_location="cuda", weights_only=True)
+        tensor[0] = 5.0
+        assert storage.device == torch.device("cuda", 0) and storage.tolist() == [5.0, 1.0, 2.0]
