@@ -58,8 +58,34 @@ def _is_storage(original: Callable) -> Callable:
     return is_storage
 
 
+def _typed_iter(original: Callable) -> Callable:
+    """``TypedStorage.__iter__`` (``tolist()``, ``list(s)``): over a RemoteStorage, its elements
+    from one copy to the host, where torch's reads one element a round trip."""
+    def __iter__(self: torch.TypedStorage) -> Any:
+        if isinstance(self._untyped_storage, RemoteStorage):
+            return iter(self.cpu())
+        return original(self)
+    return __iter__
+
+
+def _typed_str(original: Callable) -> Callable:
+    """``TypedStorage.__str__`` (and its repr): over a RemoteStorage, torch's text of one copy of
+    its elements, with its own class, dtype, device and size, where torch's reads one element a
+    round trip."""
+    def __str__(self: torch.TypedStorage) -> str:
+        if not isinstance(self._untyped_storage, RemoteStorage):
+            return original(self)
+        text = original(self.cpu())
+        info = f"[{torch.typename(self)}(dtype={self.dtype}, device={self.device}) of size {len(self)}]"
+        return text[:text.rindex("\n") + 1] + info
+    return __str__
+
+
 def install(patches: Any) -> None:
-    """A RemoteStorage known to ``torch.is_storage``, and saved as an ``UntypedStorage``."""
+    """A RemoteStorage known to ``torch.is_storage``, saved as an ``UntypedStorage``; a TypedStorage
+    over one read whole."""
     patches.set(torch, "is_storage", _is_storage(torch.is_storage))
+    patches.set(torch.TypedStorage, "__iter__", _typed_iter(torch.TypedStorage.__iter__))
+    patches.set(torch.TypedStorage, "__str__", _typed_str(torch.TypedStorage.__str__))
     patches.set(torch.serialization, "normalize_storage_type",
                 _normalize_storage_type(torch.serialization.normalize_storage_type))

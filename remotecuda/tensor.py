@@ -11,6 +11,7 @@ weakref finalizer: ``torch.utils.swap_tensors`` (which keeps Parameter identity 
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -111,6 +112,18 @@ class RemoteStorage(torch.UntypedStorage):
             start = self.__dict__["_start"] + idx.indices(self.nbytes())[0]
             part.__dict__.update(_device=self.device, _gateway=self.__dict__["_gateway"], _start=start)
         return part
+
+    def __iter__(self) -> Iterator[int]:
+        """Its bytes, from one copy to the host: torch's reads one byte a round trip (``tolist()``,
+        ``list(s)`` and the repr iterate), 4000 bytes taking seconds even on loopback."""
+        return iter(self.cpu())
+
+    def __repr__(self) -> str:
+        """torch's text (each byte, then class, device and size) from one copy of its bytes, naming
+        the class a GPU's storage has."""
+        text = repr(self.cpu())
+        info = f"[torch.storage.UntypedStorage(device={self.device}) of size {len(self)}]"
+        return text[:text.rindex("\n") + 1] + info
 
     def _write_file(self, *args: Any) -> None:
         """How the legacy format writes a storage (``pickle`` of one uses it): its bytes fetched to
