@@ -113,6 +113,15 @@ class RemoteStorage(torch.UntypedStorage):
             part.__dict__.update(_device=self.device, _gateway=self.__dict__["_gateway"], _start=start)
         return part
 
+    def type(self, dtype: Any = None, non_blocking: bool = False) -> Any:  # type: ignore[override]
+        """The class a GPU's storage names (``pin_memory``'s refusal quotes it); a conversion is torch's."""
+        return "torch.storage.UntypedStorage" if dtype is None else super().type(dtype, non_blocking)
+
+    def new(self) -> torch.UntypedStorage:
+        """An empty storage on the same device (C++ would make one of this class on 'meta', told
+        nothing of its device)."""
+        return torch.UntypedStorage(0, device=self.device)
+
     def __iter__(self) -> Iterator[int]:
         """Its bytes, from one copy to the host: torch's reads one byte a round trip (``tolist()``,
         ``list(s)`` and the repr iterate), 4000 bytes taking seconds even on loopback."""

@@ -140,3 +140,14 @@ def test_a_storages_values_come_in_one_read():
             value, trips = _round_trips(read, a)
             assert value == read(local).replace("cpu", "cuda:0") if isinstance(value, str) else value == read(local)
             assert trips <= 2, trips
+
+
+def test_a_cuda_storage_names_its_class_and_makes_new_ones_on_its_device():
+    """``type()`` named ``remotecuda.tensor.RemoteStorage`` (and so did ``pin_memory``'s refusal),
+    and ``new()`` gave a storage on 'meta' that did not know its device (C++'s, of the same class)."""
+    s = torch.arange(4.0, device="cuda").untyped_storage()
+    assert s.type() == "torch.storage.UntypedStorage"
+    with pytest.raises(TypeError, match="cannot pin 'torch.storage.UntypedStorage' only CPU memory can be pinned"):
+        s.pin_memory()
+    empty = s.new()
+    assert empty.device == torch.device("cuda", 0) and empty.nbytes() == 0 and empty.tolist() == []
