@@ -274,24 +274,28 @@ class _Finder(pickle.Pickler):
     def __init__(self) -> None:
         super().__init__(self._Nowhere(), protocol=2)
         self.found: list[RemoteTensor] = []
+        self.storages: set[int] = set()  # the remote storages saved as themselves (their StorageImpl)
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
             if isinstance(obj, RemoteTensor):
                 self.found.append(obj)
+            storage = obj._untyped_storage if isinstance(obj, torch.TypedStorage) else obj
+            if isinstance(storage, RemoteStorage):
+                self.storages.add(storage._cdata)
             return 0  # (a tensor's contents are not walked)
         return None
 
 
-def remote_tensors(obj: Any) -> list[RemoteTensor]:
-    """The remote tensors that pickling ``obj`` would save; none if it does not pickle (then
-    ``torch.save`` raises its own error)."""
+def saved_contents(obj: Any) -> tuple[list[RemoteTensor], set[int]]:
+    """The remote tensors that pickling ``obj`` would save, and the remote storages it would save
+    as themselves; none if it does not pickle (then ``torch.save`` raises its own error)."""
     finder = _Finder()
     try:
         finder.dump(obj)
     except Exception:
-        return []
-    return finder.found
+        return [], set()
+    return finder.found, finder.storages
 
 
 def _with_bits(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -317,12 +321,15 @@ def _own(cpu: torch.Tensor) -> torch.UntypedStorage:
 
 
 @contextmanager
-def _saved_storages(tensors: list[RemoteTensor]) -> Iterator[None]:
+def _saved_storages(tensors: list[RemoteTensor], whole: set[int] | None = None) -> Iterator[None]:
     """For a torch.save: each remote storage (per dtype) as a CPU storage spanning the saved
-    tensors on it, all fetched in one round trip per session."""
+    tensors on it, all fetched in one round trip per session. A storage saved as itself too
+    (``whole``: ``torch.save([t.storage(), t])``) is instead the one record its tensors view, as on
+    a GPU: the RemoteStorage, which torch saves whole (``cpu()``) and keys by its StorageImpl."""
+    whole = whole or set()
     spans: dict[tuple, tuple[RemoteTensor, int, int]] = {}
     for t in tensors:
-        if t.numel():
+        if t.numel() and not (whole and t.untyped_storage()._cdata in whole):
             key = (id(t._s), t._sid, t.dtype)
             lo = int(t.storage_offset())
             hi = lo + extent(t.shape, t.stride())
@@ -336,17 +343,18 @@ def _saved_storages(tensors: list[RemoteTensor]) -> Iterator[None]:
         flats = [_plain(t.detach() if t.is_contiguous() and t.storage_offset() == lo and t.numel() == hi - lo
                         else t.as_strided((hi - lo,), (1,), lo)) for t, lo, hi in spans.values()]
     outer = getattr(_saving, "storages", None)
+    outer_whole: set[int] = getattr(_saving, "whole", set())
     mine = {key: (_own(cpu.reshape(-1)), lo) for (key, (_, lo, _)), cpu in zip(spans.items(), downloads.fetch(flats))}
-    _saving.storages = {**(outer or {}), **mine}
+    _saving.storages, _saving.whole = {**(outer or {}), **mine}, outer_whole | whole
     try:
         yield
     finally:
-        _saving.storages = outer
+        _saving.storages, _saving.whole = outer, outer_whole
 
 
 def _make_save(original: Any) -> Any:
     def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
-        with _saved_storages(remote_tensors(obj)):
+        with _saved_storages(*saved_contents(obj)):
             return original(obj, *args, **kwargs)
     save.__doc__ = original.__doc__
     save.__wrapped__ = original  # type: ignore[attr-defined]  # (as functools.wraps sets it)
@@ -361,6 +369,8 @@ def _reduce_ex(plain: Any) -> Any:
         if storages is None or stands_for_parameter(self):
             return plain(self, proto)
         found = storages.get((id(self._s), self._sid, self.dtype))
+        if _saving.whole and self.untyped_storage()._cdata in _saving.whole:
+            found = (self.untyped_storage(), 0)
         if found is None and self.numel():  # (reached by pickling only, not by the finder's pass)
             with _saved_storages([self]):
                 return __reduce_ex__(self, proto)

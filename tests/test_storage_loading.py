@@ -151,3 +151,30 @@ def test_a_cuda_storage_names_its_class_and_makes_new_ones_on_its_device():
         s.pin_memory()
     empty = s.new()
     assert empty.device == torch.device("cuda", 0) and empty.nbytes() == 0 and empty.tolist() == []
+
+
+def _saved_with_tensors(device: str, legacy: bool) -> list:
+    """A storage saved beside tensors on it (a view among them): loaded, a write through one tensor
+    shows in the other and in the storage, as the file holds one storage they all view."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (TypedStorage's deprecation)
+        a = torch.arange(6.0, device=device)
+        buf = io.BytesIO()
+        torch.save([a.storage(), a, a[2:4]], buf, _use_new_zipfile_serialization=not legacy)
+        buf.seek(0)
+        storage, whole, view = torch.load(buf, weights_only=not legacy)
+        view.fill_(7.0)
+        return [storage.tolist(), whole.cpu().tolist(), storage.device.type]
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_storage_saved_beside_its_tensors_is_one_storage_in_the_file(legacy):
+    """The storage was written as a copy of its own (the tensors' bytes came from another, fetched
+    copy), so the loaded storage and tensors no longer shared memory, and one storage saved as two
+    dtypes was not refused as torch refuses it."""
+    remote, local = _saved_with_tensors("cuda", legacy), _saved_with_tensors("cpu", legacy)
+    assert remote[:2] == local[:2] == [[0.0, 1.0, 7.0, 7.0, 4.0, 5.0]] * 2
+    assert remote[2] == "cuda"
+    a = torch.arange(2.0, device="cuda")
+    with pytest.raises(RuntimeError, match="view the same data as different types"):
+        torch.save([a.untyped_storage(), a], io.BytesIO())
