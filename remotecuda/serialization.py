@@ -7,13 +7,14 @@ a string means what it means there). It first finds every remote tensor in the o
 pickling pass that writes nothing and stops at tensors) and fetches, for each remote
 storage, the span its saved tensors cover, all together (downloads.py): one round trip for
 a whole checkpoint, not one per tensor. Plain pickling (``pickle.dumps``, multiprocessing)
-keeps tensor.py's form, a CPU tensor rebuilt on 'cuda:N'.
+keeps tensor.py's form, a CPU tensor rebuilt on 'cuda:N'. A storage saved as itself
+(``torch.save(t.storage())``) is written whole, and the tensors saved with it view it.
 
 Loading: a checkpoint whose storages are located on 'cuda' cannot be restored by a CPU-only
 torch. A deserializer registered for 'cuda' locations keeps such storages on the CPU and
 remembers them; ``torch.load`` then moves the tensors built on them to the remote device
-(a storage several tensors view goes once, and they become views of it), and honours
-``map_location='cuda'`` by moving every tensor.
+(a storage several tensors view goes once, and they become views of it), and a storage loaded
+as itself after them, and honours ``map_location='cuda'`` by moving every tensor and storage.
 """
 from __future__ import annotations
 
