@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch._C import _DisableTorchDispatch
-from torch._prims_common import canonicalize_dim
+from torch._prims_common import canonicalize_dim, make_contiguous_strides_for
 
 from remotecuda_wire import layouts
 from remotecuda_wire.protocol import DTYPE_EXT, OP_NAMESPACES
@@ -1036,7 +1036,24 @@ def _set_storage(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
         offset, size, stride = 0, [storage.nbytes() // self.element_size()], []
     else:
         offset, size, stride = rest[0], rest[1], rest[2] if len(rest) > 2 else kwargs.get("stride", [])
+    start = storage.__dict__["_start"]
+    if start:
+        offset = _slice_offset(self, storage, start, offset, size, stride)
     return d.dispatch(aten.set_.source_Tensor_storage_offset, (self, storage.tensor(), offset, size, stride), {})
+
+
+def _slice_offset(self: torch.Tensor, storage: RemoteStorage, start: int, offset: int, size: Any, stride: Any) -> int:
+    """The offset in the gateway's storage of ``self.set_(storage, offset, ...)`` onto a slice of a
+    storage that begins ``start`` bytes into it. A tensor that runs past the slice's end would grow
+    its storage, which a slice's cannot: torch's refusal, which the whole storage would not give."""
+    span = extent(size, stride or make_contiguous_strides_for(size))
+    if span and (offset + span) * self.element_size() > storage.nbytes():
+        raise RuntimeError("Trying to resize storage that is not resizable")
+    if start % self.element_size():
+        raise NotImplementedError(
+            f"remotecuda: a {self.dtype} tensor set onto a storage slice that begins {start} bytes into its "
+            f"storage would be misaligned; slice at a multiple of {self.element_size()} bytes")
+    return offset + start // self.element_size()
 
 
 def _math_bit_view(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:

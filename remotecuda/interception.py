@@ -75,6 +75,7 @@ from . import (
     serialization,
     sparse,
     step_replay,
+    storages,
     tensor_subclasses,
     torchscript,
     transfer,
@@ -1508,6 +1509,9 @@ def install(rt: Runtime) -> Interception:
     for owner, name, handler in _ROUTES_EVERY_THREAD:
         p.set(owner, name, _everywhere(getattr(owner, name), handler))
     p.set(torch.Tensor, "__new__", staticmethod(legacy_types.tensor_base_new(torch._C.TensorBase.__new__)))
+    storage_new = _routed(torch._C.StorageBase.__new__, storages.untyped_storage_new)
+    p.set(torch.UntypedStorage, "__new__", staticmethod(storage_new))
+    storages.install(p)
     p.set(torch.Tensor, "data", _data_property())
     p.set(torch.Tensor, "grad", _grad_property())
     for name in ("device", "is_cuda", "is_meta"):

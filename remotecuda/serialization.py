@@ -7,13 +7,14 @@ a string means what it means there). It first finds every remote tensor in the o
 pickling pass that writes nothing and stops at tensors) and fetches, for each remote
 storage, the span its saved tensors cover, all together (downloads.py): one round trip for
 a whole checkpoint, not one per tensor. Plain pickling (``pickle.dumps``, multiprocessing)
-keeps tensor.py's form, a CPU tensor rebuilt on 'cuda:N'.
+keeps tensor.py's form, a CPU tensor rebuilt on 'cuda:N'. A storage saved as itself
+(``torch.save(t.storage())``) is written whole, and the tensors saved with it view it.
 
 Loading: a checkpoint whose storages are located on 'cuda' cannot be restored by a CPU-only
 torch. A deserializer registered for 'cuda' locations keeps such storages on the CPU and
 remembers them; ``torch.load`` then moves the tensors built on them to the remote device
-(a storage several tensors view goes once, and they become views of it), and honours
-``map_location='cuda'`` by moving every tensor.
+(a storage several tensors view goes once, and they become views of it), and a storage loaded
+as itself after them, and honours ``map_location='cuda'`` by moving every tensor and storage.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from . import downloads, runtime
 from .device_type import DEVICE
 from .tensor import RemoteStorage, RemoteTensor, as_subclass_reduction, extent, stands_for_parameter
 
+#: the dtypes of which TypedStorage refuses to make a CUDA storage
+_QUANTIZED = frozenset((torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32, torch.qint8))
 #: during torch.load: ``current``, its _Load
 _loading = threading.local()
 #: during torch.save: ``storages``, {(session id, storage id, dtype): (CPU UntypedStorage, its first element's offset)}
@@ -159,16 +162,18 @@ def _map_location_device(map_location: Any) -> torch.device | None:
 
 
 class _Mover:
-    """``map_location='cuda'`` (``target`` says 'cuda' of every tensor), or a legacy-format file
-    (``target`` names the device of a tensor's storage, None for a CPU one): every loaded tensor
-    moved there (torch loaded them on the CPU); shared tensors stay shared, and tensors that view
-    one storage view one remote storage."""
+    """``map_location='cuda'`` (``target`` says 'cuda' of every tensor), or a file whose storages
+    are located on 'cuda' (``target`` names the device of a tensor's storage, None for a CPU one):
+    every loaded tensor and storage moved there (torch loaded them on the CPU); shared tensors
+    stay shared, and tensors and storages that view one storage view one remote storage."""
 
-    def __init__(self, target: Callable[[torch.Tensor], torch.device | None]):
+    def __init__(self, target: Callable[[torch.Tensor], torch.device | None],
+                 bases: dict[tuple, torch.Tensor] | None = None):
         self.target = target
         self.memo: dict[int, Any] = {}
         self.viewers: dict[int, int] = {}  # storage (its StorageImpl) → how many loaded tensors view it
-        self.bases: dict[tuple, torch.Tensor] = {}  # (storage, dtype) → the storage moved
+        #: (storage, dtype) → the storage moved (a _Load's, when its tensors moved as they were built)
+        self.bases: dict[tuple, torch.Tensor] = {} if bases is None else bases
 
     def __call__(self, obj: Any) -> Any:
         self._count(obj, set())
@@ -185,8 +190,8 @@ class _Mover:
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, RemoteTensor):
-            ptr = obj.untyped_storage()._cdata
+        if isinstance(obj, (torch.Tensor, torch.TypedStorage)) and not isinstance(obj, RemoteTensor):
+            ptr = obj.untyped_storage()._cdata if isinstance(obj, torch.Tensor) else obj._untyped_storage._cdata
             self.viewers[ptr] = self.viewers.get(ptr, 0) + 1
         for v in self._children(obj):
             self._count(v, seen)
@@ -202,6 +207,8 @@ class _Mover:
         elif isinstance(obj, torch.Tensor):
             if not isinstance(obj, RemoteTensor):
                 out = self._tensor_to(obj)
+        elif isinstance(obj, torch.TypedStorage):
+            out = self._storage_to(obj)
         elif isinstance(obj, dict):
             new: Any = type(obj)() if type(obj) is not dict else {}
             for k, v in obj.items():
@@ -239,6 +246,25 @@ class _Mover:
         return moved.requires_grad_(obj.requires_grad)
 
 
+    def _storage_to(self, obj: torch.TypedStorage) -> torch.TypedStorage:
+        """A loaded storage (torch.load gives each as a TypedStorage) on the target, as a GPU's
+        torch.load gives one the file locates on 'cuda': the storage of its bytes moved, the same
+        one the loaded tensors on it view."""
+        storage = obj._untyped_storage
+        if isinstance(storage, RemoteStorage) or obj.dtype in _QUANTIZED:  # (torch has no CUDA storage of those)
+            return obj
+        view = torch.empty(0, dtype=obj.dtype).set_(storage)
+        dest = self.target(view)
+        if dest is None:
+            return obj
+        key = (storage._cdata, obj.dtype)
+        base = self.bases.get(key)
+        if base is None:
+            with torch.no_grad():
+                base = self.bases[key] = view.to(dest)
+        return torch.TypedStorage(wrap_storage=base.untyped_storage(), dtype=obj.dtype, _internal=True)
+
+
 class _Finder(pickle.Pickler):
     """Pickles into nothing, only to list the remote tensors an object holds."""
 
@@ -249,24 +275,28 @@ class _Finder(pickle.Pickler):
     def __init__(self) -> None:
         super().__init__(self._Nowhere(), protocol=2)
         self.found: list[RemoteTensor] = []
+        self.storages: set[int] = set()  # the remote storages saved as themselves (their StorageImpl)
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
             if isinstance(obj, RemoteTensor):
                 self.found.append(obj)
+            storage = obj._untyped_storage if isinstance(obj, torch.TypedStorage) else obj
+            if isinstance(storage, RemoteStorage):
+                self.storages.add(storage._cdata)
             return 0  # (a tensor's contents are not walked)
         return None
 
 
-def remote_tensors(obj: Any) -> list[RemoteTensor]:
-    """The remote tensors that pickling ``obj`` would save; none if it does not pickle (then
-    ``torch.save`` raises its own error)."""
+def saved_contents(obj: Any) -> tuple[list[RemoteTensor], set[int]]:
+    """The remote tensors that pickling ``obj`` would save, and the remote storages it would save
+    as themselves; none if it does not pickle (then ``torch.save`` raises its own error)."""
     finder = _Finder()
     try:
         finder.dump(obj)
     except Exception:
-        return []
-    return finder.found
+        return [], set()
+    return finder.found, finder.storages
 
 
 def _with_bits(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -292,12 +322,15 @@ def _own(cpu: torch.Tensor) -> torch.UntypedStorage:
 
 
 @contextmanager
-def _saved_storages(tensors: list[RemoteTensor]) -> Iterator[None]:
+def _saved_storages(tensors: list[RemoteTensor], whole: set[int] | None = None) -> Iterator[None]:
     """For a torch.save: each remote storage (per dtype) as a CPU storage spanning the saved
-    tensors on it, all fetched in one round trip per session."""
+    tensors on it, all fetched in one round trip per session. A storage saved as itself too
+    (``whole``: ``torch.save([t.storage(), t])``) is instead the one record its tensors view, as on
+    a GPU: the RemoteStorage, which torch saves whole (``cpu()``) and keys by its StorageImpl."""
+    whole = whole or set()
     spans: dict[tuple, tuple[RemoteTensor, int, int]] = {}
     for t in tensors:
-        if t.numel():
+        if t.numel() and not (whole and t.untyped_storage()._cdata in whole):
             key = (id(t._s), t._sid, t.dtype)
             lo = int(t.storage_offset())
             hi = lo + extent(t.shape, t.stride())
@@ -311,17 +344,18 @@ def _saved_storages(tensors: list[RemoteTensor]) -> Iterator[None]:
         flats = [_plain(t.detach() if t.is_contiguous() and t.storage_offset() == lo and t.numel() == hi - lo
                         else t.as_strided((hi - lo,), (1,), lo)) for t, lo, hi in spans.values()]
     outer = getattr(_saving, "storages", None)
+    outer_whole: set[int] = getattr(_saving, "whole", set())
     mine = {key: (_own(cpu.reshape(-1)), lo) for (key, (_, lo, _)), cpu in zip(spans.items(), downloads.fetch(flats))}
-    _saving.storages = {**(outer or {}), **mine}
+    _saving.storages, _saving.whole = {**(outer or {}), **mine}, outer_whole | whole
     try:
         yield
     finally:
-        _saving.storages = outer
+        _saving.storages, _saving.whole = outer, outer_whole
 
 
 def _make_save(original: Any) -> Any:
     def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
-        with _saved_storages(remote_tensors(obj)):
+        with _saved_storages(*saved_contents(obj)):
             return original(obj, *args, **kwargs)
     save.__doc__ = original.__doc__
     save.__wrapped__ = original  # type: ignore[attr-defined]  # (as functools.wraps sets it)
@@ -336,6 +370,8 @@ def _reduce_ex(plain: Any) -> Any:
         if storages is None or stands_for_parameter(self):
             return plain(self, proto)
         found = storages.get((id(self._s), self._sid, self.dtype))
+        if _saving.whole and self.untyped_storage()._cdata in _saving.whole:
+            found = (self.untyped_storage(), 0)
         if found is None and self.numel():  # (reached by pickling only, not by the finder's pass)
             with _saved_storages([self]):
                 return __reduce_ex__(self, proto)
@@ -363,12 +399,27 @@ def _make_load(original: Any) -> Any:
             if target is not None and target.type == "cuda":
                 return _Mover(lambda t: target)(original(f, "cpu", *args, **kwargs))
             loaded = original(f, map_location, *args, **kwargs)
-            return _Mover(current.located)(loaded) if current.deferred else loaded
+            if current.deferred or (current.storages and _holds_storage(loaded)):
+                return _Mover(current.located, current.bases)(loaded)
+            return loaded
         finally:
             _loading.current = outer
     load.__doc__ = original.__doc__
     load.__wrapped__ = original  # type: ignore[attr-defined]  # (as functools.wraps sets it)
     return load
+
+
+def _holds_storage(obj: Any) -> bool:
+    """Whether a loaded object holds a storage where ``_Mover`` looks (itself, or in dicts, lists
+    and tuples): a storage saved as one, which torch.load leaves on the CPU (the tensors on a
+    storage the file locates on 'cuda' are moved there as they are built)."""
+    if isinstance(obj, torch.TypedStorage):
+        return True
+    if isinstance(obj, dict):
+        return any(map(_holds_storage, obj.values()))
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return any(map(_holds_storage, obj))
+    return False
 
 
 def _not_shared(t: RemoteTensor) -> Any:

@@ -11,7 +11,7 @@ weakref finalizer: ``torch.utils.swap_tensors`` (which keeps Parameter identity 
 """
 from __future__ import annotations
 
-import functools
+from collections.abc import Iterator
 from typing import Any, SupportsIndex, cast
 
 import torch
@@ -95,6 +95,49 @@ class RemoteStorage(torch.UntypedStorage):
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return self.__dict__["_device"]
+
+    def data_ptr(self) -> int:
+        """The fake address of the gateway's storage (``RemoteTensor.data_ptr`` less the tensor's
+        offset), a slice's ``start`` bytes further, as a GPU's slice points into its parent."""
+        _, _, _, sid = self.__dict__["_gateway"]
+        return _address(self.device.index, sid) + self.__dict__["_start"]
+
+    def __getitem__(self, idx: Any) -> Any:
+        """``s[i]`` (one byte, read through ``set_`` as every read is) and ``s[a:b]``: C++ makes a
+        slice as a storage of this class on the bytes from ``a`` (its checks, its size, not
+        resizable), and here it is told where those bytes are: in the same gateway storage, ``a``
+        bytes further (``start``), which ``set_`` onto the slice reaches (dispatch's ``_set_storage``)."""
+        part = super().__getitem__(idx)
+        if isinstance(idx, slice):
+            start = self.__dict__["_start"] + idx.indices(self.nbytes())[0]
+            part.__dict__.update(_device=self.device, _gateway=self.__dict__["_gateway"], _start=start)
+        return part
+
+    def type(self, dtype: Any = None, non_blocking: bool = False) -> Any:  # type: ignore[override]
+        """The class a GPU's storage names (``pin_memory``'s refusal quotes it); a conversion is torch's."""
+        return "torch.storage.UntypedStorage" if dtype is None else super().type(dtype, non_blocking)
+
+    def new(self) -> torch.UntypedStorage:
+        """An empty storage on the same device (C++ would make one of this class on 'meta', told
+        nothing of its device)."""
+        return torch.UntypedStorage(0, device=self.device)
+
+    def __iter__(self) -> Iterator[int]:
+        """Its bytes, from one copy to the host: torch's reads one byte a round trip (``tolist()``,
+        ``list(s)`` and the repr iterate), 4000 bytes taking seconds even on loopback."""
+        return iter(self.cpu())
+
+    def __repr__(self) -> str:
+        """torch's text (each byte, then class, device and size) from one copy of its bytes, naming
+        the class a GPU's storage has."""
+        text = repr(self.cpu())
+        info = f"[torch.storage.UntypedStorage(device={self.device}) of size {len(self)}]"
+        return text[:text.rindex("\n") + 1] + info
+
+    def _write_file(self, *args: Any) -> None:
+        """How the legacy format writes a storage (``pickle`` of one uses it): its bytes fetched to
+        the CPU first, as torch's C++ copies a GPU's (from the meta storage C++ would read none)."""
+        self.cpu()._write_file(*args)
 
     def is_shared(self) -> bool:
         """True, as torch says of every CUDA storage (device memory is shared between processes
@@ -234,7 +277,7 @@ class RemoteTensor(torch.Tensor):
         storage.__dict__["_device"] = self.device
         dtype, shape, stride, offset = owner._k
         storage.__dict__["_gateway"] = (owner._s, owner._owner, layout(shape, stride, offset, dtype), owner._sid)
-        storage.data_ptr = functools.partial(_address, self._dev, self._sid)  # type: ignore[method-assign]
+        storage.__dict__["_start"] = 0  # (where its bytes begin in the gateway's storage: a slice's are further)
         return storage
 
     def is_pinned(self, device: Any = None) -> bool:
