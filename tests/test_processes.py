@@ -136,3 +136,22 @@ def test_a_child_forked_after_cuda_use_that_activates_gets_its_parents_options(g
         p.join()
     """)
     assert seen[0] == seen[1], seen
+
+
+def test_fork_workers_whose_batches_hold_cuda_tensors_raise_the_refusal_in_the_parent(gateway):
+    """DataLoader workers forked before CUDA's initialization may use 'cuda', and a ``collate_fn``
+    that moves the batch there makes one that cannot be sent (no CUDA IPC between remote
+    devices): the worker's Queue refused it in its background thread and dropped it, and the
+    loop waited for that batch for ever. The refusal now reaches the loop as a collate_fn's error."""
+    seen = _program(gateway, """
+        from torch.utils.data import DataLoader
+        def collate(batch):
+            return torch.stack(batch).to("cuda")
+        try:
+            next(iter(DataLoader([torch.ones(2)] * 4, batch_size=2, num_workers=2, collate_fn=collate, timeout=60)))
+            seen = "no error"
+        except Exception as e:
+            seen = [type(e).__name__, str(e)]
+    """)
+    assert seen[0] == "NotImplementedError" and "in DataLoader worker process" in seen[1] and \
+        "a cuda tensor cannot be sent to another process" in seen[1], seen
