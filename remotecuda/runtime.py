@@ -163,7 +163,8 @@ class Runtime:
 
     def synchronize(self) -> None:
         """Wait for all queued remote work; raise the first pending remote error."""
-        self.pool.synchronize()
+        if self._pool is not None:  # (a forked child's pool not made yet: no work)
+            self._pool.synchronize()
 
     def stats(self, reset: bool = False, wait: bool = True) -> dict[str, Any]:
         """The sessions' counters (session.STAT_KEYS) summed, and the dispatch cache's
@@ -198,7 +199,7 @@ class Runtime:
     def checkpoint(self) -> None:
         """Snapshot every open session now (``Session.snapshot``): a failover after this replays
         only what follows. Nothing to do with REMOTECUDA_FAILOVER=off."""
-        for s in list(self.pool.sessions.values()):
+        for s in list(self._pool.sessions.values()) if self._pool is not None else []:
             s.snapshot()
 
     def at_exit(self) -> None:
@@ -209,7 +210,8 @@ class Runtime:
         handler's own exception changes no exit status). A gateway found down ends the wait (its
         sessions are lost: liveness.py)."""
         try:
-            self.pool.finish()
+            if self._pool is not None:  # (a forked child that used no device: no pool to make now)
+                self._pool.finish()
             return
         except Exception as e:  # noqa: BLE001 - shown as Python shows an uncaught one
             sys.excepthook(type(e), e.with_traceback(None), None)

@@ -155,3 +155,17 @@ def test_fork_workers_whose_batches_hold_cuda_tensors_raise_the_refusal_in_the_p
     """)
     assert seen[0] == "NotImplementedError" and "in DataLoader worker process" in seen[1] and \
         "a cuda tensor cannot be sent to another process" in seen[1], seen
+
+
+def test_a_child_forked_before_cuda_is_used_that_uses_none_opens_nothing_at_its_exit(gateway):
+    """The child's pool is made at its first need, and its exit is none: the exit handler that waits
+    for the program's work made the pool there (asking the gateways for nothing), and failed with
+    it (here: a setting the pool refuses, set in the child)."""
+    seen = _program(gateway, """
+        pid = os.fork()
+        if pid == 0:
+            os.environ["REMOTECUDA_CACHE_POLICY"] = "none such"
+            sys.exit(0)
+        seen = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    """)
+    assert seen == 0
