@@ -75,12 +75,13 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
     gateway as one op each (``REMOTECUDA_REPLAY=1``; off by default, see remotecuda/step_replay.py).
     docs/POOL.md says more.
     """
-    from . import interception, lazydynamo, progress, runtime, step_replay
+    from . import children, interception, lazydynamo, progress, runtime, step_replay
     from .discovery import servers_from_env
     from .scheduler import check_strategy, devices_from_env, parse_devices, strategy_from_env
     active = runtime.active()
     if active is not None:
         return active
+    told = children.settings(servers, devices, strategy, fallback, sync, replay)  # (before the defaults fill them)
     if fallback is None:
         fallback = os.environ.get("REMOTECUDA_FALLBACK", "cpu").strip().lower() or "cpu"
     if fallback not in ("cpu", "error"):
@@ -92,9 +93,8 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
     replay = step_replay.wanted(replay)
     progress.after()  # a malformed REMOTECUDA_PROGRESS is refused now, not at the first long transfer
     lazydynamo.install()  # the first op on 'cuda' must not wait ~1 s for torch._dynamo
-    named = servers if isinstance(servers, str) or servers is None else ",".join(servers)
     return runtime.start(servers_from_env(servers), interception.install, fallback=fallback, sync=sync,
-                         strategy=strategy, devices=pins, named=named or "", replay=replay)
+                         strategy=strategy, devices=pins, told=told, replay=replay)
 
 
 def set_strategy(name: str) -> None:

@@ -79,6 +79,8 @@ class DeviceProperties:
 
 # ---------------------------------------------------------------------- device facts
 def is_available() -> bool:
+    """As a GPU's: asking makes the children forked from now on bad forks (``Runtime.initialized``)."""
+    _rt().asked = True
     return device_count() > 0  # (none: CUDA_VISIBLE_DEVICES hid them all, visible_devices.py)
 
 
@@ -87,7 +89,8 @@ def is_initialized() -> bool:
 
 
 def init() -> None:
-    return None
+    """CUDA initialized now, as far as forked children are concerned (``Runtime.initialized``)."""
+    _rt().asked = True
 
 
 def device_count() -> int:
@@ -647,7 +650,8 @@ class Generator(metaclass=_GeneratorType):
 
 
 def _lazy_init() -> None:
-    return None
+    """CUDA initialized now, as far as forked children are concerned (``Runtime.initialized``)."""
+    _rt().asked = True
 
 
 #: activation checkpointing saves and restores the device generators only once CUDA is initialised

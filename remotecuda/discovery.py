@@ -292,24 +292,6 @@ def servers_from_env(servers: str | list[str] | None = None) -> list[str]:
     return out
 
 
-def tell_children(patches: Any, named: str) -> None:
-    """Name the gateways a program named in ``activate(servers)`` to the processes it starts
-    (``REMOTECUDA_SERVERS``, undone at deactivation), as ``remotecuda run --server`` does: a spawned
-    child's ``remotecuda.activate()`` then finds them, where multicast (another network's
-    gateways are not heard) would have left it none and the local CPU. A value the user set is
-    left as it is."""
-    if named and "REMOTECUDA_SERVERS" not in os.environ:
-        patches.set_item(os.environ, "REMOTECUDA_SERVERS", named)
-
-
-def tell_forked_child(named: str) -> None:
-    """In a child forked from an activation that named ``named``: keep them named for good. The
-    child undoes the parent's interception, and with it ``tell_children``'s variable, yet it is a
-    process the program started: its own ``remotecuda.activate()`` must find the same gateways."""
-    if named:
-        os.environ.setdefault("REMOTECUDA_SERVERS", named)
-
-
 def source_from_env(servers: str | list[str] | None = None) -> Source:
     """The named servers when there are any (an explicit list skips multicast), else the beacons."""
     named = servers_from_env(servers)

@@ -47,6 +47,7 @@ from . import (
     accelerator_api,
     autocast,
     backward_device,
+    children,
     compiled,
     control_flow,
     cuda_api,
@@ -54,7 +55,6 @@ from . import (
     data_parallel,
     decode,
     device_type,
-    discovery,
     distributed,
     distributions,
     dlpack,
@@ -1492,7 +1492,7 @@ def install(rt: Runtime) -> Interception:
     downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
     device_type.install(p)
     hub_kernels.install(p)
-    discovery.tell_children(p, rt.named)
+    children.tell(p, rt.told)
     library_caches.clear()
     expanded_weights.install(p)
     nested.install(p)

@@ -205,6 +205,11 @@ class Pool:
         atexit.register(self.close)
 
     @property
+    def initialized(self) -> bool:
+        """Whether a device was used: CUDA's initialization (``_initialize``)."""
+        return self._initialized
+
+    @property
     def is_fallback(self) -> bool:
         return self.fallback_gateway is not None
 

@@ -29,6 +29,7 @@ the runtime's ``Dispatcher.dispatch`` while it is installed.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -38,7 +39,7 @@ from typing import Any, Protocol
 
 from remotecuda_wire import protocol
 
-from . import discovery, forked_child
+from . import children, forked_child
 from .dispatch import Dispatcher
 from .dispatch_cache import DispatchCache
 from .errors import RemoteCUDAError
@@ -61,13 +62,16 @@ class Runtime:
     """One activation of remotecuda (see the module's docstring for what it owns)."""
 
     def __init__(self, servers: list[str], *, fallback: str = "cpu", sync: bool = False,
-                 strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None, named: str = "",
-                 replay: bool = False) -> None:
+                 strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None,
+                 told: dict[str, str] | None = None, replay: bool = False) -> None:
         #: whether repeated top-level module calls are traced and replayed (step_replay.py)
         self.replay = replay
-        #: the gateways as the program named them (``activate(servers)``, keys included), which the
-        #: processes it starts are told of (discovery.tell_children); empty: not named
-        self.named = named
+        #: the options the program gave ``activate()``, as the environment variables that the
+        #: processes it starts are told of (children.py)
+        self.told = told or {}
+        #: the program asked CUDA what makes a GPU's children forked from now on bad forks
+        #: (``is_available``...; the first use of a device is the pool's ``initialized``)
+        self.asked = False
         self.current_device = 0
         #: the last ``manual_seed``/``manual_seed_all``, for sessions opened later
         self.seed: int | None = None
@@ -99,15 +103,46 @@ class Runtime:
         check = os.environ.get("REMOTECUDA_CHECK_CACHE", "") not in ("", "0")
         self.dispatcher = Dispatcher(self.session, DispatchCache(check=check))
         self.log_handler = log_to_stderr()
+        self._make_pool = functools.partial(Pool, servers=servers, devices=devices, strategy=strategy,
+                                            fallback=fallback, sync=sync, codecs=self.codecs, prime=self.prime)
         try:
-            self.pool = Pool(servers, devices, strategy, fallback=fallback, sync=sync, codecs=self.codecs,
-                             prime=self.prime)
+            self._pool: Pool | None = self._make_pool()
         except BaseException:
             self._unlog()
             raise
         self.interception: Installed | None = None
         #: the trace (trace.Tracer) recording, or the last one recorded, for ``save``; None before one
         self.tracer: Any = None
+
+    @property
+    def pool(self) -> Pool:
+        """The pool; in a child forked before CUDA's initialization, made at its first need
+        (``forked_before_initialization``)."""
+        pool = self._pool
+        if pool is None:
+            pool = self._pool = self._make_pool()
+        return pool
+
+    def initialized(self) -> bool:
+        """Whether CUDA is initialized as a GPU's fork handler sees it (torch's ``poison_fork``):
+        a device was used, or ``is_available()`` asked. A child forked after that is a bad fork."""
+        return self.asked or (self._pool is not None and self._pool.initialized)
+
+    def forked_before_initialization(self) -> None:
+        """In a child forked before CUDA's initialization, which may use CUDA as a GPU's may:
+        the parent's pool is dropped (its sockets are the parent's), and the child gets one of its
+        own, with its own sessions, at its first need, placed by the parent's strategy now. The rest
+        of the runtime is the child's as torch.cuda's state is a GPU child's: the parent's seed and
+        flags apply to its sessions (a GPU's torch queues them until CUDA initializes). A parent on
+        the local fallback gateway hands it to the child, which would start another."""
+        parent = self._pool
+        if parent is None:
+            return
+        parent.abandon()
+        self._make_pool = functools.partial(self._make_pool, strategy=parent.strategy)
+        if parent.is_fallback:
+            self._make_pool = functools.partial(self._make_pool, servers=[parent.devices[0].endpoint], devices=None)
+        self._pool = None
 
     def device(self, index: int | None = None) -> VirtualDevice:
         """Virtual device ``cuda:index`` (default: the current one), placed if it is not yet (its
@@ -130,7 +165,8 @@ class Runtime:
 
     def synchronize(self) -> None:
         """Wait for all queued remote work; raise the first pending remote error."""
-        self.pool.synchronize()
+        if self._pool is not None:  # (a forked child's pool not made yet: no work)
+            self._pool.synchronize()
 
     def stats(self, reset: bool = False, wait: bool = True) -> dict[str, Any]:
         """The sessions' counters (session.STAT_KEYS) summed, and the dispatch cache's
@@ -165,7 +201,7 @@ class Runtime:
     def checkpoint(self) -> None:
         """Snapshot every open session now (``Session.snapshot``): a failover after this replays
         only what follows. Nothing to do with REMOTECUDA_FAILOVER=off."""
-        for s in list(self.pool.sessions.values()):
+        for s in list(self._pool.sessions.values()) if self._pool is not None else []:
             s.snapshot()
 
     def at_exit(self) -> None:
@@ -176,7 +212,8 @@ class Runtime:
         handler's own exception changes no exit status). A gateway found down ends the wait (its
         sessions are lost: liveness.py)."""
         try:
-            self.pool.finish()
+            if self._pool is not None:  # (a forked child that used no device: no pool to make now)
+                self._pool.finish()
             return
         except Exception as e:  # noqa: BLE001 - shown as Python shows an uncaught one
             sys.excepthook(type(e), e.with_traceback(None), None)
@@ -194,7 +231,8 @@ class Runtime:
         if self.interception is not None:
             self.interception.remove()
             self.interception = None
-        self.pool.close()
+        if self._pool is not None:
+            self._pool.close()
         self._unlog()
 
     def _unlog(self) -> None:
@@ -252,14 +290,14 @@ def active() -> Runtime | None:
 
 def start(servers: list[str], install: Callable[[Runtime], Installed], *, fallback: str = "cpu",
           sync: bool = False, strategy: str = DEFAULT_STRATEGY, devices: Sequence[Pin] | None = None,
-          named: str = "", replay: bool = False) -> Runtime:
+          told: dict[str, str] | None = None, replay: bool = False) -> Runtime:
     """Make a runtime for ``servers`` (empty: discovery), make it current, and install interception
     with ``install``; the active runtime, if there is one already."""
     global _current
     if _current is not None:
         return _current
     forked_child.leave()  # (a forked child activating itself: torch.cuda is interception's again)
-    rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices, named=named,
+    rt = Runtime(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices, told=told,
                  replay=replay)
     _current = rt
     try:
@@ -282,15 +320,23 @@ def stop() -> None:
 
 
 def release_in_forked_child() -> None:
-    """In a forked child: drop the parent's runtime without closing it (its sockets are the
-    parent's, and a lock another thread held at the fork stays held), undoing interception, and
-    leave the child unable to use 'cuda' as a GPU's child is (forked_child.py)."""
+    """In a forked child of an active runtime. Forked before CUDA's initialization, the child
+    keeps remotecuda active with a pool of its own (``Runtime.forked_before_initialization``), as
+    a GPU's child may initialize CUDA itself. Forked after: drop the parent's runtime without
+    closing it (its sockets are the parent's, and a lock another thread held at the fork stays
+    held), undoing interception, and leave the child unable to use 'cuda' as a GPU's child is
+    (forked_child.py)."""
     global _current
-    rt, _current = _current, None
-    if rt is not None:
-        atexit.unregister(rt.at_exit)
-        if rt.interception is not None:
-            rt.interception.remove()
-        discovery.tell_forked_child(rt.named)
-        rt.pool.abandon()
-        forked_child.enter(len(rt.pool.devices))
+    rt = _current
+    if rt is None:
+        return
+    if not rt.initialized():
+        rt.forked_before_initialization()
+        return
+    _current = None
+    atexit.unregister(rt.at_exit)
+    if rt.interception is not None:
+        rt.interception.remove()
+    children.tell_forked(rt.told)
+    rt.pool.abandon()
+    forked_child.enter(len(rt.pool.devices))

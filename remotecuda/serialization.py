@@ -19,6 +19,7 @@ as itself after them, and honours ``map_location='cuda'`` by moving every tensor
 from __future__ import annotations
 
 import itertools
+import multiprocessing.queues
 import pickle
 import threading
 from collections import OrderedDict
@@ -429,11 +430,32 @@ def _not_shared(t: RemoteTensor) -> Any:
     raise _sharing_refused()
 
 
+#: why a 'cuda' tensor is not sent to another process
+_REFUSAL = ("remotecuda: a cuda tensor cannot be sent to another process (torch.multiprocessing shares CUDA "
+            "tensors through CUDA IPC, which remote devices do not offer); send a CPU copy (t.cpu()) and move it "
+            "to 'cuda' there, or use threads")
+
+
 def _sharing_refused() -> NotImplementedError:
-    return NotImplementedError(
-        "remotecuda: a cuda tensor cannot be sent to another process (torch.multiprocessing shares CUDA "
-        "tensors through CUDA IPC, which remote devices do not offer); send a CPU copy (t.cpu()) and move it "
-        "to 'cuda' there, or use threads")
+    return NotImplementedError(_REFUSAL)
+
+
+def _feeder_error(original: Callable) -> Callable:
+    """``multiprocessing.Queue._on_queue_feeder_error``, as a method: a Queue pickles what it sends
+    in a background thread, where a refusal (``_not_shared``) is printed and the item dropped. A
+    DataLoader worker (forked before the program initialized CUDA, so free to use it) whose batch
+    holds 'cuda' tensors then left its parent waiting for that batch for ever; the refusal is
+    sent in the batch's place as the worker sends its ``collate_fn``'s errors, and the parent's
+    loop raises it."""
+    def on_error(queue: Any, e: Exception, obj: Any) -> None:
+        info = torch.utils.data.get_worker_info()
+        if info is None or str(e) != _REFUSAL or not (isinstance(obj, tuple) and len(obj) == 2):
+            original(e, obj)
+            return
+        from torch._utils import ExceptionWrapper
+        queue.put((obj[0], ExceptionWrapper((type(e), e, e.__traceback__), where=f"in DataLoader worker process "
+                                                                                  f"{info.id}")))
+    return on_error
 
 
 def _new_shared(original: Callable) -> classmethod:
@@ -458,6 +480,8 @@ def install(patches: Any) -> None:
         torch.serialization.register_package(0, _tag, _deserialize)
         _registered = True
     ForkingPickler.register(RemoteTensor, _not_shared)  # (inert for other types: nothing to undo)
+    queue = multiprocessing.queues.Queue
+    patches.set(queue, "_on_queue_feeder_error", _feeder_error(vars(queue)["_on_queue_feeder_error"].__func__))
     shared = vars(torch.storage._StorageBase)["_new_shared"].__func__  # (the raw classmethod's function)
     patches.set(torch.UntypedStorage, "_new_shared", _new_shared(shared))
     patches.set(torch, "load", _make_load(torch.load))

@@ -73,7 +73,10 @@ def _loader_error(**loader: object) -> BaseException:
 
 def test_a_collate_fn_moving_batches_to_cuda_in_forked_workers_raises_what_a_gpu_raises():
     """A forked worker's first CUDA use raised the CPU build's "PyTorch is not linked with support
-    for cuda devices", as if remotecuda were broken; a GPU's torch says the worker cannot use CUDA."""
+    for cuda devices", as if remotecuda were broken; a GPU's torch says the worker cannot use CUDA
+    (the program initialized CUDA before the workers were forked: tests/test_processes.py has the
+    workers forked before)."""
+    torch.ones(1, device="cuda")
     e = _loader_error(num_workers=2, collate_fn=_to_cuda)
     assert type(e) is RuntimeError and BAD_FORK in str(e), e
     x, i = next(iter(DataLoader(Rows(), batch_size=4, collate_fn=_to_cuda)))  # in the main process: fine
