@@ -170,17 +170,17 @@ def _made_here(func: Callable, args: tuple, kwargs: dict, meta: bool) -> Any:
 
 
 def _subclass_first(t: Any) -> bool:
-    """Whether ``t`` is of a subclass whose ``__torch_function__`` comes first. The C++ method a
-    route replaces calls it (torch's default one keeps ``sub.to('cuda')`` a ``Sub``; MONAI's
-    MetaTensor also carries its metadata over), and the route must too: it calls back, with the
-    subclass's override off, into the route."""
-    return type(t) is not torch.Tensor and torch.overrides.has_torch_function_unary(t)
+    """Whether ``t``, the ``self`` of a routed Tensor method, is of a subclass whose
+    ``__torch_function__`` comes first (or a function mode is on). The C++ method a route replaces
+    calls it before anything else (torch's default one keeps ``sub.new_tensor(...)`` a ``Sub``; a
+    tagged tensor's hook sees ``copy_``, ``type``, ``__setitem__`` by their names; MONAI's
+    MetaTensor carries its metadata over), and the route must too: ``_routed`` hands the call to
+    it, and its ``super()`` calls back, with subclasses' overrides off, into the route's handler."""
+    return type(t) is not torch.Tensor and isinstance(t, torch.Tensor) and torch.overrides.has_torch_function_unary(t)
 
 
 def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if _subclass_first(self):
-        return torch.overrides.handle_torch_function(torch.Tensor.to, (self,), *args, **kwargs)
     kw = dict(kwargs)
     copy = kw.pop("copy", False)
     rest = args[1:]
@@ -308,8 +308,6 @@ def _opcheck(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if _subclass_first(self):
-        return torch.overrides.handle_torch_function(torch.Tensor.cuda, (self,), *args, **kwargs)
     device = args[1] if len(args) > 1 else kwargs.get("device")
     non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
     d = _device(device) or torch.device("cuda")
@@ -844,16 +842,23 @@ _ROUTES_EVERY_THREAD: list[tuple[Any, str, Callable]] = [
 ]
 
 
-def _routed(original: Callable, handler: Callable) -> Callable:
+def _routed(original: Callable, handler: Callable, method: bool = False) -> Callable:
     """``original`` through ``handler`` in threads where remotecuda is active (the dispatch mode
-    is per thread; the patch is not): elsewhere plain PyTorch, not a stray meta tensor."""
+    is per thread; the patch is not): elsewhere plain PyTorch, not a stray meta tensor.
+    ``method``: ``original`` is a Tensor method, whose ``self``'s ``__torch_function__`` is
+    called first, with the routed method as the function (``_subclass_first``)."""
     active_here = _active_here
+    first = _subclass_first if method else None
+    handle = torch.overrides.handle_torch_function
 
     def routed(*args: Any, **kwargs: Any) -> Any:
         if active_here():
+            if first is not None and args and first(args[0]):
+                return handle(public, args[:1], *args, **kwargs)
             return handler(original, args, kwargs)
         return original(*args, **kwargs)
-    return functools.wraps(original)(_with_globals_of(original, routed))
+    public = functools.wraps(original)(_with_globals_of(original, routed))
+    return public
 
 
 def _with_globals_of(original: Callable, fn: Callable) -> Callable:
@@ -868,9 +873,12 @@ def _with_globals_of(original: Callable, fn: Callable) -> Callable:
 
 
 def _everywhere(original: Callable, handler: Callable) -> Callable:
-    """``original`` through ``handler`` in every thread."""
+    """``original``, a Tensor method, through ``handler`` in every thread, after its ``self``'s
+    ``__torch_function__`` as in ``_routed``."""
     @functools.wraps(original)
     def routed(*args: Any, **kwargs: Any) -> Any:
+        if args and _subclass_first(args[0]):
+            return torch.overrides.handle_torch_function(routed, args[:1], *args, **kwargs)
         return handler(original, args, kwargs)
     return routed
 
@@ -1501,7 +1509,10 @@ def install(rt: Runtime) -> Interception:
     p.set(torch.nn.Module, "_apply", _module_apply(torch.nn.Module._apply))
     device_context._device_constructors()  # `with torch.device(...)` caches the originals: before patching
     for owner, name, handler in _ROUTES:
-        p.set(owner, name, _routed(getattr(owner, name), handler))
+        # (RemoteTensor's __getitem__ leaves it to the C++ original, which gives the hook torch's
+        # own function and the index read already: a hook calling that function with a list
+        # index would make a meta index tensor)
+        p.set(owner, name, _routed(getattr(owner, name), handler, method=owner is torch.Tensor))
     for owner, name, handler in _ROUTES_EVERY_THREAD:
         p.set(owner, name, _everywhere(getattr(owner, name), handler))
     p.set(torch.Tensor, "__new__", staticmethod(legacy_types.tensor_base_new(torch._C.TensorBase.__new__)))

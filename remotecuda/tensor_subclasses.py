@@ -64,11 +64,13 @@ def device_of(t: torch.Tensor) -> Any:
 
 def as_subclass(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
     """``x.as_subclass(cls)``: of a remote ``x``, an alias of it (as torch's is) of ``cls``'s
-    remote class."""
+    remote class. (Neither this nor ``make_subclass`` calls a subclass's ``__torch_function__``,
+    as torch's do not.)"""
     x, cls = (args + (kwargs.get("cls"),))[:2]
     if not isinstance(x, RemoteTensor):  # (a remote class's result moved to the CPU: the library's class)
         return original(x, _library_class(cls))
-    return become(torch.ops.aten.alias.default(x), cls)
+    with torch._C.DisableTorchFunctionSubclass():
+        return become(torch.ops.aten.alias.default(x), cls)
 
 
 def make_subclass(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -79,7 +81,8 @@ def make_subclass(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor
         # (a plain tensor, or the options only torch's own subclasses use)
         return original(_library_class(cls), *args[1:], **kwargs)
     require_grad = args[2] if len(args) > 2 else kwargs.get("require_grad", False)
-    return become(data.detach().requires_grad_(require_grad), cls)
+    with torch._C.DisableTorchFunctionSubclass():
+        return become(data.detach().requires_grad_(require_grad), cls)
 
 
 def become(t: torch.Tensor, cls: type) -> torch.Tensor:
