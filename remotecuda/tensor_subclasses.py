@@ -19,7 +19,11 @@ give a class that is not a RemoteTensor ("already associated to a python object 
 and a plain ``Sub`` would not know its gateway handle either. So the new object's class is one that
 is both: a subclass of ``Sub`` and of RemoteTensor, named as ``Sub`` (``isinstance(t, Sub)`` holds;
 ``type(t) is Sub`` does not), with ``Sub``'s ``__torch_function__``, which keeps results in the
-subclass as on a GPU.
+subclass as on a GPU. Its ``__dict__`` holds remotecuda's own state (``tensor.OWN_KEYS``: the
+gateway handle, the session) beside the library's attributes, kept out of the library's sight
+(``_Attributes``): a library that copies one tensor's whole ``__dict__`` onto another (MONAI's
+``MetaTensor`` carries its metadata to an op's result that way) would otherwise make the result
+stand for its input's gateway tensor, or deep-copy the session.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 
 from . import runtime
-from .tensor import RemoteTensor
+from .tensor import HANDLE_FIELDS, OWN_KEYS, RemoteTensor
 
 #: the ``__dict__`` key under which a wrapper made on 'meta' keeps the 'cuda' device it stands for
 DEVICE_KEY = "_remotecuda_device"
@@ -115,10 +119,71 @@ def _library_class(cls: Any) -> Any:
 
 
 def remote_class(cls: type) -> type:
-    """The class of a remote tensor that is a ``cls`` (one per class and activation)."""
+    """The class of a remote tensor that is a ``cls`` (one per class and activation). Its
+    ``__dict__`` is ``_attributes``, first in the method order (a library's class before
+    RemoteTensor, MONAI's ``MetaObj``, has a ``__dict__`` of its own)."""
     classes = runtime.current().remote_subclasses
     made = classes.get(cls)
     if made is None:
         made = classes[cls] = type(cls.__name__, (cls, _UnderSubclass),
-                                   {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+                                   {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                    "__dict__": _attributes})
     return made
+
+
+#: the attribute dictionary of a tensor, as Python reads and sets it (a getset of torch.Tensor's)
+_DICT = torch.Tensor.__dict__["__dict__"]
+
+
+class _Attributes(dict):
+    """A library subclass's remote tensor's ``__dict__``, which shows the library its own
+    attributes only: iterating it (``keys()``, ``items()``, ``dict(d)``, ``{**d}``) leaves out
+    remotecuda's keys, which attribute access (a dictionary look-up in C) still finds, as do
+    ``d[k]``, ``get`` and ``in``, which name a key."""
+
+    def _library(self) -> dict:
+        return {k: v for k, v in dict.items(self) if k not in OWN_KEYS}
+
+    def __iter__(self) -> Any:
+        return iter(self._library())
+
+    def __len__(self) -> int:
+        return len(self._library())
+
+    def __repr__(self) -> str:
+        return repr(self._library())
+
+    def keys(self) -> Any:
+        return self._library().keys()
+
+    def items(self) -> Any:
+        return self._library().items()
+
+    def values(self) -> Any:
+        return self._library().values()
+
+    def copy(self) -> dict:
+        return self._library()
+
+
+def _get_attributes(t: torch.Tensor) -> _Attributes:
+    d = _DICT.__get__(t)
+    if type(d) is not _Attributes:  # (first read since the tensor became a library's class)
+        d = _Attributes(d)
+        _DICT.__set__(t, d)
+    return d
+
+
+def _set_attributes(t: torch.Tensor, new: Any) -> None:
+    """``t.__dict__ = new``: the library's attributes replaced (MONAI's ``copy_meta_from`` of a
+    batch), remotecuda's own kept, unless ``new`` brings a tensor's own (``swap_tensors``, which
+    swaps the classes and then the dictionaries of two tensors)."""
+    if not isinstance(new, dict):
+        raise TypeError(f"__dict__ must be set to a dictionary, not a '{type(new).__name__}'")
+    whole = dict(dict.items(new))
+    if not any(k in whole for k in HANDLE_FIELDS):
+        whole.update((k, v) for k, v in dict.items(_DICT.__get__(t)) if k in OWN_KEYS)
+    _DICT.__set__(t, _Attributes(whole))
+
+
+_attributes = property(_get_attributes, _set_attributes, doc=_Attributes.__doc__)

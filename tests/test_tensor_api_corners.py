@@ -79,3 +79,77 @@ def test_a_subclass_hook_sees_the_routed_tensor_methods_as_on_the_cpu():
     ``sub.new_tensor(data)`` was a plain tensor, ``type_as`` reached the hook as ``to``, and the
     hook saw the routes' own reads (``dtype``) as calls of its own."""
     assert _routed_methods("cuda") == _routed_methods("cpu")
+
+
+class Meta(torch.Tensor):
+    """MONAI's ``MetaObj.copy_meta_from`` pattern: an op's result gets its input's whole
+    ``__dict__``, deep-copied item by item, or (for a batch) the dictionary replaced."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs)
+        first = next((a for a in args if isinstance(a, Meta)), None)
+        if isinstance(out, Meta) and first is not None:
+            source = first.__dict__
+            names = source.keys()  # (as MONAI reads them)
+            if source.get("batch"):
+                out.__dict__ = {k: source[k] for k in names}
+            else:
+                out.__dict__.update({k: copy.deepcopy(source[k]) for k in names})
+        return out
+
+
+def _dict_copied(dev: str) -> list:
+    got = []
+    for batch in (False, True):
+        m = torch.arange(6.).reshape(2, 3).to(dev).as_subclass(Meta)
+        m.batch, m.affine = batch, [1, 2]
+        y = (m * 2 + 1).sum(0)
+        got.append((type(y).__name__, sorted(vars(y)), y.affine, y.as_subclass(torch.Tensor).cpu().tolist(),
+                    m.as_subclass(torch.Tensor).cpu().tolist()))
+    return got
+
+
+def test_a_subclass_that_copies_a_tensors_whole_dict_keeps_its_own_values():
+    """A library's hook copying its input's ``__dict__`` onto an op's result copied remotecuda's
+    own state too: deep-copying it failed ("cannot pickle '_thread.lock' object"), and replacing
+    the result's dictionary made it stand for its input's gateway tensor (its input's values)."""
+    assert _dict_copied("cuda") == _dict_copied("cpu")
+
+
+def test_swapping_two_cuda_subclass_tensors_swaps_their_values():
+    """``torch.utils.swap_tensors`` (``module.to`` with swapping on) swaps the classes, then the
+    dictionaries: a subclass tensor's dictionary, which keeps remotecuda's state out of sight,
+    must still move whole."""
+    a = torch.zeros(2, device="cuda").as_subclass(Meta)
+    b = torch.ones(3, device="cuda").as_subclass(Meta)
+    a.tag, b.tag = "a", "b"
+    torch.utils.swap_tensors(a, b)
+    assert (a.tag, a.shape, a.as_subclass(torch.Tensor).cpu().tolist()) == ("b", (3,), [1., 1., 1.])
+    assert (b.tag, b.shape, b.as_subclass(torch.Tensor).cpu().tolist()) == ("a", (2,), [0., 0.])
+
+
+def test_monai_meta_tensor_on_cuda():
+    """MONAI's MetaTensor on 'cuda': its ops and transforms, a collated batch (whose ops replace
+    the result's ``__dict__``), deepcopy and pickling, compared with the CPU."""
+    pytest.importorskip("monai")
+    assert _monai("cuda") == _monai("cpu")
+
+
+def _monai(dev: str) -> list:
+    import pickle
+
+    import monai.transforms as T
+    from monai.data import MetaTensor, decollate_batch, list_data_collate
+
+    x = MetaTensor(torch.arange(12.).reshape(1, 3, 4), affine=torch.eye(4), meta={"filename_or_obj": "a.nii"})
+    m = x.to(dev)
+
+    def seen(t: torch.Tensor) -> tuple:
+        return type(t).__name__, tuple(t.shape), t.meta.get("filename_or_obj"), t.as_tensor().cpu().tolist()
+
+    got = [seen(m + 1), seen(m[0]), seen(copy.deepcopy(m)), seen(pickle.loads(pickle.dumps(m))),
+           seen(T.Flip(spatial_axis=0)(m)), seen(T.ScaleIntensity()(m)), seen(T.Resize((6, 8))(m))]
+    batch = list_data_collate([{"img": x}, {"img": x * 2}])["img"].to(dev)  # (collated on the CPU, as loaders do)
+    got += [seen(batch * 3 - batch), batch.is_batch, [seen(t) for t in decollate_batch(batch + 1)]]
+    return got
