@@ -112,6 +112,25 @@ class _UnderSubclass(RemoteTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _DEFAULT_TORCH_FUNCTION(cls, func, types, args, kwargs)
 
+    def __deepcopy__(self, memo: dict) -> RemoteTensor:
+        """torch's deepcopy of a subclass that defines none: it builds the copy with the subclass's
+        ``new_empty`` (its overrides off), and refuses a subclass whose ``new_empty`` gives another
+        class (a plain subclass that does not define it), with torch's error; RemoteTensor's copy."""
+        if self.is_leaf and id(self) not in memo:
+            with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+                built = self.new_empty([])
+            if type(built) is not type(self):
+                raise RuntimeError(_NO_NEW_EMPTY)
+        return super().__deepcopy__(memo)
+
+
+#: torch's refusal to deep-copy a plain subclass whose ``new_empty`` gives another class
+_NO_NEW_EMPTY = (
+    "The default implementation of __deepcopy__() for non-wrapper subclasses only works for subclass types "
+    "that implement new_empty() and for which that function returns another instance of the same subclass. "
+    "You should either properly implement new_empty() for your subclass or override __deepcopy__() if it is "
+    "intended behavior for new_empty() to return an instance of a different type.")
+
 
 def _library_class(cls: Any) -> Any:
     """``cls``, or the library's class that it is the remote class of."""

@@ -129,6 +129,36 @@ def test_swapping_two_cuda_subclass_tensors_swaps_their_values():
     assert (b.tag, b.shape, b.as_subclass(torch.Tensor).cpu().tolist()) == ("a", (2,), [0., 0.])
 
 
+class Plain(torch.Tensor):
+    pass
+
+
+class Built(torch.Tensor):
+    def new_empty(self, *args, **kwargs):
+        return super().new_empty(*args, **kwargs).as_subclass(type(self))
+
+
+def _deepcopies(dev: str) -> list:
+    got = []
+    for cls in (Plain, Built):
+        t = torch.arange(3.).to(dev).as_subclass(cls)
+        t.tag = "kept"
+        try:
+            c = copy.deepcopy(t)
+        except RuntimeError as e:
+            got.append(("RuntimeError", str(e)))
+        else:
+            got.append((type(c).__name__, c.tag, c.as_subclass(torch.Tensor).cpu().tolist()))
+    return got
+
+
+def test_deepcopy_of_a_plain_subclass_is_refused_as_torch_refuses_it():
+    """torch deep-copies a subclass that defines no ``__deepcopy__`` with its ``new_empty``, and
+    refuses one whose ``new_empty`` gives another class; on 'cuda' such a copy was made anyway."""
+    got, want = _deepcopies("cuda"), _deepcopies("cpu")
+    assert got == want and want[0][0] == "RuntimeError" and want[1][0] == "Built"
+
+
 def test_monai_meta_tensor_on_cuda():
     """MONAI's MetaTensor on 'cuda': its ops and transforms, a collated batch (whose ops replace
     the result's ``__dict__``), deepcopy and pickling, compared with the CPU."""
