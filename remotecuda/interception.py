@@ -1348,17 +1348,23 @@ def _module_apply(original: Callable) -> Callable:
         fn_once = _precomputed(fn, done)
         if not crosses:
             return original(self, fn_once, False)
+        give_back = tensor_subclasses.keep_parameters(self)  # (a swap makes each a new Parameter first)
         torch.__future__.set_swap_module_params_on_conversion(True)
         try:
-            return original(self, fn_once, False)
+            converted = original(self, fn_once, False)
         except RuntimeError as e:
             if "Couldn't swap" not in str(e):
                 raise
+        else:
+            give_back()
+            return converted
         finally:
             torch.__future__.set_swap_module_params_on_conversion(False)
         if isinstance(self, torch.jit.RecursiveScriptModule):
             return torchscript.convert(self, fn)
-        return original(self, fn, False)  # parameters swapped already convert to themselves
+        converted = original(self, fn, False)  # parameters swapped already convert to themselves
+        give_back()
+        return converted
     return _apply
 
 
@@ -1527,6 +1533,8 @@ def install(rt: Runtime) -> Interception:
     p.set(torch.Tensor, "_make_subclass", staticmethod(
         _routed(torch.Tensor._make_subclass, tensor_subclasses.make_subclass)))
     p.set(torch.Tensor, "as_subclass", _routed(torch.Tensor.as_subclass, tensor_subclasses.as_subclass))
+    p.set(torch.nn.Parameter, "__new__", staticmethod(
+        _routed(torch.nn.Parameter.__new__, tensor_subclasses.parameter_new)))
     lazy_modules.install(p)
     profile = torch.autograd.profiler.profile
     p.set(profile, "__init__", _profile_init(profile.__init__))

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from . import runtime
 from .tensor import HANDLE_FIELDS, OWN_KEYS, RemoteTensor
@@ -87,6 +88,53 @@ def make_subclass(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor
     require_grad = args[2] if len(args) > 2 else kwargs.get("require_grad", False)
     with torch._C.DisableTorchFunctionSubclass():
         return become(data.detach().requires_grad_(require_grad), cls)
+
+
+def parameter_new(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``nn.Parameter.__new__`` called by a subclass of it (``SubParameter(data)``, whose
+    ``__new__`` calls Parameter's) for a remote ``data``: an instance of the subclass, as torch makes
+    one of a plain tensor (by ``_make_subclass``). Parameter's own path for another library's tensor
+    class, taken for a RemoteTensor, keeps that class (only marking it a parameter): right for
+    ``nn.Parameter`` itself (a 'cuda' Parameter is a RemoteTensor so marked), not for its subclasses."""
+    cls = args[0]
+    data = args[1] if len(args) > 1 else kwargs.get("data")
+    if cls is torch.nn.Parameter or type(data) is not RemoteTensor:
+        return original(*args, **kwargs)
+    requires_grad = args[2] if len(args) > 2 else kwargs.get("requires_grad", True)
+    return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+def keep_parameters(module: torch.nn.Module) -> Callable[[], None]:
+    """What a GPU's ``module.to('cuda')`` keeps of its parameters: each stays the object it was
+    (``param.data = ...``), so its class (a subclass of nn.Parameter: diffusers' GGUFParameter, a
+    user's) and its attributes (``p._no_weight_decay``, Megatron's ``p.sequence_parallel``) stay.
+    A conversion here that swaps them (interception's ``Module._apply``) makes each a new
+    ``nn.Parameter`` of the converted tensor first, with neither; this returns the function that
+    gives them back to the converted parameters, found by name (a conversion that could not swap
+    makes new objects)."""
+    kept: dict[str, tuple[type | None, dict]] = {}
+    for name, p in module._parameters.items():
+        if p is None or is_lazy(p):
+            continue
+        cls = _library_class(type(p))
+        subclass = cls if cls is not torch.nn.Parameter and issubclass(cls, torch.nn.Parameter) else None
+        attributes = {k: v for k, v in dict.items(_DICT.__get__(p)) if k not in OWN_KEYS and k != "_is_param"}
+        if subclass is not None or attributes:
+            kept[name] = subclass, attributes
+
+    def give_back() -> None:
+        for name, (subclass, attributes) in kept.items():
+            p = module._parameters.get(name)
+            if p is None:
+                continue
+            if subclass is not None and not isinstance(p, subclass):
+                if isinstance(p, RemoteTensor):
+                    _DICT.__get__(p).pop("_is_param", None)  # (a parameter by its class now)
+                    become(p, subclass)
+                else:
+                    p.__class__ = subclass
+            _DICT.__get__(p).update(attributes)
+    return give_back
 
 
 def become(t: torch.Tensor, cls: type) -> torch.Tensor:

@@ -159,6 +159,36 @@ def test_deepcopy_of_a_plain_subclass_is_refused_as_torch_refuses_it():
     assert got == want and want[0][0] == "RuntimeError" and want[1][0] == "Built"
 
 
+class TaggedParameter(torch.nn.Parameter):
+    """A subclass of nn.Parameter (diffusers' GGUFParameter, a user's), with Parameter's ``__new__``."""
+
+
+def _converted_parameters(dev: str) -> list:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    lin.weight = TaggedParameter(lin.weight.detach())
+    lin.weight.tag, lin.bias._no_weight_decay = "w", True
+    got = []
+    for step in (lambda m: m.to(dev), lambda m: m.to(dev, torch.float64), lambda m: m.cpu().to(dev)):
+        step(lin)
+        w, b = lin.weight, lin.bias
+        got.append((type(w).__name__, isinstance(w, TaggedParameter), isinstance(w, torch.nn.Parameter),
+                    getattr(w, "tag", None), getattr(b, "_no_weight_decay", None), w.dtype))
+        assert w.device.type == b.device.type == dev
+    made = TaggedParameter(torch.ones(2, device=dev))
+    lin(torch.ones(1, 3, device=dev, dtype=torch.float64)).sum().backward()
+    got.append((type(made).__name__, made.requires_grad, made.is_leaf, lin.weight.grad.cpu().tolist()))
+    return got
+
+
+def test_a_parameters_class_and_attributes_survive_a_move_to_cuda():
+    """``model.to('cuda')`` kept neither a parameter's subclass of nn.Parameter nor its
+    attributes (``p._no_weight_decay``, read later to group an optimizer's parameters): on a GPU
+    each parameter stays its object (``param.data = ...``), but the conversion here swaps each for
+    a new Parameter. And ``SubParameter(cuda_tensor)`` was a plain Parameter."""
+    assert _converted_parameters("cuda") == _converted_parameters("cpu")
+
+
 def test_monai_meta_tensor_on_cuda():
     """MONAI's MetaTensor on 'cuda': its ops and transforms, a collated batch (whose ops replace
     the result's ``__dict__``), deepcopy and pickling, compared with the CPU."""
