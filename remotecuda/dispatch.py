@@ -739,9 +739,13 @@ def _described(v: Any, alias: Any, s: Any, args: tuple, kwargs: dict) -> Any:
     not a closure calling itself, whose cycle would keep the op's arguments (``x`` of ``x.item()``,
     the base of a view read) alive until the garbage collector ran, their gateway memory with them."""
     if isinstance(v, dict):
-        if alias is not None and alias[2]:
+        if alias is not None and alias[2]:  # an argument written (``out=``): resized as the kernel resized it
             s.release(v["h"])
-            return _arg_at(args, kwargs, alias[0], alias[1])
+            written = _arg_at(args, kwargs, alias[0], alias[1])
+            lay = layout(v["shape"], v["stride"], v["offset"], v["dtype"])
+            if isinstance(written, RemoteTensor) and written._k != lay[0]:
+                _resize_wrapper(written, lay)
+            return written
         if alias is not None:
             src = _arg_at(args, kwargs, alias[0], alias[1])
             return _view(src, make, s, v["h"], v["shape"], v["stride"], v["offset"], v["dtype"],

@@ -172,17 +172,17 @@ def _made_here(func: Callable, args: tuple, kwargs: dict, meta: bool) -> Any:
 
 
 def _subclass_first(t: Any) -> bool:
-    """Whether ``t`` is of a subclass whose ``__torch_function__`` comes first. The C++ method a
-    route replaces calls it (torch's default one keeps ``sub.to('cuda')`` a ``Sub``; MONAI's
-    MetaTensor also carries its metadata over), and the route must too: it calls back, with the
-    subclass's override off, into the route."""
-    return type(t) is not torch.Tensor and torch.overrides.has_torch_function_unary(t)
+    """Whether ``t``, the ``self`` of a routed Tensor method, is of a subclass whose
+    ``__torch_function__`` comes first (or a function mode is on). The C++ method a route replaces
+    calls it before anything else (torch's default one keeps ``sub.new_tensor(...)`` a ``Sub``; a
+    tagged tensor's hook sees ``copy_``, ``type``, ``__setitem__`` by their names; MONAI's
+    MetaTensor carries its metadata over), and the route must too: ``_routed`` hands the call to
+    it, and its ``super()`` calls back, with subclasses' overrides off, into the route's handler."""
+    return type(t) is not torch.Tensor and isinstance(t, torch.Tensor) and torch.overrides.has_torch_function_unary(t)
 
 
 def _tensor_to(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if _subclass_first(self):
-        return torch.overrides.handle_torch_function(torch.Tensor.to, (self,), *args, **kwargs)
     kw = dict(kwargs)
     copy = kw.pop("copy", False)
     rest = args[1:]
@@ -310,8 +310,6 @@ def _opcheck(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _tensor_cuda(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if _subclass_first(self):
-        return torch.overrides.handle_torch_function(torch.Tensor.cuda, (self,), *args, **kwargs)
     device = args[1] if len(args) > 1 else kwargs.get("device")
     non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
     d = _device(device) or torch.device("cuda")
@@ -846,16 +844,23 @@ _ROUTES_EVERY_THREAD: list[tuple[Any, str, Callable]] = [
 ]
 
 
-def _routed(original: Callable, handler: Callable) -> Callable:
+def _routed(original: Callable, handler: Callable, method: bool = False) -> Callable:
     """``original`` through ``handler`` in threads where remotecuda is active (the dispatch mode
-    is per thread; the patch is not): elsewhere plain PyTorch, not a stray meta tensor."""
+    is per thread; the patch is not): elsewhere plain PyTorch, not a stray meta tensor.
+    ``method``: ``original`` is a Tensor method, whose ``self``'s ``__torch_function__`` is
+    called first, with the routed method as the function (``_subclass_first``)."""
     active_here = _active_here
+    first = _subclass_first if method else None
+    handle = torch.overrides.handle_torch_function
 
     def routed(*args: Any, **kwargs: Any) -> Any:
         if active_here():
+            if first is not None and args and first(args[0]):
+                return handle(public, args[:1], *args, **kwargs)
             return handler(original, args, kwargs)
         return original(*args, **kwargs)
-    return functools.wraps(original)(_with_globals_of(original, routed))
+    public = functools.wraps(original)(_with_globals_of(original, routed))
+    return public
 
 
 def _with_globals_of(original: Callable, fn: Callable) -> Callable:
@@ -870,9 +875,12 @@ def _with_globals_of(original: Callable, fn: Callable) -> Callable:
 
 
 def _everywhere(original: Callable, handler: Callable) -> Callable:
-    """``original`` through ``handler`` in every thread."""
+    """``original``, a Tensor method, through ``handler`` in every thread, after its ``self``'s
+    ``__torch_function__`` as in ``_routed``."""
     @functools.wraps(original)
     def routed(*args: Any, **kwargs: Any) -> Any:
+        if args and _subclass_first(args[0]):
+            return torch.overrides.handle_torch_function(routed, args[:1], *args, **kwargs)
         return handler(original, args, kwargs)
     return routed
 
@@ -1342,17 +1350,23 @@ def _module_apply(original: Callable) -> Callable:
         fn_once = _precomputed(fn, done)
         if not crosses:
             return original(self, fn_once, False)
+        give_back = tensor_subclasses.keep_parameters(self)  # (a swap makes each a new Parameter first)
         torch.__future__.set_swap_module_params_on_conversion(True)
         try:
-            return original(self, fn_once, False)
+            converted = original(self, fn_once, False)
         except RuntimeError as e:
             if "Couldn't swap" not in str(e):
                 raise
+        else:
+            give_back()
+            return converted
         finally:
             torch.__future__.set_swap_module_params_on_conversion(False)
         if isinstance(self, torch.jit.RecursiveScriptModule):
             return torchscript.convert(self, fn)
-        return original(self, fn, False)  # parameters swapped already convert to themselves
+        converted = original(self, fn, False)  # parameters swapped already convert to themselves
+        give_back()
+        return converted
     return _apply
 
 
@@ -1505,7 +1519,10 @@ def install(rt: Runtime) -> Interception:
         step_replay.install(p)
     device_context._device_constructors()  # `with torch.device(...)` caches the originals: before patching
     for owner, name, handler in _ROUTES:
-        p.set(owner, name, _routed(getattr(owner, name), handler))
+        # (RemoteTensor's __getitem__ leaves it to the C++ original, which gives the hook torch's
+        # own function and the index read already: a hook calling that function with a list
+        # index would make a meta index tensor)
+        p.set(owner, name, _routed(getattr(owner, name), handler, method=owner is torch.Tensor))
     for owner, name, handler in _ROUTES_EVERY_THREAD:
         p.set(owner, name, _everywhere(getattr(owner, name), handler))
     p.set(torch.Tensor, "__new__", staticmethod(legacy_types.tensor_base_new(torch._C.TensorBase.__new__)))
@@ -1523,6 +1540,8 @@ def install(rt: Runtime) -> Interception:
     p.set(torch.Tensor, "_make_subclass", staticmethod(
         _routed(torch.Tensor._make_subclass, tensor_subclasses.make_subclass)))
     p.set(torch.Tensor, "as_subclass", _routed(torch.Tensor.as_subclass, tensor_subclasses.as_subclass))
+    p.set(torch.nn.Parameter, "__new__", staticmethod(
+        _routed(torch.nn.Parameter.__new__, tensor_subclasses.parameter_new)))
     lazy_modules.install(p)
     profile = torch.autograd.profiler.profile
     p.set(profile, "__init__", _profile_init(profile.__init__))

@@ -173,14 +173,14 @@ class RemoteStorage(torch.UntypedStorage):
 
 
 #: what ties a wrapper to its gateway tensor
-_HANDLE_FIELDS = ("_h", "_w", "_s", "_dev", "_sid", "_k", "_owner")
+HANDLE_FIELDS = ("_h", "_w", "_s", "_dev", "_sid", "_k", "_owner")
 #: where known.py keeps the client's copy of a remote tensor's values
 KNOWN_KEY = "_known"
 #: remotecuda's own ``__dict__`` keys on a remote tensor. They are underscored to stay out of
 #: torch.Tensor's namespace, but so are other libraries' attributes (MONAI's ``MetaTensor._meta``),
 #: so it is this set, not a leading ``_``, that tells them apart: pickling, deepcopy and
 #: ``p.data =`` carry every other attribute, as torch does.
-OWN_KEYS = frozenset((*_HANDLE_FIELDS, KNOWN_KEY))
+OWN_KEYS = frozenset((*HANDLE_FIELDS, KNOWN_KEY))
 
 
 def stands_for_parameter(t: torch.Tensor) -> bool:
@@ -510,5 +510,5 @@ def refresh_key(t: RemoteTensor, storage_of: RemoteTensor | None = None) -> None
 def follow(t: RemoteTensor, new: RemoteTensor) -> None:
     """Make ``t`` stand for ``new``'s gateway tensor (``p.data = new``; the C++ metadata is set by
     the caller)."""
-    for k in _HANDLE_FIELDS:
+    for k in HANDLE_FIELDS:
         t.__dict__[k] = new.__dict__[k]
