@@ -1,0 +1,87 @@
+"""Errors of streamed ops: a failure only the gateway sees (a simulated GPU out of memory, a
+value-dependent kernel error) reaches the program as the exception a GPU's PyTorch raises, where
+a GPU raises it or says why not, with nothing else lost and the session still usable.
+
+The gateway here is a simulated GPU of 64 MB (``--gpus 1 --gpu-memory 64MB``): a two-layer MLP
+of 4 MB whose batch of 2800 fits its forward pass and not its backward pass."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import GatewayProcess, active_over
+
+#: a batch whose forward pass fits the simulated GPU and whose backward pass does not
+TOO_BIG = 2800
+
+
+@pytest.fixture(scope="module")
+def small_gpu():
+    """remotecuda active over a gateway whose one simulated GPU has 64 MB; the run's own
+    activation after."""
+    gw = GatewayProcess("--spare", "1", "--gpus", "1", "--gpu-memory", "64MB")
+    try:
+        with active_over(gw.address):
+            yield gw
+    finally:
+        gw.stop()
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+
+
+def _batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def test_out_of_memory_in_backward_is_raised_by_backward(small_gpu):
+    """A GPU's allocator fails inside ``loss.backward()``, so the OutOfMemoryError is raised
+    there; here it came at the optimizer's step (or at any later read), outside a ``try`` around
+    the backward pass. The gradients the failed pass was to make are None, as on a GPU where it
+    stopped before making them; those it made are readable."""
+    model = _mlp().cuda()
+    x, y = (t.cuda() for t in _batch(TOO_BIG))
+    loss = F.cross_entropy(model(x), y)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        loss.backward()
+    assert model[0].weight.grad is None and model[0].bias.grad is None  # (the pass stopped before them)
+    assert all(torch.isfinite(p.grad).all().item() for p in model.parameters() if p.grad is not None)
+    del loss
+    torch.cuda.empty_cache()
+    assert torch.ones(3, device="cuda").sum().item() == 3.0  # the session goes on
+
+
+def test_halving_the_batch_on_out_of_memory_trains_as_the_cpu_does(small_gpu):
+    """The common loop: try a step, and on ``torch.cuda.OutOfMemoryError`` free memory and retry
+    with half the batch. The failed trials change nothing: the model trained at the batch that
+    fit is the one a CPU trains at that batch."""
+    def train(model: torch.nn.Module, device: str, bs: int, steps: int = 2) -> int:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        done = 0
+        while done < steps:
+            x, y = (t.to(device) for t in _batch(bs))
+            try:
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                done += 1
+            except torch.cuda.OutOfMemoryError:
+                del x, y
+                loss = None
+                torch.cuda.empty_cache()
+                bs //= 2
+        return bs
+
+    remote = _mlp().cuda()
+    fitted = train(remote, "cuda", 2 * TOO_BIG)  # out of memory in the forward pass, then in the backward
+    assert fitted == TOO_BIG // 2
+    local = _mlp()
+    train(local, "cpu", fitted)
+    for r, c in zip(remote.parameters(), local.parameters()):
+        torch.testing.assert_close(r.cpu(), c, rtol=1e-5, atol=1e-6)
+
