@@ -85,3 +85,26 @@ def test_halving_the_batch_on_out_of_memory_trains_as_the_cpu_does(small_gpu):
     for r, c in zip(remote.parameters(), local.parameters()):
         torch.testing.assert_close(r.cpu(), c, rtol=1e-5, atol=1e-6)
 
+
+def test_the_error_says_what_queued_after_it_did_not_run(remote):
+    """Ops queued after a failing one are skipped (a GPU would never have run the lines after the
+    one that raised): those making tensors leave them "never computed", naming the failure, but
+    an in-place update was dropped with nothing to show for it. The error says so now."""
+    x = torch.arange(3.0, device="cuda")
+    count = torch.zeros((), device="cuda")
+    torch.cuda.synchronize()
+    bad = x[torch.tensor([5], device="cuda")]  # fails on the gateway (a GPU: a device-side assert)
+    doubled = x * 2
+    count += 1
+    total = bad.sum()
+    with pytest.raises(IndexError, match="out of bounds") as info:
+        torch.cuda.synchronize()
+    note = "\n".join(info.value.__notes__)
+    assert "the 3 ops queued after it" in note and "did not run" in note, note
+    assert "1 of them were to update existing tensors in place" in note, note
+    for t in (doubled, total):
+        with pytest.raises(RuntimeError, match=r"never computed: op aten::index.Tensor failed before it \(IndexError"):
+            t.cpu()
+    assert count.item() == 0.0  # (as the note says)
+    count += 1
+    assert count.item() == 1.0 and (x * 2).tolist() == [0.0, 2.0, 4.0]  # the session goes on
