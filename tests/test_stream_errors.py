@@ -6,6 +6,8 @@ The gateway here is a simulated GPU of 64 MB (``--gpus 1 --gpu-memory 64MB``): a
 of 4 MB whose batch of 2800 fits its forward pass and not its backward pass."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,3 +110,25 @@ def test_the_error_says_what_queued_after_it_did_not_run(remote):
     assert count.item() == 0.0  # (as the note says)
     count += 1
     assert count.item() == 1.0 and (x * 2).tolist() == [0.0, 2.0, 4.0]  # the session goes on
+
+
+def test_out_of_memory_in_generate_is_raised_by_generate(small_gpu):
+    """``generate()`` reads no value per token here (decode.py): its stop check is asked with
+    ``request_later`` and collected at a later step. The reply carrying the OOM answered None and
+    dropped the error, which the gateway reports once: the ops after it failed on tensors never
+    computed, and ``generate`` raised a RuntimeError nesting "never computed" messages, the OOM
+    lost. It raises the OutOfMemoryError, and the session generates as the CPU does after it."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=5000, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    local = transformers.GPT2LMHeadModel(cfg).eval()
+    remote = copy.deepcopy(local).cuda()
+    ids = torch.randint(1, 5000, (2000, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        remote.generate(ids.cuda(), max_new_tokens=20, do_sample=False)
+    torch.cuda.empty_cache()
+    with torch.no_grad():
+        out = remote.generate(ids[:2].cuda(), max_new_tokens=20, do_sample=False)
+        assert torch.equal(out.cpu(), local.generate(ids[:2], max_new_tokens=20, do_sample=False))
+
