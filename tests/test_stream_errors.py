@@ -7,12 +7,17 @@ of 4 MB whose batch of 2800 fits its forward pass and not its backward pass."""
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import GatewayProcess, active_over
+from conftest import ROOT, GatewayProcess, active_over
 
 #: a batch whose forward pass fits the simulated GPU and whose backward pass does not
 TOO_BIG = 2800
@@ -132,3 +137,37 @@ def test_out_of_memory_in_generate_is_raised_by_generate(small_gpu):
         out = remote.generate(ids[:2].cuda(), max_new_tokens=20, do_sample=False)
         assert torch.equal(out.cpu(), local.generate(ids[:2], max_new_tokens=20, do_sample=False))
 
+
+INTERRUPTED = """\
+import torch, remotecuda
+remotecuda.activate(fallback="error")
+m = torch.randn(1024, 1024, device="cuda") / 32
+h = m
+for _ in range(2000):  # ~4 TFLOP queued: minutes on a CPU gateway
+    h = torch.tanh(h @ m)
+print("queued", flush=True)
+h.sum().item()
+"""
+
+
+def test_a_script_ended_by_ctrl_c_does_not_wait_for_its_queued_work(gateway):
+    """Ctrl-C while a script reads a value: the KeyboardInterrupt ends it, and its exit waited,
+    in silence, for all the work it had queued (minutes), until a second Ctrl-C. A GPU's program
+    ends at once. It ends now, saying that the queued work is dropped."""
+    env = dict(os.environ, REMOTECUDA_SERVERS=gateway.address, PYTHONPATH=ROOT)
+    p = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, cwd=ROOT)
+    try:
+        assert p.stdout.readline().strip() == "queued"
+        time.sleep(1.0)  # (in the read's wait)
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "KeyboardInterrupt" in err and "remotecuda: interrupted: the remote work" in err, err
+    assert elapsed < 20, f"the interrupted script took {elapsed:.1f} s to end"
+    assert "remotecuda" + os.sep not in err, err  # (no traceback of remotecuda's frames)
