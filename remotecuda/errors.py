@@ -93,7 +93,24 @@ def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
         e.add_note(f"[remotecuda] raised by op {info.get('op')} (#{info.get('index')}) on the "
                    "gateway; ops run asynchronously, so the Python line that issued it may be "
                    "earlier than this one (set REMOTECUDA_SYNC=1 to raise at the call site)")
+    skipped = info.get("skipped")
+    if isinstance(skipped, int) and skipped > 0:
+        e.add_note(_skipped_note(skipped, info.get("skipped_inplace")))
     return e
+
+
+def _skipped_note(skipped: int, inplace: Any) -> str:
+    """What became of the ops queued after the failing one (the gateway skips them all, as a GPU
+    would never have run the lines after the one that raised): tensors they were to make raise
+    "never computed" when used, but those they were to change in place keep their earlier values
+    silently, unless this says so."""
+    ops = f"{skipped} op{'s' if skipped != 1 else ''}"
+    note = (f"[remotecuda] the {ops} queued after it, up to this line, did not run: tensors they were "
+            "to compute are never computed")
+    if isinstance(inplace, int) and inplace > 0:
+        note += (f"; {inplace} of them were to update existing tensors in place (an optimizer's step, "
+                 "`x += ...`), which keep their earlier values")
+    return note
 
 
 # ---------------------------------------------------------------------- tracebacks

@@ -30,7 +30,7 @@ import re
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -675,14 +675,17 @@ def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
             continue  # (a GradientEdge; a 0-d gradient, which C++ moves; vmap's batched 'cuda' gradient)
         if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and grad.device != out.device:
             raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} but got {grad.device}")
-    _backward_waits(outputs)
+    trial = _backward_waits(outputs)
     try:
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
     except RuntimeError as e:
         if type(e) is not RuntimeError or not any(isinstance(t, RemoteTensor) for t in outputs) or \
                 not _META_TYPE.search(str(e)):
             raise
         raise RuntimeError(_META_TYPE.sub(r"torch.cuda.\1Tensor", str(e))) from None
+    if trial is not None:
+        _backward_ran(trial, outputs)
+    return result
 
 
 def _checked_function_backward(original: Callable) -> Callable:
@@ -713,7 +716,7 @@ def _checked_function_backward(original: Callable) -> Callable:
     return apply
 
 
-def _backward_waits(outputs: Any) -> None:
+def _backward_waits(outputs: Any) -> torch.device | None:
     """A backward pass on 'cuda' tensors waits for its forward pass's work, until one has
     succeeded, and again once the program has made a tensor larger than any before it (a larger
     batch: Lightning's batch-size finder doubles it until a trial runs out of memory). A GPU
@@ -721,15 +724,48 @@ def _backward_waits(outputs: Any) -> None:
     ``try: loss = model(batch); loss.backward() except torch.cuda.OutOfMemoryError:`` that
     retries with a smaller batch; here it came at a later read, outside it. Raised here, before the
     backward runs (so no gradient is made from skipped ops); passes making nothing larger do not
-    wait."""
+    wait. The device waited on when this pass is such a trial (``_backward_ran`` waits after it
+    too), else None."""
     rt = runtime.current()
     largest = rt.dispatcher.largest_new
     if rt.backward_waited_at >= largest or rt.capturing is not None or not _active_here():
-        return
+        return None
     out = next((o for o in outputs if isinstance(o, RemoteTensor)), None)
-    if out is not None:
-        torch.cuda.synchronize(out.device)
-        rt.backward_waited_at = largest
+    if out is None:
+        return None
+    torch.cuda.synchronize(out.device)
+    rt.backward_waited_at = largest
+    return out.device
+
+
+def _backward_ran(device: torch.device, outputs: Any) -> None:
+    """A trial backward pass (``_backward_waits``) waits for its own work too: a GPU's allocator
+    fails inside ``loss.backward()``, which raises the OutOfMemoryError, where here it came at the
+    optimizer's step or a later read, outside a ``try`` around the backward. The gradients the
+    failed pass was to make are then None, as on a GPU where it stopped before making them."""
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        _forget_uncomputed_grads(_leaves(outputs))
+        raise
+
+
+def _leaves(outputs: Any) -> list:
+    """The leaf tensors a backward pass from ``outputs`` accumulates gradients into (its graph's
+    AccumulateGrad nodes), walked on an error path only."""
+    seen: set = set()
+    leaves = []
+    stack: list = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor)]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None:
+            leaves.append(leaf)
+        stack.extend(n for n, _ in node.next_functions)
+    return leaves
 
 
 def _step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
@@ -750,25 +786,25 @@ def _step_waits(opt: Any, args: tuple, kwargs: dict) -> None:
                 try:
                     torch.cuda.synchronize(p.device)
                 except Exception:
-                    _forget_uncomputed_grads(opt)
+                    _forget_uncomputed_grads([q for g in opt.param_groups for q in g["params"]])
                     raise
                 rt.stepped[opt] = largest
                 return
 
 
-def _forget_uncomputed_grads(opt: Any) -> None:
-    """After a failure before an optimizer's step, the gradients made from ops skipped after it
-    are None, as on a GPU where that backward pass never ran (the forward's OOM stopped it): the
+def _forget_uncomputed_grads(params: Iterable) -> None:
+    """After a failure before an optimizer's step or at the end of a backward pass, the gradients
+    of ``params`` made from ops skipped after it are None, as on a GPU where that backward pass
+    never ran or stopped (the forward's or its own OOM): the
     common loop ``backward(); step(); zero_grad()`` never reaches its ``zero_grad``, and the
     retry's backward accumulated into them, failing again. One question per gateway."""
     held: dict[Any, list] = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if isinstance(p, RemoteTensor) and isinstance(p.grad, RemoteTensor) and not p.grad._s.closed:
-                held.setdefault(p.grad._s, []).append(p)
-    for session, params in held.items():
-        computed = session.request("rc::computed", [p.grad._h for p in params])
-        for p, ok in zip(params, computed):
+    for p in params:
+        if isinstance(p, RemoteTensor) and isinstance(p.grad, RemoteTensor) and not p.grad._s.closed:
+            held.setdefault(p.grad._s, []).append(p)
+    for session, mine in held.items():
+        computed = session.request("rc::computed", [p.grad._h for p in mine])
+        for p, ok in zip(mine, computed):
             if not ok:
                 p.grad = None
 

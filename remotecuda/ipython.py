@@ -356,6 +356,8 @@ class Extension:
         rt = _rt()
         if rt is None or not self._needs_sync():
             return None
+        if isinstance(getattr(result, "error_in_exec", None), KeyboardInterrupt):
+            _say_interrupted_wait(rt)
         from . import remote_warnings  # (torch's: imported once a cell has used it)
         place = self._last_line(result)
         try:
@@ -928,3 +930,15 @@ def extension(ip: Any = None) -> Extension | None:
         from IPython import get_ipython
         ip = get_ipython()
     return _EXTENSIONS.get(id(ip))
+
+
+def _say_interrupted_wait(rt: Any) -> None:
+    """Before an interrupted cell's end waits for the work it queued (as a GPU runs it): say so,
+    and how to stop it. A loop that never read a value can have thousands of ops queued, and the
+    interrupt then seemed ignored while they ran, with no word of what the cell waited for."""
+    ops = sum(s.queued for s in list(rt.pool.sessions.values()))
+    if not any(s.unfinished for s in list(rt.pool.sessions.values())):
+        return
+    queued = f" ({ops} not sent yet)" if ops else ""
+    print("remotecuda: interrupted; waiting for the remote work this cell queued before the interrupt"
+          f"{queued} to run, as a GPU runs it; interrupt again to drop it", file=sys.stderr, flush=True)

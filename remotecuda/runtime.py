@@ -210,7 +210,10 @@ class Runtime:
         error in it (the last op's, never read) is not lost. It is printed as an uncaught exception
         is, and the process exits with status 1 once the other exit handlers have run (an exit
         handler's own exception changes no exit status). A gateway found down ends the wait (its
-        sessions are lost: liveness.py)."""
+        sessions are lost: liveness.py). A program ended by an interrupt does not wait (below)."""
+        if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+            self._drop_interrupted_work()
+            return
         try:
             if self._pool is not None:  # (a forked child that used no device: no pool to make now)
                 self._pool.finish()
@@ -225,6 +228,17 @@ class Runtime:
             except (OSError, ValueError):
                 pass
         os._exit(1)
+
+    def _drop_interrupted_work(self) -> None:
+        """A program that Ctrl-C ended (an uncaught KeyboardInterrupt, which the interpreter
+        leaves in ``sys.last_value``) ends without waiting for its queued remote work: the pool's
+        close then ends its sessions, which drop it. The exit waited for all of it in silence
+        (up to two RUN_AHEADs of ops: minutes of large matmuls) and only a second Ctrl-C, with a
+        traceback of remotecuda's frames, ended it; a GPU's program ends at once (its launch
+        queue holds a second of work at most). Said in one line, as the work is lost."""
+        if any(s.unfinished for s in list(self.pool.sessions.values())):
+            print("remotecuda: interrupted: the remote work the program had queued is dropped, not waited for",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Undo interception, then close every session (gateway memory is freed)."""

@@ -663,6 +663,8 @@ class Session:
             if self.log is not None and not self.unlogged:
                 self.log.answered()
                 self._maybe_snapshot()
+            if self._later:
+                self._raise_later_error()
             body = msg.body
             if self.trace is not None:
                 self.trace.waited(self, name, index, t_wait, body.get("spans"))
@@ -725,8 +727,9 @@ class Session:
 
     def answer(self, rid: int) -> tuple[bool, Any]:
         """(True, the value) if request ``rid``'s reply has come (it is then forgotten), else
-        (False, None); never waits. A reply carrying an error answers None: the error comes back
-        with the next blocking request, as any asynchronous error does."""
+        (False, None); never waits. A reply carrying an error raises it: the gateway reports a
+        failure once, in its next reply, so dropped here (as it was) it was lost, and the ops after
+        it failed on "never computed" tensors, each naming the one before (an OOM in ``generate``)."""
         with self.lock:
             if self._later.get(rid) is None and not self.closed:
                 self._drain()
@@ -736,12 +739,27 @@ class Session:
             del self._later[rid]
             if body.get("warn"):
                 remote_warnings.raise_again(body["warn"])
-            return True, None if body.get("err") else body.get("res")
+            if body.get("err"):
+                raise remote_exception(body["err"])
+            return True, body.get("res")
+
+    def _raise_later_error(self) -> None:
+        """Raise the error that the reply of a ``request_later`` carried, come during a wait:
+        the gateway reports the first failure once, in its next reply, so it is the first, and the
+        failure this request met if any (a tensor "never computed" because of it) only follows
+        from it. Left for ``answer``, it lost to that one, and the program saw a RuntimeError
+        nesting "never computed" messages where a GPU raised an OutOfMemoryError."""
+        for body in self._later.values():
+            if body is not None and body.get("err"):
+                err, body["err"] = body["err"], None
+                raise remote_exception(err)
 
     def forget(self, rid: int) -> None:
-        """Stop waiting for request ``rid``'s reply (``request_later``)."""
+        """Stop waiting for request ``rid``'s reply (``request_later``). An error it carries (an
+        earlier op's, which the gateway reports once) is still raised, at the next wait."""
         with self.lock:
-            self._later.pop(rid, None)
+            if rid in self._later:
+                self._abandoned.add(rid)
 
     def _drain(self) -> None:
         """Take the messages that have come, without waiting: replies to ``request_later``."""

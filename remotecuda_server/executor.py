@@ -57,6 +57,18 @@ def _error_type(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def _count_skipped(failure: dict, name: str) -> None:
+    """Count an op skipped after ``failure`` in its report (``skipped``; ``skipped_inplace`` for
+    those that were to change an existing tensor: an in-place op or an ``out=`` one), so the
+    error tells the program that the work it queued after the failing op did not run, and that
+    the tensors those ops were to update keep their earlier values, which no read would reveal."""
+    failure["skipped"] = failure.get("skipped", 0) + 1
+    op = name.rpartition("::")[2]
+    base, _, overload = op.partition(".")
+    if base.endswith("_") or overload.startswith("out"):
+        failure["skipped_inplace"] = failure.get("skipped_inplace", 0) + 1
+
+
 @dataclass
 class Upload:
     """An upload the worker's I/O thread has checked and copied to the device ahead of its op."""
@@ -416,6 +428,8 @@ class Executor:
                                            "cancelled by an interrupt")
                 self._poison(outs, why)
                 self._skipped(name, args, why)
+                if self.failed is not None and not isinstance(outs, dict):
+                    _count_skipped(self.failed, name)
                 if name == "rc::graph_end" and self.capturing is not None:  # the capture ends all the same
                     self.capturing.fail(why)
                     self.capturing.capturing, self.capturing = False, None

@@ -364,14 +364,19 @@ for i in range(1_000_000):
     # the loop (its queued increments were dropped, leaving it silently stale)
     r = rc.ok("print(int(count.item()) - i)")
     assert r["stdout"].strip() in ("0", "1"), r
+    ahead = int(r["stdout"])  # (1: the interrupt came between the loop's two lines)
     # so too in a loop that never waits, the client far ahead of the gateway when interrupted
     msg_id = rc.send("n = 0\nprint('started', flush=True)\nwhile True:\n    count += 1\n    n += 1\n"
                      "    count.mul_(1.0)\n")
     rc.wait_stream(msg_id, "started", 60)
     time.sleep(1.0)
     rc.km.interrupt_kernel()
-    assert rc.collect(msg_id, timeout=60)["reply"]["ename"] == "KeyboardInterrupt"
-    r = rc.ok("print(int(count.item()) - i - n)")
+    r = rc.collect(msg_id, timeout=60)
+    assert r["reply"]["ename"] == "KeyboardInterrupt", r["reply"]
+    # and the cell says what its end waits for, and how to stop it (it seemed to ignore the interrupt)
+    assert "waiting for the remote work this cell queued before the interrupt" in r["stderr"], r["stderr"]
+    assert "interrupt again to drop it" in r["stderr"], r["stderr"]
+    r = rc.ok(f"print(int(count.item()) - i - n - {ahead})")
     assert r["stdout"].strip() in ("0", "1"), r
 
 
