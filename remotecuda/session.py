@@ -75,7 +75,7 @@ FETCH_BYTES = 256 << 20
 STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved",
              "fast_reads", "wait_seconds")  # wait_seconds: wall time spent blocked in request()
-# fast_reads: value reads answered by a VALUE (fastread.py), of the blocking round trips
+#: (fast_reads: the blocking round trips that were value reads answered by a VALUE, fastread.py)
 
 #: places a session not placed yet (the pool's): (the session, what it shows at its first need,
 #: why it needs its device now) → the gateway endpoint and its GPU index
@@ -90,6 +90,8 @@ class Session:
     lost: str | None = None
     #: said with "this remotecuda session is closed" once ``close`` ended it
     closed_why = ""
+    #: whether the session's worker answers READ (fastread.py): offered on the direct path only
+    fast_read = False
 
     def __init__(self, ctx: zmq.Context, endpoint: str | None, gpu: int | None, vdev: int,
                  connect_timeout: float = 5.0, sync: bool = False,
@@ -175,7 +177,6 @@ class Session:
         self.codecs = protocol.common_codecs(self.info.get("codecs"), self.offered)
         self.direct_failure: str | None = None
         self.bulk_failure: str | None = None
-        #: whether the session's worker answers READ (fastread.py): offered on the direct path only
         self.fast_read = False
         self.sock, self.bulk = self._open_connections(ctx)  # the op stream's, and large transfers'
         if self.peer is not None:
@@ -1326,10 +1327,10 @@ def secure(sock: zmq.Socket, gateway: str) -> None:
     curve.secure_client(sock, keys, key)
 
 
-#: the channels a client accepts on the gateway's port: the supervisor's messages and its worker's, forwarded
 #: the messages that answer a request: a REPLY, and a VALUE answering a READ (fastread.py)
 _REPLIES = (protocol.REPLY, protocol.VALUE)
 _POLLIN = int(zmq.POLLIN)  # (the plain int: an enum member is made at each use otherwise)
+#: the channels a client accepts on the gateway's port: the supervisor's messages and its worker's, forwarded
 _FROM_GATEWAY = {auth.FRONT: frozenset({auth.FRONT | auth.SUPERVISOR, auth.FRONT | auth.WORKER})}
 
 
