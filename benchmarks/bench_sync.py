@@ -86,9 +86,9 @@ def markdown(r: dict) -> str:
                                      ("`torch.cuda.synchronize()`", "synchronize")))
     return (f"{r['date']}, {r['machine']}; a CPU gateway on loopback; {r['rounds']} alternating rounds of "
             f"{r['n']} calls each.\n\n| call | median | p90 | vs echo |\n|---|---|---|---|\n{rows}\n"
-            "A read is a request op in an OPS message: the gateway's worker runs it and replies. When its "
-            "executor has nothing queued, the worker's I/O thread runs the request itself "
-            "(remotecuda_server/worker.py), without the hops to the executor thread and back.\n")
+            "A read with nothing queued or unanswered goes as a READ message (remotecuda_wire/fastread.py), "
+            "answered with a VALUE by the worker's I/O thread; `synchronize()` with nothing sent since the "
+            "last reply is answered without a round trip.\n")
 
 
 if __name__ == "__main__":

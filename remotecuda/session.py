@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
+from zmq.backend import zmq_poll
 from zmq.utils.monitor import recv_monitor_message
 
-from remotecuda_wire import auth, cache, curve, protocol
+from remotecuda_wire import auth, cache, curve, fastread, protocol
 from remotecuda_wire import frames as wire
 from remotecuda_wire.admin import read_admin_token
 from remotecuda_wire.compression import LinkModel
@@ -73,7 +74,8 @@ FETCH_BYTES = 256 << 20
 
 STAT_KEYS = ("ops", "messages", "bytes_up", "bytes_down", "blocking_round_trips", "uploads",
              "downloads", "cache_hits", "cache_misses", "cache_bytes_saved", "compressed_bytes_saved",
-             "wait_seconds")  # wait_seconds: wall time spent blocked in request()
+             "fast_reads", "wait_seconds")  # wait_seconds: wall time spent blocked in request()
+#: (fast_reads: the blocking round trips that were value reads answered by a VALUE, fastread.py)
 
 #: places a session not placed yet (the pool's): (the session, what it shows at its first need,
 #: why it needs its device now) → the gateway endpoint and its GPU index
@@ -88,6 +90,8 @@ class Session:
     lost: str | None = None
     #: said with "this remotecuda session is closed" once ``close`` ended it
     closed_why = ""
+    #: whether the session's worker answers READ (fastread.py): offered on the direct path only
+    fast_read = False
 
     def __init__(self, ctx: zmq.Context, endpoint: str | None, gpu: int | None, vdev: int,
                  connect_timeout: float = 5.0, sync: bool = False,
@@ -173,6 +177,7 @@ class Session:
         self.codecs = protocol.common_codecs(self.info.get("codecs"), self.offered)
         self.direct_failure: str | None = None
         self.bulk_failure: str | None = None
+        self.fast_read = False
         self.sock, self.bulk = self._open_connections(ctx)  # the op stream's, and large transfers'
         if self.peer is not None:
             self._seq = self.peer.seq  # (the greetings used the first numbers)
@@ -270,6 +275,7 @@ class Session:
             answers = greet(greetings, DIRECT_TIMEOUT, endpoint, self._sealer, self._opener)
             if isinstance(answers[0], protocol.Message):
                 self.data_endpoint = endpoint
+                self.fast_read = answers[0].body.get("fast_read") == fastread.OFFER
                 bulk = self._bulk_or_none(greetings[-1][0], answers[-1]) if token is not None else None
                 return greetings[0][0], bulk or greetings[0][0]
             self.direct_failure = str(answers[0])  # why this session took the forwarded path
@@ -641,6 +647,9 @@ class Session:
                     raise self._loss_error()
                 raise GatewayLostError(f"this remotecuda session is closed{self.closed_why}")
             self.open(name)
+            kind = fastread.KIND.get(name)
+            if kind is not None and not kwargs and self._reads_fast(kind, args):
+                return self._read(kind, name, args)
             index = self._op_index + len(self._ops)  # this op's number in the session's stream
             self._ops.append([name, args, kwargs, {"base": base}])
             self._rid += 1
@@ -665,34 +674,100 @@ class Session:
                 self._maybe_snapshot()
             if self._later:
                 self._raise_later_error()
-            body = msg.body
+            return self._result(name, args, index, msg, downloads, t0, t_wait)
+
+    def _result(self, name: str, args: list, index: int, msg: protocol.Message, downloads: dict[int, Download],
+                t0: float, t_wait: float) -> Any:
+        """The value a request's reply carries (op ``index`` of the stream): its error raised, with
+        the kernels' warnings; a fetch's tensor built."""
+        body = msg.body
+        if self.trace is not None:
+            self.trace.waited(self, name, index, t_wait, body.get("spans"))
+        warned = body.get("warn")  # the kernels' warnings since the last reply (remote_warnings.py)
+        if body.get("err"):  # this op's own error, or (with a note) an earlier one's
+            err = body["err"]
+            try:
+                if warned:
+                    remote_warnings.raise_again(warned)
+            finally:
+                raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
+        self._settled = not self._ops  # (this request was the last thing sent, and all of it ran)
+        res = body.get("res")
+        if name == "rc::fetch":
+            res = self._downloaded(res, msg, downloads.get(0))
+        elif name == "rc::fetch_many":
+            if not (isinstance(res, list) and len(res) == len(args)):
+                raise GatewayProtocolError(f"gateway {self.endpoint} answered a fetch of {len(args)} "
+                                           "tensors with something else")
+            res = [self._downloaded(r, msg, downloads.get(i)) for i, r in enumerate(res)]
+        nbytes = sum(t.nbytes for t in (res if isinstance(res, list) else [res]) if isinstance(t, torch.Tensor))
+        if nbytes:
+            self.link.observe(nbytes, time.perf_counter() - t0)
             if self.trace is not None:
-                self.trace.waited(self, name, index, t_wait, body.get("spans"))
-            warned = body.get("warn")  # the kernels' warnings since the last reply (remote_warnings.py)
-            if body.get("err"):  # this op's own error, or (with a note) an earlier one's
-                err = body["err"]
-                try:
-                    if warned:
-                        remote_warnings.raise_again(warned)
-                finally:
-                    raise remote_exception(err, asynchronous=err.get("index") != index and not self.sync)
-            self._settled = not self._ops  # (this request was the last thing sent, and all of it ran)
-            res = body.get("res")
-            if name == "rc::fetch":
-                res = self._downloaded(res, msg, downloads.get(0))
-            elif name == "rc::fetch_many":
-                if not (isinstance(res, list) and len(res) == len(args)):
-                    raise GatewayProtocolError(f"gateway {self.endpoint} answered a fetch of {len(args)} "
-                                               "tensors with something else")
-                res = [self._downloaded(r, msg, downloads.get(i)) for i, r in enumerate(res)]
-            nbytes = sum(t.nbytes for t in (res if isinstance(res, list) else [res]) if isinstance(t, torch.Tensor))
-            if nbytes:
-                self.link.observe(nbytes, time.perf_counter() - t0)
-                if self.trace is not None:
-                    self.trace.transfer(self, "download", nbytes, None, t_wait)
-            if warned:
-                remote_warnings.raise_again(warned)
-            return res
+                self.trace.transfer(self, "download", nbytes, None, t_wait)
+        if warned:
+            remote_warnings.raise_again(warned)
+        return res
+
+    def _reads_fast(self, kind: int, args: list) -> bool:
+        """Whether a read of one tensor may go as a READ (fastread.py): the worker offered it, and
+        nothing of this session is queued, unanswered or pending here (ops, requests whose answers
+        wait, copies from other sessions), nor traced: its answer then depends on nothing sent
+        before it. Tensors freed meanwhile stay to be freed with the next OPS message (a read frees
+        nothing). Its place in the failover log is none: a read changes nothing a replay must
+        rebuild."""
+        return (self.fast_read and self._settled and not self._ops
+                and not self._freed_generators and not self._later and not self._abandoned and not self.sources
+                and self.trace is None and self.lost is None and len(args) == 1
+                and type(args[0]) is (int if kind == fastread.FETCH else bytes))
+
+    def _read(self, kind: int, name: str, args: list) -> Any:
+        """A value read as a READ, answered by a VALUE (or, should the worker find it not idle,
+        by the general REPLY); counted as the one-op request it stands for. A gateway lost
+        meanwhile: the read goes again by the general path, after the failover."""
+        handle = args[0] if kind == fastread.FETCH else int.from_bytes(args[0], "little")
+        self._rid += 1
+        rid = self._rid
+        t0 = time.perf_counter()
+        index = self._op_index
+        try:
+            with HeldInterrupts():  # (half a message must never stay queued)
+                self._seq += 1
+                frames = self._seal(fastread.encode_read(kind, rid, index, handle, self._seq), self.sock)
+                self._settled = False
+                self._send_frames(self.sock, frames)
+            self._stats["ops"] += 1
+            self._stats["messages"] += 1
+            self._stats["blocking_round_trips"] += 1
+            self._stats["bytes_up"] += sum(map(len, frames))
+            t_wait = time.monotonic()
+            try:
+                msg = self._read_reply(rid)
+            finally:
+                self._stats["wait_seconds"] += time.monotonic() - t_wait
+            if msg.type == protocol.VALUE:
+                self._stats["fast_reads"] += 1
+        except GatewayLostError as e:
+            if not self._may_recover():
+                raise
+            self._recover(e)
+            return self.request(name, args)
+        return self._result(name, args, index, msg, {}, t0, t_wait)
+
+    def _read_reply(self, rid: int) -> protocol.Message:
+        """The answer to READ ``rid``: taken at once when it is the first message to come (the
+        common case), else by the general wait, which takes whatever comes before it."""
+        try:
+            if zmq_poll([(self.sock, _POLLIN)], 100):
+                with HeldInterrupts():
+                    msg, _ = self._took(self._decoded(wire.recv(self.sock, zmq.NOBLOCK), self.sock), rid, {}, None)
+                if msg is not None:
+                    return msg
+        except KeyboardInterrupt:  # (as in _wait: its answer is taken, and its error raised, at the next wait)
+            self._later.setdefault(rid, None)
+            self._abandoned.add(rid)
+            raise
+        return self._wait(rid)[0]
 
     def synchronize(self) -> None:
         """Wait for everything queued and sent (``rc::sync``), raising a pending remote error.
@@ -770,17 +845,24 @@ class Session:
                 except zmq.Again:
                     break
                 msg = self._decoded(frames, sock)
-                if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
+                if msg.type in _REPLIES and msg.body.get("rid") in self._later:
                     self._later[msg.body["rid"]] = msg.body
                 elif msg.type == protocol.ERROR:
                     self._raise_error(msg.body)
 
     def _decoded(self, frames: list, sock: zmq.Socket) -> protocol.Message:
-        """A message from the gateway, counted, opened (signed links) and decoded."""
+        """A message from the gateway, counted, opened (signed links) and decoded; a VALUE as the
+        REPLY it answers (fastread.py)."""
         self._stats["bytes_down"] += sum(map(len, frames))
         try:
-            self._opener(frames, sock)
-            return protocol.decode(frames)
+            head = protocol.decode_header(frames[0]) if frames else None
+            if head is None:
+                raise ProtocolError("empty message")
+            if self.peer is not None:
+                self.peer.open(frames, self._channels[sock][1], head)
+            if head.type == protocol.VALUE:
+                return fastread.decode_value(frames, head)
+            return protocol.decode(frames, head=head)
         except ProtocolError as e:
             raise GatewayProtocolError(f"gateway {self.endpoint} sent a message this client "
                                        f"refuses: {e}") from None
@@ -790,7 +872,11 @@ class Session:
         return self.request("rc::fetch_many", list(handles))
 
     def _downloaded(self, res: Any, msg: protocol.Message, download: Download | None) -> torch.Tensor:
-        """The CPU tensor a fetch result describes: a reply payload, or PARTs assembled already."""
+        """The CPU tensor a fetch result describes: a reply payload, or PARTs assembled already;
+        or the tensor itself, which a VALUE holds (fastread.py)."""
+        if type(res) is torch.Tensor and msg.type == protocol.VALUE:
+            self._stats["downloads"] += 1
+            return res
         if not isinstance(res, dict) or not ("pl" in res or "parts" in res):
             raise GatewayProtocolError(f"gateway {self.endpoint} answered a fetch with something else")
         self._stats["downloads"] += 1
@@ -864,10 +950,14 @@ class Session:
                   progress: Progress | None) -> tuple[protocol.Message | None, Progress | None]:
         """Take in one message that has come: the REPLY to request ``rid`` (returned), a PART of its
         download, another request's reply, an ERROR (raised), or a PONG."""
-        msg = self._decoded(wire.recv(sock), sock)
-        if msg.type == protocol.REPLY and msg.body.get("rid") == rid:
+        return self._took(self._decoded(wire.recv(sock), sock), rid, downloads, progress)
+
+    def _took(self, msg: protocol.Message, rid: int, downloads: dict[int, Download],
+              progress: Progress | None) -> tuple[protocol.Message | None, Progress | None]:
+        """What ``_received`` does with the message it took in."""
+        if msg.type in _REPLIES and msg.body.get("rid") == rid:
             return msg, progress
-        if msg.type == protocol.REPLY and msg.body.get("rid") in self._later:
+        if msg.type in _REPLIES and msg.body.get("rid") in self._later:
             self._later[msg.body["rid"]] = msg.body
         if msg.type == protocol.PART and msg.body.get("rid") == rid:
             download = downloads.setdefault(msg.body.get("i", 0), Download(self.offered))
@@ -1255,6 +1345,9 @@ def secure(sock: zmq.Socket, gateway: str) -> None:
     curve.secure_client(sock, keys, key)
 
 
+#: the messages that answer a request: a REPLY, and a VALUE answering a READ (fastread.py)
+_REPLIES = (protocol.REPLY, protocol.VALUE)
+_POLLIN = int(zmq.POLLIN)  # (the plain int: an enum member is made at each use otherwise)
 #: the channels a client accepts on the gateway's port: the supervisor's messages and its worker's, forwarded
 _FROM_GATEWAY = {auth.FRONT: frozenset({auth.FRONT | auth.SUPERVISOR, auth.FRONT | auth.WORKER})}
 

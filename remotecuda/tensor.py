@@ -329,7 +329,10 @@ class RemoteTensor(torch.Tensor):
                         "to copy the tensor to host memory first.")
 
     def tolist(self) -> Any:
-        return self.detach().cpu().tolist()
+        """Its values, downloaded: under no_grad, not through a ``detach`` (an op, which would make
+        the read wait for it: a read with nothing queued is one message each way, fastread.py)."""
+        with torch.no_grad():
+            return self.cpu().tolist()
 
     def __format__(self, spec: str) -> str:
         if self.dim() == 0:

@@ -34,7 +34,7 @@ import zmq
 from zmq.backend import zmq_poll
 from zmq.utils.monitor import recv_monitor_message
 
-from remotecuda_wire import auth, curve, protocol
+from remotecuda_wire import auth, curve, fastread, protocol
 from remotecuda_wire import frames as wire
 from remotecuda_wire.cache import ContentCache
 from remotecuda_wire.lifetime import die_with_parent
@@ -366,6 +366,8 @@ class Worker:
         self.direct_counts["direct_bytes_in"] += sum(map(len, frames))
         if head.type == protocol.PART:
             self._on_part(frames)
+        elif head.type == protocol.READ:
+            self._on_read(frames, head)
         elif head.type in (protocol.OPS, protocol.CANCEL):
             self._on_client_message(frames, head)
         elif head.type == protocol.PING:
@@ -503,7 +505,7 @@ class Worker:
             self._reply_direct(ident, protocol.WELCOME, {"bulk": True})
         else:
             self.direct_client = ident
-            self._reply_direct(ident, protocol.WELCOME, {"direct": True})
+            self._reply_direct(ident, protocol.WELCOME, {"direct": True, "fast_read": fastread.OFFER})
 
     def _reply_direct(self, ident: bytes, msg_type: int, body: dict) -> None:
         frames = protocol.encode(msg_type, body)
@@ -563,6 +565,12 @@ class Worker:
             self.backlog.received += 1  # (never refused: it is how a client empties its queue)
             self.inbox.put(Cancelled(msg.body.get("rid")))
             return
+        self._on_ops(msg)
+
+    def _on_ops(self, msg: protocol.Message) -> None:
+        """An OPS message (or another type, which the executor refuses in its turn), checked: admitted
+        to the backlog, its payloads prepared, then run here (a short request, the executor idle) or
+        queued for the executor thread."""
         ops = msg.body.get("ops") if msg.type == protocol.OPS else None
         n = len(ops) if isinstance(ops, list) else 0
         sizes = _upload_sizes(ops, len(msg.payloads)) if msg.payloads else []  # (a value read has none)
@@ -584,6 +592,46 @@ class Worker:
             self._run_inline(run)
         else:
             self.inbox.put(run)
+
+    def _on_read(self, frames: list, head: protocol.Header) -> None:
+        """A READ on the direct path (fastread.py), its header, MAC and sequence number checked:
+        answered here with a VALUE when the session is idle and the read is a plain one; otherwise
+        run as the one-op OPS request it stands for, so that it waits its turn, and its errors and
+        warnings are those of the general path."""
+        try:
+            read = fastread.decode_read(frames, head)
+        except ProtocolError as e:
+            self._queue(Rejected(str(e)))
+            return
+        body = self._read_now(read, head.seq)
+        if body is None:
+            self._on_ops(protocol.Message(protocol.OPS, fastread.as_ops(read), [], head.seq))
+            return
+        self._forward_outbox()  # (what the executor sent before goes first)
+        self._to_client(fastread.encode_value(body))
+        stats = self.executor.stats
+        stats["ops"] += 1
+        stats["messages"] += 1
+        if read.kind == fastread.FETCH:
+            stats["downloads"] += 1
+
+    def _read_now(self, read: fastread.Read, seq: int) -> bytes | None:
+        """The VALUE body answering ``read`` at once, or None where the general path must answer:
+        anything queued or pending before it, a pending error or warning, a cancelled sequence
+        number, a graph being captured, a tensor the read would refuse (several elements, a sparse
+        or unknown one) or whose value the layout cannot carry."""
+        ex = self.executor
+        if (self.backlog.queued() or self.closing or ex.pending or ex.failed is not None or self.kernel_warnings
+                or ex.capturing is not None or ex.spans or seq <= self.cancel_upto):
+            return None
+        t = ex.handles.get(read.handle)
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return None
+        if read.kind == fastread.FETCH:
+            return fastread.value_body(read.rid, t.detach().cpu()) if t.nbytes <= fastread.MAX_FETCH_BYTES else None
+        if t.numel() != 1:
+            return None
+        return fastread.value_body(read.rid, t.item())
 
     def _run_inline(self, item: Run) -> None:
         """A short request with nothing queued before it (a value read, a sync): run here, on the

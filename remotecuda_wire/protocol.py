@@ -44,10 +44,10 @@ MAGIC = b"RCDA"
 VERSION = 5
 
 # message types
-HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL, STATUS, PART, PULL, CHALLENGE = range(1, 14)
+HELLO, WELCOME, OPS, REPLY, ERROR, PING, PONG, BYE, CANCEL, STATUS, PART, PULL, CHALLENGE, READ, VALUE = range(1, 16)
 TYPE_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", OPS: "OPS", REPLY: "REPLY", ERROR: "ERROR",
               PING: "PING", PONG: "PONG", BYE: "BYE", CANCEL: "CANCEL", STATUS: "STATUS", PART: "PART",
-              PULL: "PULL", CHALLENGE: "CHALLENGE"}
+              PULL: "PULL", CHALLENGE: "CHALLENGE", READ: "READ", VALUE: "VALUE"}  # READ, VALUE: fastread.py
 
 #: magic, version, type, flags, channel, seq, body_len, n_payloads, body_digest; then the MAC, then the CRC
 _HEADER = struct.Struct("<4sBBBBQIIQ")
@@ -440,6 +440,13 @@ def encode(msg_type: int, body: dict, payloads: Sequence[Any] = (), seq: int = 0
     signed = _HEADER.pack(MAGIC, VERSION, msg_type, 0, 0, seq, len(data), len(payloads),
                           xxhash.xxh3_64_intdigest(data))
     return [finish_header(signed, bytes(MAC_SIZE)), data, *(f for _, f in payloads)]
+
+
+def encode_bytes(msg_type: int, data: bytes, seq: int = 0) -> list:
+    """Frames for a message whose body is already bytes, with no payloads (fastread.py's fixed
+    layouts, which are not msgpack); unsealed, as ``encode``'s."""
+    signed = _HEADER.pack(MAGIC, VERSION, msg_type, 0, 0, seq, len(data), 0, xxhash.xxh3_64_intdigest(data))
+    return [finish_header(signed, bytes(MAC_SIZE)), data]
 
 
 def finish_header(signed: bytes, mac: bytes) -> bytes:
