@@ -14,6 +14,7 @@ import pytest
 import torch
 import zmq
 
+from remotecuda import children
 from remotecuda_wire import auth, protocol
 from remotecuda_wire.protocol import Handle
 
@@ -67,17 +68,20 @@ def gateway():
     gw.stop()
 
 
-#: ``REMOTECUDA_SERVERS`` as the run was given it (None: not set)
-_SERVERS_GIVEN = os.environ.get("REMOTECUDA_SERVERS")
+#: the variables an activation tells the processes it starts (remotecuda/children.py), as the run
+#: was given them (None: not set)
+_TOLD_GIVEN = {name: os.environ.get(name) for name in children.VARIABLES.values()}
 
 
 def _unname_harness_gateways() -> None:
-    """An activation that names its gateways names them to the processes the program starts
-    (``REMOTECUDA_SERVERS``, set again whenever its interception is installed); this process's
-    activations are the harness's, and the programs its tests start (a discovery test, a CURVE
-    client) name their own."""
-    if _SERVERS_GIVEN is None:
-        os.environ.pop("REMOTECUDA_SERVERS", None)
+    """An activation tells the processes the program starts the options it was given (its
+    gateways as ``REMOTECUDA_SERVERS``, ``fallback="error"`` as ``REMOTECUDA_FALLBACK``...; set
+    again whenever its interception is installed); this process's activations are the harness's,
+    and the programs its tests start (a discovery test, a CURVE client, a fallback test) choose
+    their own."""
+    for name, given in _TOLD_GIVEN.items():
+        if given is None:
+            os.environ.pop(name, None)
 
 
 def harness_activate(addresses: str | list[str]) -> object:
