@@ -17,10 +17,20 @@ from conftest import private_discovery, run_python
 BAD_FORK = ("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
             "you must use the 'spawn' start method")
 
-#: a program's start: its gateway is argv[1]; ``seen`` is printed as JSON at its end
+#: a program's start: its gateway is argv[1]; ``seen`` is printed as JSON at its end;
+#: ``forked(child)`` is what ``child(conn)`` sends from a forked process
 HEAD = """
 import json, multiprocessing as mp, os, sys, torch, remotecuda
 remotecuda.activate(sys.argv[1], fallback="error")
+
+def forked(child):
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=child, args=(send,))
+    p.start()
+    got = receive.recv()
+    p.join()
+    return got
 """
 
 
@@ -60,12 +70,7 @@ def test_a_child_forked_before_cuda_is_used_draws_from_the_seed_set_before_the_f
         torch.manual_seed(7)
         def child(conn):
             conn.send(torch.randn(3, device="cuda").tolist())
-        ctx = mp.get_context("fork")
-        receive, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=child, args=(send,))
-        p.start()
-        seen = receive.recv()
-        p.join()
+        seen = forked(child)
     """)
     torch.manual_seed(7)
     assert seen == torch.randn(3).tolist()
@@ -83,12 +88,7 @@ def test_a_child_forked_after_cuda_is_initialized_is_a_bad_fork(gateway, ask):
                 conn.send("no error")
             except RuntimeError as e:
                 conn.send(str(e))
-        ctx = mp.get_context("fork")
-        receive, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=child, args=(send,))
-        p.start()
-        seen = receive.recv()
-        p.join()
+        seen = forked(child)
     """)
     assert seen.startswith(BAD_FORK), seen
 
@@ -128,12 +128,7 @@ def test_a_child_forked_after_cuda_use_that_activates_gets_its_parents_options(g
             with contextlib.redirect_stdout(out):
                 exec({CHILD!r}, {{}})
             conn.send(out.getvalue().split())
-        ctx = mp.get_context("fork")
-        receive, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=child, args=(send,))
-        p.start()
-        seen = [receive.recv(), [str(x) for x in [2, rt.pool.strategy, rt.pool.devices[0].pin, 2.0]]]
-        p.join()
+        seen = [forked(child), [str(x) for x in [2, rt.pool.strategy, rt.pool.devices[0].pin, 2.0]]]
     """)
     assert seen[0] == seen[1], seen
 
