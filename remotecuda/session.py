@@ -993,7 +993,7 @@ class Session:
                 raise failure
 
     def cancel(self) -> None:
-        """Drop this session's queued work (a second interrupt's answer, ipython.py): ops the
+        """Drop this session's queued work (``%remotecuda cancel``, ipython.py): ops the
         gateway has not run yet are skipped (their outputs marked never computed); requests
         abandoned before get no reply then."""
         with self.lock:

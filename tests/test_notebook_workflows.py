@@ -1,0 +1,136 @@
+"""Notebooks as users run them: real kernels (jupyter_client) on a real gateway, each workflow
+compared with what a plain python3 kernel does on the CPU, or a GPU does."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import GatewayProcess, wait_for
+
+pytest.importorskip("jupyter_client")
+from test_jupyter import (  # noqa: E402 - the kernel helpers, after jupyter_client is known
+    START_TIMEOUT,
+    Kernel,
+    gateway_sessions,
+    kernel_dirs,  # noqa: F401 - fixtures
+    kernel_env,  # noqa: F401
+    kernelspec_prefix,  # noqa: F401
+)
+
+#: seconds of remote work a cell leaves queued when it is interrupted: long enough that waiting
+#: for it shows, short enough for a test
+BACKLOG_SECONDS = 4.0
+
+
+@pytest.fixture(scope="module")
+def jgw():
+    """A gateway of this module's own (its session count is this module's alone)."""
+    gw = GatewayProcess("--spare", "2")
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="module")
+def rc(kernel_dirs, kernel_env):  # noqa: F811
+    k = Kernel("remotecuda", kernel_dirs, kernel_env)
+    yield k
+    k.stop()
+
+
+def _queue_backlog(k: Kernel) -> int:
+    """Define ``h``, ``m``, ``count`` in the kernel, and ``N``: how many ``tanh(h @ m)`` steps make
+    about BACKLOG_SECONDS of the gateway's work (timed there, so a loaded machine makes N smaller)."""
+    r = k.ok("import time, torch\nm = torch.randn(768, 768, device='cuda') / 28\nh = m.clone()\n"
+             "count = torch.zeros((), device='cuda')\n(h @ m).sum().item()\nt0 = time.perf_counter()\n"
+             "for _ in range(20):\n    h = torch.tanh(h @ m)\n    count += 1\n"
+             f"count.item()\nN = max(50, int(20 * {BACKLOG_SECONDS} / (time.perf_counter() - t0)))\nprint(N)")
+    return int(r["stdout"])
+
+
+def _interrupt(k: Kernel, msg_id: str, mark: str) -> tuple[dict, float]:
+    """Interrupt the cell once it printed ``mark``: its reply, and how long it took to come."""
+    k.wait_stream(msg_id, mark, 60)
+    t0 = time.monotonic()
+    k.km.interrupt_kernel()
+    r = k.collect(msg_id, timeout=30)
+    return r, time.monotonic() - t0
+
+
+def test_an_interrupted_cell_returns_at_once_and_its_queued_work_runs_on(rc):
+    """As on a GPU, an interrupted cell ends at once with KeyboardInterrupt and the work it launched
+    before the interrupt finishes in the background: the next cell's ops run after it, so tensors
+    changed in place hold every update issued before the interrupt. (The cell waited for all of it.)"""
+    n = _queue_backlog(rc)
+    msg_id = rc.send("count.zero_()\nfor _ in range(N):\n    h = torch.tanh(h @ m)\n    count += 1\n"
+                     "print('queued', flush=True)\ntime.sleep(120)")
+    r, elapsed = _interrupt(rc, msg_id, "queued")
+    assert r["reply"]["status"] == "error" and r["reply"]["ename"] == "KeyboardInterrupt", r["reply"]
+    assert elapsed < BACKLOG_SECONDS / 2, f"the interrupted cell ended {elapsed:.1f} s after the interrupt"
+    assert "runs on in the background" in r["stderr"], r["stderr"]
+    t0 = time.monotonic()
+    assert rc.ok("print('next')")["stdout"] == "next\n"  # a cell without remote work runs now
+    assert time.monotonic() - t0 < BACKLOG_SECONDS / 2
+    r = rc.ok("print(int(count.item()))")  # after the work queued before the interrupt: all of it
+    assert int(r["stdout"]) == n, (r, n)
+
+
+def test_an_interrupt_while_a_cell_waits_for_its_remote_work_leaves_it_running(rc):
+    """An interrupt that lands in the end-of-cell wait (the cell's Python is done) ends the cell at
+    once too, with the work left running rather than dropped (it dropped the rest of the queue, and
+    the tensors the cell changed in place kept an arbitrary part of its updates)."""
+    n = _queue_backlog(rc)
+    msg_id = rc.send("count.zero_()\nfor _ in range(N):\n    h = torch.tanh(h @ m)\n    count += 1\n"
+                     "print('queued', flush=True)")
+    r, elapsed = _interrupt(rc, msg_id, "queued")
+    assert r["reply"]["ename"] == "KeyboardInterrupt", r["reply"]
+    assert elapsed < BACKLOG_SECONDS / 2, f"the interrupted cell ended {elapsed:.1f} s after the interrupt"
+    r = rc.ok("print(int(count.item()))")
+    assert int(r["stdout"]) == n, (r, n)
+
+
+def test_remotecuda_cancel_drops_the_work_an_interrupted_cell_left_running(rc):
+    """``%remotecuda cancel``: the way out of a long backlog that a GPU does not offer (its launch
+    queue holds a second of work; the gateway's, RUN_AHEAD ops): what it was to compute is marked
+    never computed, tensors it was to change in place keep their earlier values."""
+    n = _queue_backlog(rc)
+    msg_id = rc.send("count.zero_()\nfor _ in range(N):\n    h = torch.tanh(h @ m)\n    count += 1\n"
+                     "print('queued', flush=True)\ntime.sleep(120)")
+    r, _ = _interrupt(rc, msg_id, "queued")
+    assert r["reply"]["ename"] == "KeyboardInterrupt", r["reply"]
+    t0 = time.monotonic()
+    r = rc.ok("%remotecuda cancel")
+    assert time.monotonic() - t0 < BACKLOG_SECONDS / 2
+    assert "dropped" in r["stdout"], r
+    r = rc.ok("print(0 < int(count.item()) < N)")  # (some ran before the cancel, not all)
+    assert r["stdout"] == "True\n", (r, n)
+    r = rc.run("h.sum().item()")
+    assert r["reply"]["status"] == "error" and "never computed" in r["reply"]["evalue"], r["reply"]
+    assert rc.ok("print(torch.ones(3, device='cuda').sum().item())")["stdout"] == "3.0\n"
+    assert rc.ok("%remotecuda cancel")["stdout"].startswith("remotecuda: nothing"), "idle: nothing to drop"
+
+
+def test_two_kernels_on_one_gateway_and_a_restart_of_a_busy_one(rc, jgw, kernel_dirs, kernel_env):  # noqa: F811
+    """Two notebooks on one gateway have a session each and never see each other's tensors; one
+    restarted while its interrupted cell's work still runs frees its session (BYE: the worker
+    process, with its memory, goes) without disturbing the other."""
+    other = Kernel("remotecuda", kernel_dirs, kernel_env)
+    try:
+        rc.ok("import torch\nx = torch.full((4,), 1., device='cuda')")
+        other.ok("import torch\nx = torch.full((4,), 2., device='cuda')")
+        assert rc.ok("x += 1\nprint(x.sum().item())")["stdout"] == "8.0\n"
+        assert other.ok("print(x.sum().item())")["stdout"] == "8.0\n"
+        n = gateway_sessions(jgw.address)
+        msg_id = other.send("import time\nm = torch.randn(1024, 1024, device='cuda') / 32\nh = m\n"
+                            "for _ in range(40):\n    h = torch.tanh(h @ m)\nprint('queued', flush=True)\n"
+                            "time.sleep(120)")
+        r, _ = _interrupt(other, msg_id, "queued")
+        assert r["reply"]["ename"] == "KeyboardInterrupt", r["reply"]
+        other.km.restart_kernel(now=False)
+        other.kc.wait_for_ready(timeout=START_TIMEOUT)
+        assert wait_for(lambda: gateway_sessions(jgw.address) == n - 1, 20), gateway_sessions(jgw.address)
+        assert rc.ok("print(x.sum().item())")["stdout"] == "8.0\n"
+        r = other.ok("import torch\nprint('x' in dir(), torch.ones(2, device='cuda').sum().item())")
+        assert r["stdout"] == "False 2.0\n", r
+    finally:
+        other.stop()
