@@ -15,7 +15,8 @@ for every cell:
   around the cell, shown by ``%remotecuda last`` and published on the Jupyter comm
   target ``remotecuda`` (messages documented in docs/JUPYTER.md).
 
-``%unload_ext remotecuda`` deactivates: torch is exactly as before.
+``%unload_ext remotecuda`` deactivates: torch is exactly as before. ``%reload_ext remotecuda``
+keeps the runtime, and the notebook's 'cuda' tensors with it.
 
 Configuration (``c.RemoteCUDA.<trait>`` in ipython/ipython_kernel config), each
 overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS; empty: discovery),
@@ -31,6 +32,7 @@ import os
 import sys
 import threading
 import time
+import types
 import warnings
 from typing import Any
 
@@ -223,7 +225,8 @@ class Extension:
             print(n, file=sys.stderr)
         self._notices_shown = True
 
-    def unload(self) -> None:
+    def unload(self, deactivate: bool = True) -> None:
+        """Undo ``load``; ``deactivate``: and close the runtime (not in ``%reload_ext``)."""
         import remotecuda
         ip = self.ip
         for name, cb in (("pre_execute", self.pre_execute), ("pre_run_cell", self.pre_run_cell),
@@ -252,7 +255,8 @@ class Extension:
         if self._timeit is not None:
             self._set_timeit(self._timeit)
             self._timeit = None
-        remotecuda.deactivate()
+        if deactivate:
+            remotecuda.deactivate()
 
     def _hook_kernel_shutdown(self) -> None:
         """Shutdown and restart free the gateway memory at once: every session says BYE.
@@ -926,11 +930,29 @@ def load_ipython_extension(ip: Any, defer_activation: bool = False) -> None:
 
 def unload_ipython_extension(ip: Any) -> None:
     ext = _EXTENSIONS.pop(id(ip), None)
+    deactivate = not _reloading(ip)
     if ext is not None:
-        ext.unload()
-    else:
+        ext.unload(deactivate)
+    elif deactivate:
         import remotecuda
         remotecuda.deactivate()
+
+
+def _reloading(ip: Any) -> bool:
+    """Whether this unload is the first half of ``%reload_ext remotecuda``: IPython's
+    ``ExtensionManager.reload_extension`` unloads, reloads the module and loads it again. The
+    runtime then stays active, for the load to take up (``activate()`` returns the active one):
+    deactivated, it closed the sessions, and every 'cuda' tensor the notebook held (a model's
+    parameters, an optimizer's state) was gone for good, where a user reloads to re-apply the
+    extension, as IPython suggests to whoever runs ``%load_ext remotecuda`` a second time."""
+    reload_code = getattr(getattr(type(getattr(ip, "extension_manager", None)), "reload_extension", None),
+                          "__code__", None)
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and reload_code is not None:
+        if frame.f_code is reload_code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def extension(ip: Any = None) -> Extension | None:

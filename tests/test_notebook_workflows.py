@@ -134,3 +134,38 @@ def test_two_kernels_on_one_gateway_and_a_restart_of_a_busy_one(rc, jgw, kernel_
         assert r["stdout"] == "False 2.0\n", r
     finally:
         other.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(kernel_env):  # noqa: F811
+    k = Kernel("python3", [], kernel_env)
+    yield k
+    k.stop()
+
+
+def test_load_ext_after_a_cpu_model_was_built_then_reload_keeps_the_cuda_tensors(plain):
+    """A notebook that imported torch and built a model and its optimizer on the CPU, then loads the
+    extension and moves them: the steps' losses are the CPU's. ``%reload_ext remotecuda`` (which
+    IPython suggests to whoever runs ``%load_ext remotecuda`` twice) keeps the sessions: it closed
+    them, and every 'cuda' tensor of the notebook, the model's parameters too, was gone for good."""
+    plain.ok("import copy, torch\ntorch.manual_seed(0)\n"
+             "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+             "opt = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+             "x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))\n"
+             "ref = copy.deepcopy(model)\nref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)\n"
+             "def train(model, opt, x, y):\n    for _ in range(3):\n"
+             "        loss = torch.nn.functional.cross_entropy(model(x), y)\n"
+             "        opt.zero_grad()\n        loss.backward()\n        opt.step()\n    return loss.item()\n"
+             "expected = train(ref, ref_opt, x, y)")
+    plain.ok("%load_ext remotecuda")
+    r = plain.ok("model.cuda()\nxc, yc = x.cuda(), y.cuda()\nloss = train(model, opt, xc, yc)\n"
+                 "print(loss == expected, opt.state[model[0].weight]['exp_avg'].device)")
+    assert r["stdout"] == "True cuda:0\n", r
+    assert "already loaded" in plain.ok("%load_ext remotecuda")["stdout"]
+    plain.ok("%reload_ext remotecuda")
+    r = plain.ok("print(torch.equal(model(xc).cpu(), ref(x)), torch.cuda.is_available())")
+    assert r["stdout"] == "True True\n", r
+    r = plain.ok("%remotecuda last")  # the reloaded extension accounts the cells
+    assert "ok" in r["stdout"], r
+    plain.ok("%unload_ext remotecuda")
+    assert plain.ok("print(torch.cuda.is_available())")["stdout"] == "False\n"
