@@ -70,6 +70,11 @@ _CANCELLED = "cancelled by an interrupt"
 _REMOTE = "_remotecuda_remote"
 
 
+def is_remote(e: object) -> bool:
+    """Whether ``e`` was raised on the gateway (``remote_exception`` made it)."""
+    return getattr(e, _REMOTE, False) is True
+
+
 def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
     """The exception local PyTorch would raise: the gateway's type and message, unchanged.
 

@@ -399,6 +399,8 @@ class Extension:
         self._cell_started = None
         failed = result is not None and not result.success
         err = self._end_of_cell(result)
+        if err is None and not failed:
+            self._name_display_error(result)
         if err is not None:
             if not failed:
                 # show it as this cell's error, and make the cell end with status "error"
@@ -414,6 +416,17 @@ class Extension:
                 print(f"remotecuda: also pending from this cell: {type(err).__name__}: "
                       f"{str(err).splitlines()[0] if str(err) else ''}", file=sys.stderr)
         self._account(result, err)
+
+    def _name_display_error(self, result: Any) -> None:
+        """A remote error met while IPython showed the cell's value (its repr read a tensor whose
+        op failed: ``t[bad_index]`` as the last line) is the cell's error. ipykernel fails such a
+        cell but, IPython's result holding no error, names none in its reply ("NoneType: None",
+        which nbclient and papermill report); locally the op raised it at the cell's line."""
+        from .errors import is_remote
+        shown = getattr(sys, "last_value", None)
+        if (getattr(self.ip, "_last_traceback_during_displayhook", False) and result is not None
+                and result.error_in_exec is None and is_remote(shown)):
+            result.error_in_exec = shown
 
     def _account(self, result: Any, err: BaseException | None) -> None:
         before, self._before = self._before, None

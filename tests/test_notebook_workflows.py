@@ -169,3 +169,14 @@ def test_load_ext_after_a_cpu_model_was_built_then_reload_keeps_the_cuda_tensors
     assert "ok" in r["stdout"], r
     plain.ok("%unload_ext remotecuda")
     assert plain.ok("print(torch.cuda.is_available())")["stdout"] == "False\n"
+
+
+def test_a_remote_error_met_showing_the_cells_value_is_the_cells_error(rc):
+    """A cell whose last expression fails on the gateway (``t[bad_index]``) meets the error when
+    IPython shows the value: ipykernel then failed the cell but named no error in its reply
+    ("NoneType: None", what nbclient and papermill report), where locally it is the IndexError."""
+    r = rc.run("import torch\nt = torch.zeros(2, device='cuda')\nt[torch.tensor([5], device='cuda')]")
+    assert r["reply"]["status"] == "error", r["reply"]
+    assert r["reply"]["ename"] == "IndexError" and "index 5 is out of bounds" in r["reply"]["evalue"], r["reply"]
+    assert len(r["errors"]) == 1 and not r["results"], r
+    assert rc.ok("print(t.sum().item())")["stdout"] == "0.0\n"  # the next cell starts clean
