@@ -62,7 +62,7 @@ def accelerator_error(msg: str) -> RuntimeError:
     return torch.AcceleratorError(msg)
 
 
-#: what the gateway says of a tensor whose op an interrupt cancelled (remotecuda_server/executor.py)
+#: what the gateway says of a tensor whose op a CANCEL dropped (remotecuda_server/executor.py)
 _CANCELLED = "cancelled by an interrupt"
 
 
@@ -70,12 +70,17 @@ _CANCELLED = "cancelled by an interrupt"
 _REMOTE = "_remotecuda_remote"
 
 
+def is_remote(e: object) -> bool:
+    """Whether ``e`` was raised on the gateway (``remote_exception`` made it)."""
+    return getattr(e, _REMOTE, False) is True
+
+
 def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
     """The exception local PyTorch would raise: the gateway's type and message, unchanged.
 
     Where it is raised matters to the reader, so a note says why when that is not the line
     that caused it: an op that failed asynchronously (raised at a later sync point), or a
-    tensor whose op an interrupt cancelled (raised where the tensor is next used).
+    tensor whose op ``%remotecuda cancel`` dropped (raised where the tensor is next used).
     """
     name = info.get("type", "")
     if name in _TORCH_TYPES:
@@ -87,8 +92,9 @@ def remote_exception(info: dict, asynchronous: bool = True) -> BaseException:
     e = (RuntimeError if cls is KeyError else cls)(msg)  # KeyError would quote the message
     setattr(e, _REMOTE, True)
     if _CANCELLED in msg:
-        e.add_note("[remotecuda] an interrupt (Ctrl-C, or Jupyter's interrupt) cancelled the op "
-                   "that was to compute this tensor; run the code that computes it again")
+        e.add_note("[remotecuda] the work an interrupted cell left running was dropped (%remotecuda "
+                   "cancel) before the op that was to compute this tensor ran; run the code that "
+                   "computes it again")
     elif asynchronous:
         e.add_note(f"[remotecuda] raised by op {info.get('op')} (#{info.get('index')}) on the "
                    "gateway; ops run asynchronously, so the Python line that issued it may be "

@@ -6,15 +6,17 @@ for every cell:
 * an end-of-cell synchronize: the cell's remote work is flushed and waited for before
   the cell ends, so an asynchronous remote error is raised *in the cell that caused it*
   (the cell ends with status ``error``) and the next cell starts clean. A cell that was
-  interrupted waits for the work it queued before the interrupt, as a GPU runs it (an
-  in-place op dropped would leave its tensor silently stale); interrupted again while it
-  waits, it drops the rest;
+  interrupted (or is interrupted in that wait) ends at once, as on a GPU: the work it queued
+  before the interrupt is sent and runs on in the background, and the next cell's ops run
+  after it (an in-place op dropped would leave its tensor silently stale);
+  ``%remotecuda cancel`` drops it;
 * per-cell accounting (ops, messages, bytes up/down, blocking round trips, time spent
   waiting for the gateway, the GPUs used), the difference of ``remotecuda.stats()``
   around the cell, shown by ``%remotecuda last`` and published on the Jupyter comm
   target ``remotecuda`` (messages documented in docs/JUPYTER.md).
 
-``%unload_ext remotecuda`` deactivates: torch is exactly as before.
+``%unload_ext remotecuda`` deactivates: torch is exactly as before. ``%reload_ext remotecuda``
+keeps the runtime, and the notebook's 'cuda' tensors with it.
 
 Configuration (``c.RemoteCUDA.<trait>`` in ipython/ipython_kernel config), each
 overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS; empty: discovery),
@@ -30,6 +32,7 @@ import os
 import sys
 import threading
 import time
+import types
 import warnings
 from typing import Any
 
@@ -222,7 +225,8 @@ class Extension:
             print(n, file=sys.stderr)
         self._notices_shown = True
 
-    def unload(self) -> None:
+    def unload(self, deactivate: bool = True) -> None:
+        """Undo ``load``; ``deactivate``: and close the runtime (not in ``%reload_ext``)."""
         import remotecuda
         ip = self.ip
         for name, cb in (("pre_execute", self.pre_execute), ("pre_run_cell", self.pre_run_cell),
@@ -251,7 +255,8 @@ class Extension:
         if self._timeit is not None:
             self._set_timeit(self._timeit)
             self._timeit = None
-        remotecuda.deactivate()
+        if deactivate:
+            remotecuda.deactivate()
 
     def _hook_kernel_shutdown(self) -> None:
         """Shutdown and restart free the gateway memory at once: every session says BYE.
@@ -357,19 +362,16 @@ class Extension:
         if rt is None or not self._needs_sync():
             return None
         if isinstance(getattr(result, "error_in_exec", None), KeyboardInterrupt):
-            _say_interrupted_wait(rt)
+            return _leave_running(rt)
         from . import remote_warnings  # (torch's: imported once a cell has used it)
         place = self._last_line(result)
         try:
             with (contextlib.nullcontext() if place is None else
                   remote_warnings.placed_at(*place, self.ip.user_global_ns)):
-                try:
-                    rt.synchronize()  # (interrupted too: as on a GPU, the work queued before it runs)
-                except KeyboardInterrupt:  # interrupted while waiting: the rest of the queue is dropped
-                    rt.pool.cancel()
-                    rt.synchronize()
-                    raise
-        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt belongs to the cell too
+                rt.synchronize()
+        except KeyboardInterrupt as e:  # the cell ends now, as an interrupted one does
+            return _leave_running(rt) or e
+        except BaseException as e:  # noqa: BLE001 - a remote error belongs to the cell
             return e
         return None
 
@@ -397,6 +399,8 @@ class Extension:
         self._cell_started = None
         failed = result is not None and not result.success
         err = self._end_of_cell(result)
+        if err is None and not failed:
+            self._name_display_error(result)
         if err is not None:
             if not failed:
                 # show it as this cell's error, and make the cell end with status "error"
@@ -408,14 +412,21 @@ class Extension:
                 self.ip.showtraceback(exc_tuple=(type(err), err, None))
                 result.error_in_exec = err
                 self.ip.last_execution_succeeded = False
-            elif isinstance(err, KeyboardInterrupt):
-                print("remotecuda: interrupted again while the remote work queued before the interrupt "
-                      "ran: the rest of it was dropped (what it was to compute is marked never computed; "
-                      "tensors it was to change in place keep their earlier values)", file=sys.stderr)
             else:
                 print(f"remotecuda: also pending from this cell: {type(err).__name__}: "
                       f"{str(err).splitlines()[0] if str(err) else ''}", file=sys.stderr)
         self._account(result, err)
+
+    def _name_display_error(self, result: Any) -> None:
+        """A remote error met while IPython showed the cell's value (its repr read a tensor whose
+        op failed: ``t[bad_index]`` as the last line) is the cell's error. ipykernel fails such a
+        cell but, IPython's result holding no error, names none in its reply ("NoneType: None",
+        which nbclient and papermill report); locally the op raised it at the cell's line."""
+        from .errors import is_remote
+        shown = getattr(sys, "last_value", None)
+        if (getattr(self.ip, "_last_traceback_during_displayhook", False) and result is not None
+                and result.error_in_exec is None and is_remote(shown)):
+            result.error_in_exec = shown
 
     def _account(self, result: Any, err: BaseException | None) -> None:
         before, self._before = self._before, None
@@ -698,7 +709,8 @@ def _magics_class() -> type:
 
     @magics_class
     class _RemoteCUDAMagics(Magics):
-        """``%remotecuda status|servers|use DEVICES|strategy [NAME]|last|fallback on|off|sync on|off|trace ...``"""
+        """``%remotecuda status|servers|use DEVICES|strategy [NAME]|last|cancel|fallback on|off|sync on|off|
+        trace ...``"""
 
         def __init__(self, shell: Any, ext: Extension):
             super().__init__(shell)
@@ -708,7 +720,7 @@ def _magics_class() -> type:
         def remotecuda(self, line: str) -> None:
             """RemoteCUDA: %remotecuda status | servers | use HOST:PORT[,HOST:PORT] |
             use DEVICES (REMOTECUDA_DEVICES syntax: 2, host1:55555/0,any, any/A100) |
-            strategy [adaptive|load-balancing|memory-aware|latency-optimized] | last |
+            strategy [adaptive|load-balancing|memory-aware|latency-optimized] | last | cancel |
             fallback on|off | sync on|off | trace on|off|save FILE|last FILE"""
             parts = line.split()
             cmd, args = (parts[0].lower(), parts[1:]) if parts else ("status", [])
@@ -873,6 +885,20 @@ def _magics_class() -> type:
             else:
                 raise usage(f"trace takes on|off|save FILE|last FILE, got {' '.join(args)!r}")
 
+        def _cmd_cancel(self, args: list) -> None:
+            """Drop the remote work still queued or running: an interrupted cell's, which runs on in
+            the background (``_leave_running``), when waiting for it is not wanted."""
+            no_more(args, "cancel")
+            rt = _rt()
+            if rt is None or not any(s.unfinished for s in list(rt.pool.sessions.values())):
+                print("remotecuda: nothing queued or running to drop")
+                return
+            rt.pool.cancel()
+            rt.synchronize()
+            print("remotecuda: dropped the remote work still queued or running: what it was to compute is "
+                  "marked never computed; tensors it was to change in place keep the values the part "
+                  "that ran gave them")
+
         def _cmd_sync(self, args: list) -> None:
             if not args:
                 print(f"sync: {'on' if self.ext.sync_on() else 'off'} (usage: %remotecuda sync on|off)")
@@ -917,11 +943,29 @@ def load_ipython_extension(ip: Any, defer_activation: bool = False) -> None:
 
 def unload_ipython_extension(ip: Any) -> None:
     ext = _EXTENSIONS.pop(id(ip), None)
+    deactivate = not _reloading(ip)
     if ext is not None:
-        ext.unload()
-    else:
+        ext.unload(deactivate)
+    elif deactivate:
         import remotecuda
         remotecuda.deactivate()
+
+
+def _reloading(ip: Any) -> bool:
+    """Whether this unload is the first half of ``%reload_ext remotecuda``: IPython's
+    ``ExtensionManager.reload_extension`` unloads, reloads the module and loads it again. The
+    runtime then stays active, for the load to take up (``activate()`` returns the active one):
+    deactivated, it closed the sessions, and every 'cuda' tensor the notebook held (a model's
+    parameters, an optimizer's state) was gone for good, where a user reloads to re-apply the
+    extension, as IPython suggests to whoever runs ``%load_ext remotecuda`` a second time."""
+    reload_code = getattr(getattr(type(getattr(ip, "extension_manager", None)), "reload_extension", None),
+                          "__code__", None)
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and reload_code is not None:
+        if frame.f_code is reload_code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def extension(ip: Any = None) -> Extension | None:
@@ -932,13 +976,20 @@ def extension(ip: Any = None) -> Extension | None:
     return _EXTENSIONS.get(id(ip))
 
 
-def _say_interrupted_wait(rt: Any) -> None:
-    """Before an interrupted cell's end waits for the work it queued (as a GPU runs it): say so,
-    and how to stop it. A loop that never read a value can have thousands of ops queued, and the
-    interrupt then seemed ignored while they ran, with no word of what the cell waited for."""
-    ops = sum(s.queued for s in list(rt.pool.sessions.values()))
-    if not any(s.unfinished for s in list(rt.pool.sessions.values())):
-        return
-    queued = f" ({ops} not sent yet)" if ops else ""
-    print("remotecuda: interrupted; waiting for the remote work this cell queued before the interrupt"
-          f"{queued} to run, as a GPU runs it; interrupt again to drop it", file=sys.stderr, flush=True)
+def _leave_running(rt: Any) -> BaseException | None:
+    """An interrupted cell's end: its queued ops sent, not waited for, as on a GPU, where an
+    interrupted cell ends at once and the kernels it launched finish in the background. The
+    next cell's ops run after them, so a tensor changed in place holds every update issued
+    before the interrupt (dropped, it would be silently stale), and an error of theirs is raised
+    at the next wait. Said in one line, with the way to drop them: the gateway may be up to two
+    RUN_AHEADs of ops behind, where a GPU's launch queue holds about a second of work.
+    Returns the error that sending met (a gateway gone), if any."""
+    try:
+        rt.pool.flush()
+    except Exception as e:  # noqa: BLE001 - the cell's error, as a remote one is
+        return e
+    if any(s.unfinished for s in list(rt.pool.sessions.values())):
+        print("remotecuda: interrupted; the remote work queued before the interrupt runs on in the "
+              "background, as on a GPU, and the next cell's ops run after it (%remotecuda cancel "
+              "drops it)", file=sys.stderr, flush=True)
+    return None

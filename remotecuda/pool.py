@@ -532,8 +532,15 @@ class Pool:
             if s.unfinished:
                 _synchronize(s)
 
+    def flush(self) -> None:
+        """Send every session's queued ops without waiting for them: an interrupted cell's end
+        (ipython.py), whose work runs on in the background as a GPU's launched kernels do."""
+        for s in list(self.sessions.values()):
+            if s.queued and not s.closed:
+                s.flush()
+
     def cancel(self) -> None:
-        """Drop every session's queued work (an interrupted cell's), as an interrupt does."""
+        """Drop every session's queued and running work (``%remotecuda cancel``, ipython.py)."""
         for s in list(self.sessions.values()):
             s.cancel()
 

@@ -53,8 +53,9 @@ BATCH_BYTES = 1 << 20
 BATCH_WINDOW = 0.002
 #: how many ops the client may have sent ahead of what its gateway has run, about a GPU's launch
 #: queue: past it, issuing the next op waits for the gateway to catch up, as a launch waits on a
-#: full queue. Without it a loop that never reads a value ran ever further ahead: an interrupt
-#: then waited for all that work, and past the gateway's bound (``--max-queued``) a message was refused
+#: full queue. Without it a loop that never reads a value ran ever further ahead: an interrupted
+#: cell left all that work running (the next read waited for it), and past the gateway's bound
+#: (``--max-queued``) a message was refused
 RUN_AHEAD = 8192
 PING_EVERY = 2.0
 #: a gateway that answers nothing (not even a ping) for this long while a request waits is gone; the
@@ -993,7 +994,7 @@ class Session:
                 raise failure
 
     def cancel(self) -> None:
-        """Drop this session's queued work (a second interrupt's answer, ipython.py): ops the
+        """Drop this session's queued work (``%remotecuda cancel``, ipython.py): ops the
         gateway has not run yet are skipped (their outputs marked never computed); requests
         abandoned before get no reply then."""
         with self.lock:

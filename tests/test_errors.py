@@ -308,7 +308,7 @@ def test_cancelled_tensor_says_why_without_the_sync_hint(remote):
     # did, once, on a fast CI machine: nothing was left to cancel)
     for _ in range(2000):
         h = torch.tanh(h @ m)
-    remote.pool.cancel()  # what a second interrupt does (the first lets the queued work run, as a GPU does)
+    remote.pool.cancel()  # what %remotecuda cancel does (an interrupt lets the queued work run, as a GPU does)
     with pytest.raises(RuntimeError, match="cancelled by an interrupt") as info:
         h.sum().item()
     note = "\n".join(info.value.__notes__)
