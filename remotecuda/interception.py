@@ -271,6 +271,19 @@ def _ctc_loss_composite(log_probs: torch.Tensor, targets: torch.Tensor, input_le
     return res if batched else res.squeeze(0)
 
 
+def _tensor_split(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``tensor_split`` given its indices or sections in a 'cuda' tensor: C++ refuses it before any
+    dispatch (it reads them on the host), naming the tensor's device, which for a wrapper is
+    'meta': the refusal names its 'cuda:N', as on a GPU."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:
+        split = kwargs.get("tensor_indices_or_sections", args[1] if len(args) > 1 else None)
+        if not isinstance(split, RemoteTensor) or not str(e).endswith("to be on cpu, but it's on meta"):
+            raise
+        raise RuntimeError(f"{str(e).removesuffix('meta')}{split.device}") from None
+
+
 def _export(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``torch.export``/``torch.onnx.export`` of a model on 'cuda' would end this process (C++
     aborts making autograd metadata for a CUDA fake tensor on a CPU-only build): refuse first."""
@@ -866,6 +879,8 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.autograd, "_engine_run_backward", _engine_run_backward),  # what backward() and grad() call
     (torch._C._nn, "one_hot", _one_hot),
     (torch, "get_default_device", _get_default_device),
+    (torch, "tensor_split", _tensor_split),
+    (torch.Tensor, "tensor_split", _tensor_split),
     (torch.export, "export", _export),
     (torch.export, "draft_export", _export),
     (torch.library, "opcheck", _opcheck),

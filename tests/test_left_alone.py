@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+import torch
+
 from conftest import run_python
 
 
@@ -68,3 +71,22 @@ def test_thread_started_before_activation_follows_reactivation(gateway):
     print('OK')
     """)
 
+
+@pytest.mark.usefixtures("remote")
+@pytest.mark.parametrize("call", [
+    lambda x, i: torch.tensor_split(x, i),
+    lambda x, i: x.tensor_split(i, 1),
+    lambda x, i: torch.tensor_split(x, tensor_indices_or_sections=i),
+])
+@pytest.mark.parametrize("split", [torch.tensor([1, 2]), torch.tensor(2)])
+def test_tensor_split_refuses_cuda_indices_naming_cuda(call, split):
+    # C++ reads the indices or sections on the host and names their device, a wrapper's 'meta'
+    x = torch.arange(12.0).reshape(3, 4)
+    want = "tensor_split expected tensor_indices_or_sections to be on cpu, but it's on cuda:0"
+    with pytest.raises(RuntimeError) as e:
+        call(x.cuda(), split.cuda())
+    assert str(e.value) == want
+    got = [t.cpu() for t in call(x.cuda(), split)]  # (indices on the CPU, as torch wants them)
+    assert all(torch.equal(g, w) for g, w in zip(got, call(x, split), strict=True))
+    with pytest.raises(RuntimeError, match="expected at least a 1-dimensional tensor"):  # (its first check stays first)
+        torch.tensor_split(torch.tensor(1.0, device="cuda"), split.cuda())
