@@ -90,3 +90,47 @@ def test_tensor_split_refuses_cuda_indices_naming_cuda(call, split):
     assert all(torch.equal(g, w) for g, w in zip(got, call(x, split), strict=True))
     with pytest.raises(RuntimeError, match="expected at least a 1-dimensional tensor"):  # (its first check stays first)
         torch.tensor_split(torch.tensor(1.0, device="cuda"), split.cuda())
+
+
+class _Logged(torch.Tensor):
+    """A subclass whose ``__torch_function__`` notes each function's name (torch's default after)."""
+
+    seen: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+_METHODS = {
+    "tolist": lambda t: t.tolist(),
+    "data_ptr": lambda t: t.data_ptr(),
+    "repr": repr,
+    "format": lambda t: f"{t[0]:.2f}",  # (torch formats a subclass's 0-d tensor as an object: refused)
+    "type": lambda t: t.type(),
+    "is_pinned": lambda t: t.is_pinned(),
+    "untyped_storage": lambda t: t.untyped_storage(),
+    "is_shared": lambda t: t.is_shared(),
+    "share_memory_": lambda t: t.share_memory_(),
+    "dlpack": lambda t: t.__dlpack__(),
+}
+
+
+def _seen(t: torch.Tensor, call) -> list[str] | str:
+    _Logged.seen.clear()
+    try:
+        call(t)
+    except TypeError as e:
+        return str(e)
+    return list(dict.fromkeys(_Logged.seen))
+
+
+@pytest.mark.usefixtures("remote")
+@pytest.mark.parametrize("name", list(_METHODS))
+def test_remote_tensor_methods_call_a_subclass_torch_function_first(name):
+    # torch hands these to a subclass's __torch_function__ before it runs them (C++ bindings,
+    # torch/_tensor.py's checks); RemoteTensor's own versions ran without it
+    local = torch.tensor([1.0, 2.0, 3.0]).as_subclass(_Logged)
+    remote = torch.tensor([1.0, 2.0, 3.0], device="cuda").as_subclass(_Logged)
+    assert _seen(remote, _METHODS[name]) == _seen(local, _METHODS[name])
