@@ -88,7 +88,8 @@ from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
 from .tensor import OWN_KEYS, RemoteTensor, follow, is_pinned, wrapper_type
 
-_active_here = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
+_mode_stack_len = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
+_active_here = runtime.active_here
 _DATA: Any = torch._C.TensorBase.data  # the getset descriptor
 #: the unpatched ``Tensor.to``, for calls made on the user's behalf
 _TO = torch._C.TensorBase.to
@@ -268,6 +269,19 @@ def _ctc_loss_composite(log_probs: torch.Tensor, targets: torch.Tensor, input_le
     if reduction == 2:  # sum
         return res.sum()
     return res if batched else res.squeeze(0)
+
+
+def _tensor_split(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``tensor_split`` given its indices or sections in a 'cuda' tensor: C++ refuses it before any
+    dispatch (it reads them on the host), naming the tensor's device, which for a wrapper is
+    'meta': the refusal names its 'cuda:N', as on a GPU."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as e:
+        split = kwargs.get("tensor_indices_or_sections", args[1] if len(args) > 1 else None)
+        if not isinstance(split, RemoteTensor) or not str(e).endswith("to be on cpu, but it's on meta"):
+            raise
+        raise RuntimeError(f"{str(e).removesuffix('meta')}{split.device}") from None
 
 
 def _export(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -865,6 +879,8 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.autograd, "_engine_run_backward", _engine_run_backward),  # what backward() and grad() call
     (torch._C._nn, "one_hot", _one_hot),
     (torch, "get_default_device", _get_default_device),
+    (torch, "tensor_split", _tensor_split),
+    (torch.Tensor, "tensor_split", _tensor_split),
     (torch.export, "export", _export),
     (torch.export, "draft_export", _export),
     (torch.library, "opcheck", _opcheck),
@@ -885,18 +901,33 @@ def _routed(original: Callable, handler: Callable, method: bool = False) -> Call
     is per thread; the patch is not): elsewhere plain PyTorch, not a stray meta tensor.
     ``method``: ``original`` is a Tensor method, whose ``self``'s ``__torch_function__`` is
     called first, with the routed method as the function (``_subclass_first``)."""
-    active_here = _active_here
+    stack_len, active_here = _mode_stack_len, runtime.active_here
     first = _subclass_first if method else None
     handle = torch.overrides.handle_torch_function
 
     def routed(*args: Any, **kwargs: Any) -> Any:
-        if active_here():
+        if stack_len() or active_here():  # (the C call first: the common case)
             if first is not None and args and first(args[0]):
                 return handle(public, args[:1], *args, **kwargs)
             return handler(original, args, kwargs)
         return original(*args, **kwargs)
     public = functools.wraps(original)(_with_globals_of(original, routed))
     return public
+
+
+def _adopting(dispatch: Callable) -> Callable:
+    """``Dispatcher.dispatch`` for RemoteTensor's own ``__torch_dispatch__``, which handles a remote
+    tensor's op in a thread without the dispatch mode: a thread started before activation takes
+    the mode at its first op (``runtime.active_here``), so that the factories of the ops after it
+    (an index read from a list, a number made a tensor) are remote, not stray meta tensors.
+    (Where the mode is on, it handles every op before this is asked.)"""
+    stack_len, active_here = _mode_stack_len, runtime.active_here
+
+    def adopting(func: Any, args: tuple, kwargs: dict) -> Any:
+        if not stack_len():
+            active_here()
+        return dispatch(func, args, kwargs)
+    return adopting
 
 
 def _with_globals_of(original: Callable, fn: Callable) -> Callable:
@@ -1192,23 +1223,47 @@ def _refuse_remote_higher_order(op: HigherOrderOperator) -> None:
 
 
 class _Installed:
-    """Whether the interception is still installed, for the threads that took it (``_thread_start``)."""
+    """Whether the interception is still installed, for the threads that took its dispatch mode
+    (``_thread_start``, ``Interception.adopt_thread``), and whether this thread took it: its stack
+    is empty while the mode handles an op, which must not be read as a thread never given it."""
 
-    on = True
+    def __init__(self) -> None:
+        self.on = True
+        self.threads = threading.local()
+
+    def took(self) -> None:
+        """Mark the calling thread as one that has the mode (for as long as it runs)."""
+        self.threads.took = True
+
+    def taken_here(self) -> bool:
+        return getattr(self.threads, "took", False)
 
 
 class _ThreadMode(RemoteDispatchMode):
-    """The dispatch mode of a thread started while active: plain PyTorch once deactivated (its
-    stack is its own, so ``remove`` cannot pop it)."""
+    """The dispatch mode of a thread other than the installing one: plain PyTorch once deactivated
+    (its stack is its own, so ``remove`` cannot pop it), the next activation's when there is one
+    (a pool's worker thread outlives activations)."""
 
     def __init__(self, dispatcher: Dispatcher, installed: _Installed) -> None:
         super().__init__(dispatcher)
         self.installed = installed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.installed.on:
+        if not self.installed.on and not self._follow():
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _follow(self) -> bool:
+        """Take the active interception's dispatcher, if remotecuda was activated again; whether it was.
+        (The thread is marked as having the mode before any op it handles runs: ``adopt_thread``
+        must not push another one while this one is off the stack.)"""
+        rt = runtime.active()
+        if rt is None or not isinstance(rt.interception, Interception):
+            return False
+        self.installed = rt.interception.installed
+        self.installed.took()
+        self.dispatcher, self.dispatch = rt.dispatcher, rt.dispatcher.dispatch
+        return True
 
 
 def _thread_start(original: Callable, dispatcher: Dispatcher, installed: _Installed) -> Callable:
@@ -1217,12 +1272,13 @@ def _thread_start(original: Callable, dispatcher: Dispatcher, installed: _Instal
     ``from_pretrained(device_map=...)``). remotecuda's own threads (``remotecuda-*``) stay plain."""
     @functools.wraps(original)
     def start(self: threading.Thread) -> None:
-        if _active_here() and not self.name.startswith("remotecuda-"):
+        if _mode_stack_len() and not self.name.startswith("remotecuda-"):
             run = self.run
 
             def active_run() -> None:
                 if not installed.on:
                     return run()
+                installed.took()
                 with _ThreadMode(dispatcher, installed):
                     return run()
             self.run = active_run  # type: ignore[method-assign]
@@ -1428,6 +1484,18 @@ class Interception:
                  installed: _Installed) -> None:
         self.patches, self.mode, self.foreach, self.installed = patches, mode, foreach, installed
 
+    def adopt_thread(self) -> bool:
+        """Push the dispatch mode, for good, on the calling thread if it was started before
+        activation (``runtime.active_here``): threads started while active take it at their
+        start (``_thread_start``), and the installing thread at installation. remotecuda's own
+        threads (``remotecuda-*``) stay plain. Whether the thread has the mode now."""
+        installed = self.installed
+        if not installed.on or installed.taken_here() or threading.current_thread().name.startswith("remotecuda-"):
+            return False
+        installed.took()
+        _ThreadMode(self.mode.dispatcher, installed).__enter__()  # (left on: the thread's whole life)
+        return True
+
     def originals(self) -> contextlib.AbstractContextManager[None]:
         """torch's own functions and attributes for a block (see ``_Patches.originals``)."""
         return self.patches.originals()
@@ -1470,7 +1538,7 @@ def _not_the_triton_note(record: logging.LogRecord) -> bool:
 def install(rt: Runtime) -> Interception:
     """Route 'cuda' to ``rt``: patch torch, push the dispatch mode on this thread."""
     p = _Patches()
-    p.set(RemoteTensor, "dispatch", staticmethod(rt.dispatcher.dispatch))
+    p.set(RemoteTensor, "dispatch", staticmethod(_adopting(rt.dispatcher.dispatch)))
     for name, obj in cuda_api.REPLACEMENTS.items():
         p.set(torch.cuda, name, obj)
         for module in (torch.cuda.memory, torch.cuda.random):  # what their own functions call
@@ -1596,5 +1664,6 @@ def install(rt: Runtime) -> Interception:
     p.set(threading.Thread, "start", _thread_start(threading.Thread.start, rt.dispatcher, installed))
     mode = RemoteDispatchMode(rt.dispatcher)
     p.set(rt.dispatcher, "as_user", mode.again)
+    installed.took()
     mode.__enter__()
     return Interception(p, mode, foreach, installed)

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from . import runtime
+
 _INDEX = "_remotecuda_device_index"
-_active_here = torch._C._len_torch_dispatch_stack  # > 0: remotecuda's mode is on this thread's stack
 _TENSOR_DEVICE = vars(torch._C.TensorBase)["device"].__get__
 
 
@@ -62,7 +63,7 @@ def _new(original: Callable) -> Callable:
     (``nn.LazyLinear(3, device='cuda')``)."""
     def new(cls: type, *args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device", args[1] if len(args) > 1 else None)
-        if device is None or not _active_here() or torch.device(device).type != "cuda":
+        if device is None or not runtime.active_here() or torch.device(device).type != "cuda":
             return original(cls, *args, **kwargs)
         if "device" in kwargs:
             kwargs["device"] = None

@@ -18,8 +18,6 @@ import torch
 from . import flags, runtime
 from .tensor import LEGACY_TYPES, RemoteTensor
 
-_active_here = torch._C._len_torch_dispatch_stack  # > 0: remotecuda's mode is on this thread's stack
-
 
 class _CudaTensorType(type):
     """The metaclass of the replacements: calling one builds a 'cuda' tensor, as the legacy
@@ -126,7 +124,7 @@ def tensor_base_new(original: Callable) -> Callable:
     def __new__(*args: Any, **kwargs: Any) -> Any:  # (a wildcard signature: dynamo's polyfill of it checks)
         out = original(*args, **kwargs)
         rt = runtime.active()
-        if args[0] is torch.Tensor and rt is not None and rt.default_type_cuda and _active_here() \
+        if args[0] is torch.Tensor and rt is not None and rt.default_type_cuda and runtime.active_here() \
                 and not isinstance(out, RemoteTensor):
             return out.to("cuda")
         return out

@@ -37,6 +37,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import torch
+
 from remotecuda_wire import protocol
 
 from . import children, forked_child
@@ -53,9 +55,12 @@ class NotActiveError(RemoteCUDAError):
 
 
 class Installed(Protocol):
-    """What installing interception leaves: ``remove`` puts torch back as it was."""
+    """What installing interception leaves: ``remove`` puts torch back as it was;
+    ``adopt_thread`` gives the calling thread the dispatch mode if it was started before."""
 
     def remove(self) -> None: ...
+
+    def adopt_thread(self) -> bool: ...
 
 
 class Runtime:
@@ -300,6 +305,20 @@ def current() -> Runtime:
 def active() -> Runtime | None:
     """The active runtime, or None."""
     return _current
+
+
+_mode_stack_len = torch._C._len_torch_dispatch_stack
+
+
+def active_here() -> bool:
+    """Whether 'cuda' means the pool in this thread: remotecuda's dispatch mode is on its stack,
+    or the thread is one started before activation (a ``ThreadPoolExecutor``'s worker, used for
+    CPU work first), which takes the mode now, as a GPU is every thread's once initialized.
+    (The mode is per thread; threads started while active take it at their start.)"""
+    if _mode_stack_len():
+        return True
+    rt = _current
+    return rt is not None and rt.interception is not None and rt.interception.adopt_thread()
 
 
 def start(servers: list[str], install: Callable[[Runtime], Installed], *, fallback: str = "cpu",

@@ -398,24 +398,31 @@ def test_linspace_and_logspace_with_cuda_scalar_ends_read_them_as_a_gpu_does():
         torch.linspace(torch.zeros(2, device="cuda"), hi, 3)
 
 
-def test_other_threads_get_plain_pytorch_not_meta_tensors():
-    """Interception is per thread (README, Limits): a thread no active thread started (here one
-    started below ``threading``) gets plain PyTorch, where 'cuda' fails as on a CPU build. (Threads
-    started while active are active: tests/test_hf_more.py.)"""
+def test_threads_no_active_thread_started_take_the_mode():
+    """A thread no active thread started (here one started below ``threading``, as a thread started
+    before ``activate()`` is) runs 'cuda' as a GPU's threads do: it takes the dispatch mode at its
+    first 'cuda' call or op on a remote tensor (tests/test_left_alone.py; threads started while
+    active take it at their start: tests/test_hf_more.py)."""
     import _thread
     import threading
+    x = torch.arange(6.0).reshape(2, 3)
+    remote = x.cuda()
     out = {}
     done = threading.Event()
 
     def work():
-        try:
-            out["value"] = torch.ones(2).to("cuda")
-        except Exception as e:  # what plain CPU-only PyTorch raises
+        try:  # the first op has no route: a number made a tensor, then an index from a list
+            out["where"] = torch.where(remote > 2, remote, 0.0).cpu()
+            out["index"] = remote[[1, 0]].cpu()
+            out["moved"] = torch.ones(2).to("cuda")
+        except Exception as e:
             out["error"] = e
         done.set()
     _thread.start_new_thread(work, ())
     assert done.wait(30)
-    assert "value" not in out and "error" in out
+    assert "error" not in out, out["error"]
+    assert torch.equal(out["where"], torch.where(x > 2, x, 0.0)) and torch.equal(out["index"], x[[1, 0]])
+    assert out["moved"].is_cuda and torch.equal(out["moved"].cpu(), torch.ones(2))
     assert torch.ones(2).to("cuda").is_cuda  # this thread is unaffected
 
 
