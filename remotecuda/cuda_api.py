@@ -141,7 +141,11 @@ def get_device_properties(device: Any = None) -> DeviceProperties:
 
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:
-    return bool(_device().props.get("bf16", True))
+    """torch's answer for the current device: yes where it runs bfloat16 natively (the gateway's
+    ``bf16``: compute capability 8.0 or more, or a CPU), else only ``including_emulation``, as
+    torch then makes a bfloat16 tensor on the device to decide, which every CUDA GPU holds (a
+    T4's Trainer(bf16=True) trains, emulated; code asking ``including_emulation=False`` hears no)."""
+    return bool(_device().props.get("bf16", True)) or including_emulation
 
 
 def runtime_version() -> str | None:

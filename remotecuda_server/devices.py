@@ -29,8 +29,9 @@ out = []
 if torch.cuda.is_available():
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        with torch.cuda.device(i):  # (is_bf16_supported asks the current device)
-            bf16 = bool(torch.cuda.is_bf16_supported())
+        # bfloat16 run natively, torch's rule (is_bf16_supported(including_emulation=False), which
+        # older torch lacks): the client adds the emulation a T4's torch also answers yes to
+        bf16 = p.major >= 8 or torch.version.hip is not None
         more = {k: getattr(p, k) for k in MORE if isinstance(getattr(p, k, None), (int, float, str, bool))}
         if hasattr(p, "uuid"):
             more["uuid"] = str(p.uuid)

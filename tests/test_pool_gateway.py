@@ -172,7 +172,8 @@ print("COUNT", torch.cuda.device_count())
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     with torch.cuda.device(i):
-        print("GPU", i, repr(p.name), p.major, p.minor, p.total_memory, torch.cuda.is_bf16_supported(),
+        print("GPU", i, repr(p.name), p.major, p.minor, p.total_memory,
+              torch.cuda.is_bf16_supported(including_emulation=False), torch.cuda.is_bf16_supported(),
               torch.cuda.get_device_name(i) == p.name)
 x = torch.ones(8 * 2**20 // 4, device="cuda:0")             # 8 MiB of the 64 MB GPU
 try:
@@ -199,7 +200,7 @@ def test_a_client_sees_the_simulated_gpus_and_runs_out_of_their_memory(sim):
     lines = r.stdout.splitlines()
     assert "COUNT 3" in lines
     for i, (name, size, (major, minor), bf16) in enumerate(WANT):
-        assert f"GPU {i} {name!r} {major} {minor} {size} {bf16} True" in lines, r.stdout
+        assert f"GPU {i} {name!r} {major} {minor} {size} {bf16} True True" in lines, r.stdout  # (T4: emulated)
     f = dict(line.split(" ", 1) for line in lines if not line.startswith(("COUNT", "GPU")))
     assert f["OOM"] == "OutOfMemoryError True", r.stdout
     assert "CUDA out of memory. Tried to allocate 60.00 MiB" in f["MESSAGE"]
