@@ -23,3 +23,39 @@ def test_lstsq_on_cuda_is_cudas_gels():
     torch.testing.assert_close(got.solution.cpu(), want.solution)
     with pytest.raises(RuntimeError, match="`driver` other than `gels` is not supported on CUDA"):
         torch.linalg.lstsq(A.cuda(), B.cuda(), driver="gelsd")
+
+
+def _index(dev, dtype=torch.int32):
+    return torch.tensor([2, 0], dtype=dtype, device=dev)
+
+
+REFUSED_AT_THE_CALL = {  # checks a GPU's kernels make on the host, which these meta kernels skip
+    "index_copy_int32_position": lambda d: torch.zeros(3, 4, device=d).index_copy_(
+        0, _index(d), torch.ones(2, 4, device=d)),
+    "index_copy_source_dtype": lambda d: torch.zeros(3, 4, device=d).index_copy(
+        0, _index(d, torch.int64), torch.ones(2, 4, device=d, dtype=torch.float64)),
+    "index_add_float_index": lambda d: torch.zeros(3, 4, device=d).index_add_(
+        0, _index(d, torch.float32), torch.ones(2, 4, device=d)),
+    "index_add_source_dtype": lambda d: torch.zeros(3, 4, device=d).index_add(
+        0, _index(d), torch.ones(2, 4, device=d, dtype=torch.float16)),
+    "index_fill_int32_index": lambda d: torch.zeros(3, 4, device=d).index_fill_(1, _index(d), 1.0),
+    "put_int32_index": lambda d: torch.zeros(3, 4, device=d).put_(_index(d), torch.ones(2, device=d)),
+    "conv_float64_weight": lambda d: torch.nn.functional.conv1d(  # (numpy weights put in by .data)
+        torch.zeros(1, 1, 5, device=d), torch.zeros(2, 1, 3, device=d, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_AT_THE_CALL))
+def test_refused_at_the_call(name):
+    """gpt-fast keeps its decode position as an int32 tensor; written into a KV cache with
+    ``index_copy_`` (not its ``cache[:, :, pos] = k``), a GPU refuses it at that line. These meta
+    kernels take it, so the gateway's refusal came at the next sync point, lines later, after the
+    ops queued since had been dropped. Now the signature is asked of the gateway at the call."""
+    fn = REFUSED_AT_THE_CALL[name]
+    with pytest.raises(Exception) as local:
+        fn("cpu")
+    torch.cuda.synchronize()
+    with pytest.raises(type(local.value)) as remote:
+        fn("cuda")
+    assert str(remote.value).split("\n")[0] == str(local.value).split("\n")[0]
+    torch.cuda.synchronize()  # (nothing was left pending)
