@@ -1,14 +1,45 @@
 """Well-known single-file programs, round 5, shrunk (tiny sizes, few steps, seeded, synthetic
 data) and run unchanged with plain ``python`` (the local CPU) and under ``remotecuda run`` on a
 CPU gateway; the JSON each prints last must agree value by value (tests/test_corpus.py's rules).
+The programs live in tests/corpus:
+
+- llama_family: llama2.c's and gpt-fast's Llama (RoPE real and complex, GQA, SwiGLU, tied
+  weights, fused AdamW on 'cuda', gradient accumulation), decoded greedily without a cache and
+  with a static KV cache written by index_put and by index_copy_;
+- mamba_kan: mamba-minimal's selective scan and efficient-kan's B-spline layers (lstsq fits,
+  update_grid) trained with L-BFGS;
+- whisper_decode: Whisper's encoder-decoder with a KV cache kept by forward hooks, its logit
+  filters, greedy decoding and a beam search;
+- dit_diffusion: DiT's adaLN-Zero transformer with the GaussianDiffusion of NumPy schedules, the
+  hybrid loss, classifier-free guided DDPM and DDIM sampling;
+- ddpm_unet_einops: denoising-diffusion-pytorch's einops U-Net (weight standardization, linear
+  attention, min-SNR weights, self-conditioning, DDIM).
+
 Beside them, the fidelity bugs they found, each shown directly."""
 from __future__ import annotations
 
 import pytest
 import torch
 from local_parity import data as D
+from test_corpus import F32, assert_program_matches
 
 pytestmark = pytest.mark.usefixtures("remote")
+
+PROGRAMS = [  # (program in tests/corpus, the libraries it needs beyond torch and numpy)
+    ("llama_family", ()),
+    ("mamba_kan", ()),
+    ("whisper_decode", ()),
+    ("dit_diffusion", ()),
+    ("ddpm_unet_einops", ("einops",)),
+]
+
+
+@pytest.mark.parametrize("name,libraries", PROGRAMS, ids=[name for name, _ in PROGRAMS])
+def test_program_matches_local(gateway, name: str, libraries: tuple[str, ...]):
+    """The program prints under ``remotecuda run`` what it prints with plain ``python``."""
+    for library in libraries:
+        pytest.importorskip(library)
+    assert_program_matches(gateway, name, F32)
 
 
 def test_lstsq_on_cuda_is_cudas_gels():
