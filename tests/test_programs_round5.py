@@ -13,7 +13,9 @@ The programs live in tests/corpus:
 - dit_diffusion: DiT's adaLN-Zero transformer with the GaussianDiffusion of NumPy schedules, the
   hybrid loss, classifier-free guided DDPM and DDIM sampling;
 - ddpm_unet_einops: denoising-diffusion-pytorch's einops U-Net (weight standardization, linear
-  attention, min-SNR weights, self-conditioning, DDIM).
+  attention, min-SNR weights, self-conditioning, DDIM);
+- build_nanogpt: build-nanogpt's train_gpt2.py (bfloat16 autocast with gradient accumulation,
+  the HellaSwag scorer, top-k sampling with a 'cuda' ``torch.Generator``).
 
 Beside them, the fidelity bugs they found, each shown directly."""
 from __future__ import annotations
@@ -21,25 +23,26 @@ from __future__ import annotations
 import pytest
 import torch
 from local_parity import data as D
-from test_corpus import F32, assert_program_matches
+from test_corpus import F16, F32, assert_program_matches
 
 pytestmark = pytest.mark.usefixtures("remote")
 
-PROGRAMS = [  # (program in tests/corpus, the libraries it needs beyond torch and numpy)
-    ("llama_family", ()),
-    ("mamba_kan", ()),
-    ("whisper_decode", ()),
-    ("dit_diffusion", ()),
-    ("ddpm_unet_einops", ("einops",)),
+PROGRAMS = [  # (program in tests/corpus, the libraries it needs beyond torch and numpy, tolerance)
+    ("llama_family", (), F32),
+    ("mamba_kan", (), F32),
+    ("whisper_decode", (), F32),
+    ("dit_diffusion", (), F32),
+    ("ddpm_unet_einops", ("einops",), F32),
+    ("build_nanogpt", (), F16),  # (bfloat16 autocast: the CPU's policy locally, CUDA's remotely)
 ]
 
 
-@pytest.mark.parametrize("name,libraries", PROGRAMS, ids=[name for name, _ in PROGRAMS])
-def test_program_matches_local(gateway, name: str, libraries: tuple[str, ...]):
+@pytest.mark.parametrize("name,libraries,tol", PROGRAMS, ids=[name for name, _, _ in PROGRAMS])
+def test_program_matches_local(gateway, name: str, libraries: tuple[str, ...], tol: tuple[float, float]):
     """The program prints under ``remotecuda run`` what it prints with plain ``python``."""
     for library in libraries:
         pytest.importorskip(library)
-    assert_program_matches(gateway, name, F32)
+    assert_program_matches(gateway, name, tol)
 
 
 def test_lstsq_on_cuda_is_cudas_gels():
