@@ -189,6 +189,9 @@ _DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
        for p in (aten.index_fill, aten.index_fill_) for op in (p.int_Scalar, p.int_Tensor)},
     **{op: lambda a: _tensor_dtype(a, 1) is not torch.int64 or _tensor_dtype(a, 2) is not _tensor_dtype(a, 0)
        for op in (aten.put.default, aten.put_.default)},
+    # (float64 labels from NumPy into binary_cross_entropy; a complex number of two float dtypes)
+    **{op: lambda a: _tensor_dtype(a, 1) is not _tensor_dtype(a, 0)
+       for op in (aten.binary_cross_entropy.default, aten.polar.default, aten.complex.default)},
     # (a float64 batch into a float32 convolution, or the weights and bias of two dtypes)
     aten.convolution.default: lambda a: (_tensor_dtype(a, 1) is not _tensor_dtype(a, 0)
                                          or _tensor_dtype(a, 2) not in (None, _tensor_dtype(a, 0))),

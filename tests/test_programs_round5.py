@@ -74,6 +74,9 @@ REFUSED_AT_THE_CALL = {  # checks a GPU's kernels make on the host, which these 
         0, _index(d), torch.ones(2, 4, device=d, dtype=torch.float16)),
     "index_fill_int32_index": lambda d: torch.zeros(3, 4, device=d).index_fill_(1, _index(d), 1.0),
     "put_int32_index": lambda d: torch.zeros(3, 4, device=d).put_(_index(d), torch.ones(2, device=d)),
+    "bce_float64_labels": lambda d: torch.nn.functional.binary_cross_entropy(
+        torch.full((3,), 0.5, device=d), torch.ones(3, device=d, dtype=torch.float64)),
+    "polar_two_dtypes": lambda d: torch.polar(torch.ones(2, device=d), torch.ones(2, device=d, dtype=torch.float64)),
     "conv_float64_weight": lambda d: torch.nn.functional.conv1d(  # (numpy weights put in by .data)
         torch.zeros(1, 1, 5, device=d), torch.zeros(2, 1, 3, device=d, dtype=torch.float64)),
 }
