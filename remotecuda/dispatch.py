@@ -178,6 +178,23 @@ _DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
                       or any(isinstance(i, torch.Tensor) and i.dtype is torch.uint8 for i in a[1]))
        for op in (aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default)},
     aten.index_select.default: lambda a: _tensor_dtype(a, 2) not in (None, torch.int32, torch.int64),
+    # (an int32 position into a KV cache by index_copy_, as gpt-fast keeps ``input_pos``; a float16
+    # source into a float32 buffer)
+    **{op: lambda a: _tensor_dtype(a, 2) is not torch.int64 or _tensor_dtype(a, 3) is not _tensor_dtype(a, 0)
+       for op in (aten.index_copy.default, aten.index_copy_.default)},
+    **{op: lambda a: (_tensor_dtype(a, 2) not in (torch.int32, torch.int64)
+                      or _tensor_dtype(a, 3) is not _tensor_dtype(a, 0))
+       for op in (aten.index_add.default, aten.index_add_.default)},
+    **{op: lambda a: _tensor_dtype(a, 2) is not torch.int64
+       for p in (aten.index_fill, aten.index_fill_) for op in (p.int_Scalar, p.int_Tensor)},
+    **{op: lambda a: _tensor_dtype(a, 1) is not torch.int64 or _tensor_dtype(a, 2) is not _tensor_dtype(a, 0)
+       for op in (aten.put.default, aten.put_.default)},
+    # (float64 labels from NumPy into binary_cross_entropy; a complex number of two float dtypes)
+    **{op: lambda a: _tensor_dtype(a, 1) is not _tensor_dtype(a, 0)
+       for op in (aten.binary_cross_entropy.default, aten.polar.default, aten.complex.default)},
+    # (a float64 batch into a float32 convolution, or the weights and bias of two dtypes)
+    aten.convolution.default: lambda a: (_tensor_dtype(a, 1) is not _tensor_dtype(a, 0)
+                                         or _tensor_dtype(a, 2) not in (None, _tensor_dtype(a, 0))),
     **{op: lambda a: _tensor_dtype(a, 1) not in (None, torch.int64)
        for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)},
     **{op: lambda a: not (_tensor_dtype(a, 0) or torch.float32).is_floating_point

@@ -181,3 +181,25 @@ def _dropout_backward(a: dict) -> Callable | None:
         out = torch.ops.aten.native_dropout_backward.default(grad_output, mask, scale)
         return out.contiguous(memory_format=suggest_memory_format(grad_output))
     return dropout_backward
+
+
+@_instead("linalg_lstsq")
+def _lstsq(a: dict) -> Callable | None:
+    """CUDA has one least-squares driver, ``gels`` (QR, no rank revealed), and it is CUDA's
+    default; the CPU's default is ``gelsy``, which returns the rank and no residuals. A program
+    reading ``torch.linalg.lstsq(A, B).residuals`` on 'cuda' gets them on a GPU (an empty tensor
+    here before), its ``rank`` is empty there, and a driver other than ``gels`` is refused there
+    with CUDA's words (``driver="gelsd"``, which the CPU takes)."""
+    if not isinstance(a["self"], torch.Tensor) or a["self"].device.type != "cpu":
+        return None
+    driver = a.get("driver")
+    if driver is not None and driver.lower() != "gels":
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("torch.linalg.lstsq: `driver` other than `gels` is not supported on CUDA")
+        return refused
+
+    def lstsq(*args: Any, **kwargs: Any) -> Any:
+        kwargs["driver"] = "gels"
+        op = torch.ops.aten.linalg_lstsq
+        return (op.out if "solution" in kwargs else op.default)(*args, **kwargs)
+    return lstsq
