@@ -9,6 +9,12 @@ op, which runs the device's own implementation. Gradients come from an autograd 
 whose backward is one ``rc::rnn_backward`` op walking the graph the forward left on the
 gateway; the handles of that graph are saved for backward, so autograd frees them (and the
 gateway its graph) exactly when it would free a local RNN's saved tensors.
+
+That one op is cuDNN's RNN, whose gradient cannot be differentiated again: a GPU's gradient
+through it (under ``create_graph=True``: a gradient penalty, MAML, TRPO's Hessian-vector products)
+raises torch's NotImplementedError when differentiated, naming the cure, and so does this one's.
+The cure, cuDNN disabled around the forward, takes a GPU's native RNN, whose per-step ops
+autograd records, twice differentiable; so it takes torch's own path here.
 """
 from __future__ import annotations
 
@@ -109,19 +115,49 @@ class _RNN(torch.autograd.Function):
         n = 1 + len(call.hx)
         ctx.save_for_backward(*outs[n:])  # the gateway's graph: roots, then leaves
         ctx.n, ctx.needs = n, needs
+        # (what a second differentiation reaches, as it reaches cuDNN's saved inputs: not saved
+        # tensors, which the gateway's graph holds already, but an input's own reference)
+        ctx.differentiable = [t for t, need in zip(tensors, needs) if need]
         ctx.set_materialize_grads(False)
         return tuple(outs[:n])
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: Any) -> tuple:
         saved = ctx.saved_tensors
         roots, leaves = saved[:ctx.n], saved[ctx.n:]
         s = roots[0]._s
         lays = [_dense(t) for t in leaves]
-        got = iter(_send(s, "rc::rnn_backward", [[t._w for t in roots], [t._w for t in leaves],
-                                                 [None if g is None else g._w for g in grads]], lays))
-        return (None, *(next(got) if need else None for need in ctx.needs))
+        got = _send(s, "rc::rnn_backward", [[t._w for t in roots], [t._w for t in leaves],
+                                            [None if g is None else g._w for g in grads]], lays)
+        if torch.is_grad_enabled():  # create_graph=True: differentiable in name only, as cuDNN's
+            got = list(_CudnnRnnBackward.apply(len(got), *got, *ctx.differentiable))
+        it = iter(got)
+        return (None, *(next(it) if need else None for need in ctx.needs))
+
+
+#: torch's reason (``kCudnnDoubleBackwardMsg``) after its words for a derivative not implemented
+_DOUBLE_BACKWARD = (
+    "the derivative for '_cudnn_rnn_backward' is not implemented. Double backwards is not supported for "
+    "CuDNN RNNs due to limitations in the CuDNN API. To run double backwards, please disable the CuDNN "
+    "backend temporarily while running the forward pass of your RNN. For example: \nwith "
+    "torch.backends.cudnn.flags(enabled=False):\n    output = model(inputs)")
+
+
+class _CudnnRnnBackward(torch.autograd.Function):
+    """The gradients of cuDNN's RNN under ``create_graph=True``: as a GPU gives them, they require
+    grad (autograd recorded ``_cudnn_rnn_backward``, whose inputs do), and differentiating them
+    raises the NotImplementedError torch's derivative for it raises, once a second differentiation
+    reaches the RNN's inputs (``inputs``, edges only). (once_differentiable's gradients would not
+    require grad: a second ``grad`` would say "does not require grad", and
+    ``torch.autograd.functional.hvp`` would give zeros where a GPU raises.)"""
+
+    @staticmethod
+    def forward(ctx: Any, n: int, *grads_then_inputs: torch.Tensor) -> tuple:
+        return tuple(g.view_as(g) for g in grads_then_inputs[:n])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        raise NotImplementedError(_DOUBLE_BACKWARD)
 
 
 def _dual(tensors: list) -> bool:
@@ -131,10 +167,11 @@ def _dual(tensors: list) -> bool:
 
 def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
     """``torch._VF.<name>(*args)`` as one gateway op, when all its tensors are on one gateway."""
-    if kwargs or len(args) != 9 or torch._C._get_tracing_state() is not None:
+    if kwargs or len(args) != 9 or torch._C._get_tracing_state() is not None or not torch.backends.cudnn.enabled:
         # torch.jit.trace must record the one ``aten::lstm`` node a GPU's trace holds, which a
-        # gateway op would leave out of the graph (and its sizes are tensors while tracing): torch's
-        # own path, whose ops below the recorded node reach the gateway one by one
+        # gateway op would leave out of the graph (and its sizes are tensors while tracing); with
+        # cuDNN off a GPU runs its native RNN, step by step and twice differentiable: torch's
+        # own path, whose ops reach the gateway one by one
         return func(*args, **kwargs)
     if torch.is_autocast_enabled("cuda") and autocast.has_remote(args, kwargs):
         # CUDA autocast runs cuDNN's RNN in the autocast dtype (``_cudnn_rnn_cast_reflatten``)

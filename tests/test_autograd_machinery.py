@@ -1,0 +1,70 @@
+"""Autograd machinery on 'cuda', against the local CPU and a GPU's own errors: second derivatives
+through recurrent layers (gradient penalties, MAML, Hessian-vector products)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from local_parity import data
+from torch import nn
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def _input_gradient_penalty(m: nn.Module, x: torch.Tensor, cudnn: bool) -> list[torch.Tensor]:
+    """WGAN-GP's penalty on an RNN critic: the gradient of its output by its input, differentiated again."""
+    x = x.detach().requires_grad_()
+    with torch.backends.cudnn.flags(enabled=cudnn):
+        out, _ = m(x)
+    g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    g.pow(2).sum().backward()
+    return [g.detach().cpu(), x.grad.cpu(), *(p.grad.cpu() for p in m.parameters())]
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_rnn_double_backward_with_cudnn_disabled_matches_local(cls):
+    """cuDNN disabled around the forward (the cure torch's error names): a GPU's native RNN, twice
+    differentiable, and the second derivatives equal the CPU's."""
+    torch.manual_seed(0)
+    m = cls(3, 4, num_layers=2, batch_first=True)
+    x = data(2, 5, 3)
+    want = _input_gradient_penalty(m, x, cudnn=True)
+    got = _input_gradient_penalty(copy.deepcopy(m).cuda(), x.cuda(), cudnn=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_rnn_double_backward_through_cudnn_raises_as_on_a_gpu():
+    """The gradient through cuDNN's RNN requires grad, and differentiating it raises torch's
+    NotImplementedError with its cure, where it gave no graph at all ("does not require grad")."""
+    m = nn.LSTM(3, 4).cuda()
+    x = data(5, 2, 3).cuda().requires_grad_()
+    out, _ = m(x)
+    g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    assert g.requires_grad
+    with pytest.raises(NotImplementedError, match=r"(?s)the derivative for '_cudnn_rnn_backward' is not implemented\. "
+                       r"Double backwards is not supported for CuDNN RNNs.*cudnn\.flags\(enabled=False\)"):
+        g.pow(2).sum().backward()
+
+
+def test_hessian_vector_product_through_an_rnn_is_not_silently_zero():
+    """torch.autograd.functional.hvp by the weights of a GRU: on a GPU cuDNN's RNN refuses it, and
+    with cuDNN disabled it equals the CPU's; the parameters' second gradient was zeros."""
+    torch.manual_seed(0)
+    m = nn.GRU(3, 4)
+    x = data(5, 2, 3)
+
+    def hvp(model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+        names = [n for n, _ in model.named_parameters()]
+        params = tuple(model.parameters())
+
+        def loss(*ps: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(model, dict(zip(names, ps)), (inp,))[0].pow(2).sum()
+        return torch.autograd.functional.hvp(loss, params, tuple(torch.ones_like(p) for p in params))[1][0]
+
+    remote = copy.deepcopy(m).cuda()
+    with pytest.raises(NotImplementedError, match="Double backwards is not supported for CuDNN RNNs"):
+        hvp(remote, x.cuda())
+    with torch.backends.cudnn.flags(enabled=False):
+        torch.testing.assert_close(hvp(remote, x.cuda()).cpu(), hvp(m, x))
