@@ -13,8 +13,9 @@ gateway its graph) exactly when it would free a local RNN's saved tensors.
 That one op is cuDNN's RNN, whose gradient cannot be differentiated again: a GPU's gradient
 through it (under ``create_graph=True``: a gradient penalty, MAML, TRPO's Hessian-vector products)
 raises torch's NotImplementedError when differentiated, naming the cure, and so does this one's.
-The cure, cuDNN disabled around the forward, takes a GPU's native RNN, whose per-step ops
-autograd records, twice differentiable; so it takes torch's own path here.
+cuDNN also refuses a backward through a forward run in eval mode. The cure for both, cuDNN
+disabled around the forward, takes a GPU's native RNN, whose per-step ops autograd records,
+twice differentiable; so it takes torch's own path here.
 """
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ class _RNN(torch.autograd.Function):
         outs = _forward(call, list(tensors), needs)
         n = 1 + len(call.hx)
         ctx.save_for_backward(*outs[n:])  # the gateway's graph: roots, then leaves
-        ctx.n, ctx.needs = n, needs
+        ctx.n, ctx.needs, ctx.train = n, needs, bool(call.flags[3])
         # (what a second differentiation reaches, as it reaches cuDNN's saved inputs: not saved
         # tensors, which the gateway's graph holds already, but an input's own reference)
         ctx.differentiable = [t for t, need in zip(tensors, needs) if need]
@@ -123,6 +124,8 @@ class _RNN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple:
+        if not ctx.train:  # cuDNN's check (a module in eval mode), which a CPU-served gateway would not make
+            raise RuntimeError("cudnn RNN backward can only be called in training mode")
         saved = ctx.saved_tensors
         roots, leaves = saved[:ctx.n], saved[ctx.n:]
         s = roots[0]._s

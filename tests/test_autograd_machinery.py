@@ -68,3 +68,20 @@ def test_hessian_vector_product_through_an_rnn_is_not_silently_zero():
         hvp(remote, x.cuda())
     with torch.backends.cudnn.flags(enabled=False):
         torch.testing.assert_close(hvp(remote, x.cuda()).cpu(), hvp(m, x))
+
+
+def test_rnn_backward_in_eval_mode_raises_as_cudnn_does():
+    """A gradient through an RNN in eval mode (a saliency map, an adversarial input): cuDNN refuses
+    it, which a CPU-served gateway did not; with cuDNN disabled it equals the CPU's."""
+    torch.manual_seed(0)
+    m = nn.GRU(3, 4).eval()
+    x = data(5, 2, 3)
+    remote = copy.deepcopy(m).cuda()
+    xr = x.cuda().requires_grad_()
+    with pytest.raises(RuntimeError, match="^cudnn RNN backward can only be called in training mode$"):
+        remote(xr)[0].sum().backward()
+    with torch.backends.cudnn.flags(enabled=False):
+        remote(xr)[0].sum().backward()
+    x.requires_grad_()
+    m(x)[0].sum().backward()
+    torch.testing.assert_close(xr.grad.cpu(), x.grad)
