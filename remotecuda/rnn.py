@@ -19,7 +19,8 @@ twice differentiable; so it takes torch's own path here.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -163,6 +164,40 @@ class _CudnnRnnBackward(torch.autograd.Function):
         raise NotImplementedError(_DOUBLE_BACKWARD)
 
 
+def _program_torch_function(tensors: list) -> bool:
+    """``has_torch_function`` of the call, but for remotecuda's CUDA autocast mode: a tensor
+    subclass with a ``__torch_function__`` of its own, or a torch function mode of the program's.
+    The autocast mode is in force in any ``torch.autocast('cuda')`` block, a disabled one too, as
+    checkpoint's recomputation enters to restore the forward's state (which then ran torch's
+    step-by-step path, saving other tensors than the forward: a CheckpointError); ``rnn`` applies
+    autocast's cast itself."""
+    from .interception import AutocastMode  # (interception routes ``_VF`` here: imported lazily)
+    if any(not isinstance(m, AutocastMode) for m in torch.overrides._get_current_function_mode_stack()):
+        return True
+    return torch._C._is_torch_function_enabled() and any(
+        type(t) not in (torch.Tensor, torch.nn.Parameter)
+        and getattr(type(t), "__torch_function__", None) is not torch._C._disabled_torch_function_impl
+        for t in tensors)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def _graph_saved_as_is() -> Iterator[None]:
+    """The gateway graph's handles saved as they are, past the program's saved-tensor hooks:
+    ``rc::rnn_backward`` needs those very tensors, where activation offloading (``save_on_cpu``,
+    a library's pack/unpack) would give back copies, graphless on the gateway. torch's checkpoint
+    keeps its hooks: it recomputes what it saves, a new gateway graph whose handles it returns."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None or getattr(top[0], "__module__", None) == "torch.utils.checkpoint":
+        yield
+        return
+    with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        yield
+
+
 def _dual(tensors: list) -> bool:
     """Whether forward-mode AD (``torch.autograd.forward_ad``) carries a tangent on any of them."""
     return forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
@@ -180,7 +215,7 @@ def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
         # CUDA autocast runs cuDNN's RNN in the autocast dtype (``_cudnn_rnn_cast_reflatten``)
         args = autocast.lowered(args)
     call = _Call(func.__name__, args)
-    if torch.overrides.has_torch_function(tuple(call.tensors)) or \
+    if _program_torch_function(call.tensors) or \
             any(is_functorch_wrapped_tensor(t) for t in call.tensors) or _dual(call.tensors):
         # a subclass with its own __torch_function__ (per-sample grads' ExpandedWeight), a
         # torch.func transform's wrapper (vmap, grad, jacrev, jvp) or a forward-mode dual tensor
@@ -193,5 +228,6 @@ def rnn(func: Callable, args: tuple, kwargs: dict) -> Any:
             not all(isinstance(t, RemoteTensor) and t._s is s for t in call.tensors):
         return func(*args, **kwargs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in call.tensors):
-        return _RNN.apply(call, *call.tensors)
+        with _graph_saved_as_is():
+            return _RNN.apply(call, *call.tensors)
     return tuple(_forward(call, call.tensors, None))

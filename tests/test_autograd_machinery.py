@@ -2,6 +2,7 @@
 through recurrent layers (gradient penalties, MAML, Hessian-vector products)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -85,3 +86,32 @@ def test_rnn_backward_in_eval_mode_raises_as_cudnn_does():
     x.requires_grad_()
     m(x)[0].sum().backward()
     torch.testing.assert_close(xr.grad.cpu(), x.grad)
+
+
+def _offloaded_rnn_step(m: nn.Module, x: torch.Tensor, hooks: str) -> list[torch.Tensor]:
+    """A training step's gradients with the RNN's saved tensors under ``hooks``."""
+    x = x.detach().requires_grad_()
+    if hooks == "save_on_cpu":
+        ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
+    elif hooks == "pack_to_cpu":  # a library's offloading: its own pack and unpack
+        ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: (t.device, t.detach().cpu()),
+                                                       lambda p: p[1].to(p[0]))
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        out = (torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False) if hooks == "checkpoint" else m(x))[0]
+    out.sin().sum().backward()
+    return [out.detach().cpu(), x.grad.cpu(), *(p.grad.cpu() for p in m.parameters())]
+
+
+@pytest.mark.parametrize("hooks", ["save_on_cpu", "pack_to_cpu", "checkpoint"])
+def test_rnn_under_activation_offloading_matches_local(hooks):
+    """Saved-tensor hooks that store copies (activation offloading) gave the RNN's backward
+    graphless copies of the gateway graph it walks ("element 0 of tensors does not require grad")."""
+    torch.manual_seed(0)
+    m = nn.LSTM(3, 4, num_layers=2)
+    x = data(5, 2, 3)
+    want = _offloaded_rnn_step(m, x, hooks)
+    got = _offloaded_rnn_step(copy.deepcopy(m).cuda(), x.cuda(), hooks)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
