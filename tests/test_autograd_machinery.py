@@ -115,3 +115,29 @@ def test_rnn_under_activation_offloading_matches_local(hooks):
     got = _offloaded_rnn_step(copy.deepcopy(m).cuda(), x.cuda(), hooks)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+class _Scale(torch.autograd.Function):
+    """x * w with a gradient written by hand, as a library's custom Function is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+def test_custom_function_under_batched_gradients_matches_local():
+    """A custom Function's gradients under autograd's vmap (``is_grads_batched``, a vectorized
+    Jacobian) were refused as on the wrong device: their batched wrapper's C++ device is 'meta'."""
+    def jacobians(dev: str) -> list[torch.Tensor]:
+        x, w = data(3).to(dev).requires_grad_(), data(3, seed=1).to(dev).requires_grad_()
+        batched = torch.autograd.grad(_Scale.apply(x, w), (x, w), torch.eye(3).to(dev), is_grads_batched=True)
+        vectorized = torch.autograd.functional.jacobian(_Scale.apply, (x.detach(), w.detach()), vectorize=True)
+        return [t.cpu() for t in (*batched, *vectorized)]
+    for g, w in zip(jacobians("cuda"), jacobians("cpu")):
+        torch.testing.assert_close(g, w)
