@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
+from torch._C._functorch import is_functorch_wrapped_tensor, is_legacy_batchedtensor
 from torch.autograd import forward_ad
 
 from . import autocast
@@ -129,14 +129,35 @@ class _RNN(torch.autograd.Function):
             raise RuntimeError("cudnn RNN backward can only be called in training mode")
         saved = ctx.saved_tensors
         roots, leaves = saved[:ctx.n], saved[ctx.n:]
-        s = roots[0]._s
         lays = [_dense(t) for t in leaves]
-        got = _send(s, "rc::rnn_backward", [[t._w for t in roots], [t._w for t in leaves],
-                                            [None if g is None else g._w for g in grads]], lays)
+
+        def walk(gs: list) -> list:
+            return _send(roots[0]._s, "rc::rnn_backward", [[t._w for t in roots], [t._w for t in leaves],
+                                                           [None if g is None else g._w for g in gs]], lays)
+        got = _per_sample(walk, list(grads))
         if torch.is_grad_enabled():  # create_graph=True: differentiable in name only, as cuDNN's
             got = list(_CudnnRnnBackward.apply(len(got), *got, *ctx.differentiable))
         it = iter(got)
         return (None, *(next(it) if need else None for need in ctx.needs))
+
+
+def _batched(g: Any) -> bool:
+    return g is not None and is_legacy_batchedtensor(g)
+
+
+def _per_sample(walk: Callable[[list], list], grads: list) -> list:
+    """``walk(grads)``, where gradients batched by autograd's vmap (``autograd.grad(...,
+    is_grads_batched=True)``, ``jacobian(..., vectorize=True)``), which the gateway op cannot
+    take, are walked one sample at a time and batched again: vmap's own fallback for an op without
+    a batching rule, as cuDNN's RNN backward has none."""
+    if not any(_batched(g) for g in grads):
+        return walk(grads)
+    level = torch._C._vmapmode_increment_nesting() - 1  # (the level in force: torch has no getter for it)
+    torch._C._vmapmode_decrement_nesting()
+    physical = [torch._remove_batch_dim(g, level, 1, 0) if _batched(g) else g for g in grads]
+    size = next(p.shape[0] for p, g in zip(physical, grads) if _batched(g))
+    samples = [walk([p[i] if _batched(g) else p for p, g in zip(physical, grads)]) for i in range(size)]
+    return [torch._add_batch_dim(torch.stack(parts), 0, level) for parts in zip(*samples)]
 
 
 #: torch's reason (``kCudnnDoubleBackwardMsg``) after its words for a derivative not implemented

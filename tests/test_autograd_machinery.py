@@ -141,3 +141,20 @@ def test_custom_function_under_batched_gradients_matches_local():
         return [t.cpu() for t in (*batched, *vectorized)]
     for g, w in zip(jacobians("cuda"), jacobians("cpu")):
         torch.testing.assert_close(g, w)
+
+
+def test_rnn_jacobian_with_batched_gradients_matches_local():
+    """A vectorized Jacobian through a GRU: its one backward op took no batched gradient
+    ("'Tensor' object has no attribute '_w'"); it is walked one sample at a time, as vmap's fallback does."""
+    torch.manual_seed(0)
+    m = nn.GRU(3, 4)
+    x = data(5, 2, 3)
+
+    def jacobians(model: nn.Module, inp: torch.Tensor) -> list[torch.Tensor]:
+        def last(t: torch.Tensor) -> torch.Tensor:
+            return model(t)[0][-1].sum(0)
+        t = inp.detach().requires_grad_()
+        batched, = torch.autograd.grad(last(t), t, torch.eye(4).to(inp.device), is_grads_batched=True)
+        return [batched.cpu(), torch.autograd.functional.jacobian(last, inp, vectorize=True).cpu()]
+    for g, w in zip(jacobians(copy.deepcopy(m).cuda(), x.cuda()), jacobians(m, x)):
+        torch.testing.assert_close(g, w)
