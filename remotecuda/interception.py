@@ -712,8 +712,10 @@ def _checked_function_backward(original: Callable) -> Callable:
         remote = next((a.device for a in args if isinstance(a, RemoteTensor)), None)
         for i, (grad, (node, nr)) in enumerate(zip(grads if isinstance(grads, tuple) else (grads,),
                                                    self.next_functions)):
-            if node is None or not isinstance(grad, torch.Tensor) or grad.dim() == 0:
-                continue
+            if node is None or not isinstance(grad, torch.Tensor) or grad.dim() == 0 or \
+                    torch._C._functorch.is_legacy_batchedtensor(grad):
+                continue  # (autograd's vmap's batched gradient: is_grads_batched, jacobian(vectorize=True),
+                # whose device is its C++ wrapper's, 'meta' for a 'cuda' one)
             leaf = getattr(node, "variable", None)
             if leaf is not None:
                 expected = leaf.device
