@@ -698,8 +698,9 @@ _META_REFUSED = Bypass(dc.META_REFUSED)
 
 
 def unsendable_dtype(dtype: torch.dtype) -> NotImplementedError:
-    """The error for a dtype the protocol has no code for (quantized ones, the float8 variants a
-    GPU does not compute in): it cannot be sent, so no remote tensor holds it."""
+    """The error for a dtype the protocol has no code for (quantized ones, ``bits*``, the sub-byte
+    ``uint1``..``int7`` shells: none has a kernel on any device beyond views and empty tensors):
+    it cannot be sent, so no remote tensor holds it."""
     hint = "dequantize() it first" if dtype in _QUANTIZED else "convert it to a supported dtype first"
     return NotImplementedError(f"remotecuda: tensors of dtype {dtype} cannot live on a remote 'cuda' device "
                                f"(the protocol does not carry it); {hint}, or keep it on the CPU")
