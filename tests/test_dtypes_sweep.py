@@ -15,6 +15,8 @@ import torch
 
 from remotecuda_wire import protocol
 
+from conftest import interception_removed
+
 pytestmark = pytest.mark.usefixtures("remote")
 
 #: float8 variants (AMD's fnuz, the MX scale e8m0fnu) a GPU casts to and from, as the CPU does
@@ -87,3 +89,21 @@ def test_float4_packed_bytes_are_views_of_uint8_on_the_device():
     _same(on_device, fp4)
     _same(on_device.view(torch.uint8), packed)
     assert torch.empty(4, dtype=torch.float4_e2m1fn_x2, device="cuda").shape == (4,)
+
+
+# ------------------------------------------------------------------------ local errors unchanged
+
+def test_a_local_op_error_with_an_int_over_int64_is_torchs_own():
+    """A local CPU op that fails with a number argument is retried with the numbers as tensors
+    (TorchScript's constants); an int over int64's range cannot be one, and its ValueError
+    ("Overflow when unpacking long long") replaced torch's own error, here uint64's missing add."""
+    def attempt():
+        try:
+            torch.zeros(1, dtype=torch.uint64) + 2**63
+        except Exception as e:  # noqa: BLE001 (the error is the result compared)
+            return type(e), str(e)
+        return None
+    with interception_removed():
+        want = attempt()
+    assert want is not None
+    assert attempt() == want
