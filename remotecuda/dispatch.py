@@ -180,6 +180,11 @@ _DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
     aten.index_select.default: lambda a: _tensor_dtype(a, 2) not in (None, torch.int32, torch.int64),
     **{op: lambda a: _tensor_dtype(a, 1) not in (None, torch.int64)
        for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)},
+    # (an integer to a negative integer power, multinomial of integer weights: checks the
+    # device's C++ kernel makes at the call, which torch's Python meta kernels leave out)
+    **{op: lambda a: type(a[1]) is int and a[1] < 0 and not (a[0].is_floating_point() or a[0].is_complex())
+       for op in (aten.pow.Tensor_Scalar, aten.pow_.Scalar)},
+    aten.multinomial.default: lambda a: not a[0].is_floating_point(),
     **{op: lambda a: not (_tensor_dtype(a, 0) or torch.float32).is_floating_point
        for op in (aten._softmax.default, aten._log_softmax.default)},
     **{op: lambda a: _tensor_dtype(a, 1) not in (None, torch.bool)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,3 +108,55 @@ def test_a_local_op_error_with_an_int_over_int64_is_torchs_own():
         want = attempt()
     assert want is not None
     assert attempt() == want
+
+
+# ------------------------------------------------------------------- a sample of what works
+
+def _ints(device: str) -> torch.Tensor:
+    return torch.tensor([-7, -3, 0, 3, 7], device=device)
+
+
+PROMOTION = {
+    "int * np.float64": lambda d: _ints(d) * np.float64(2),
+    "half * np.float64": lambda d: _ints(d).half() * np.float64(1.1),
+    "int + cpu 0-d float": lambda d: _ints(d) + torch.tensor(1.5),
+    "int32 + cpu 0-d float64": lambda d: _ints(d).int() + torch.tensor(1.5, dtype=torch.float64),
+    "uint8 + -1": lambda d: _ints(d).abs().to(torch.uint8) + (-1),
+    "bool * 2.5": lambda d: (_ints(d) > 0) * 2.5,
+    "int + 1j": lambda d: _ints(d) + 1j,
+    "where(cond, int, 0.5)": lambda d: torch.where(_ints(d) > 0, _ints(d), 0.5),
+    "int / int": lambda d: _ints(d) / _ints(d).flip(0).clamp(min=1),
+    "int // -2": lambda d: _ints(d) // -2,
+    "int % 3": lambda d: _ints(d) % 3,
+    "int % -3": lambda d: _ints(d) % -3,
+    "fmod int": lambda d: torch.fmod(_ints(d), -3),
+    "multinomial of ints raises at the call": lambda d: torch.multinomial(_ints(d).abs(), 2),
+    "int.add_(1.5) raises": lambda d: _ints(d).add_(1.5),
+    "sum of uint8": lambda d: _ints(d).abs().to(torch.uint8).sum(),
+    "int ** -1 raises at the call": lambda d: _ints(d) ** -1,
+    "int **= -1 raises at the call": lambda d: _ints(d).pow_(-1),
+    "result_type": lambda d: (torch.result_type(_ints(d), 1.5),
+                              torch.result_type(_ints(d).half(), torch.tensor(1.0, dtype=torch.float64))),
+    "f32 view int32": lambda d: torch.tensor([1.0, -2.0, 0.5], device=d).view(torch.int32),
+    "f32 slice view int64": lambda d: torch.arange(8.0, device=d)[1:5].view(torch.int64),
+    "complex64 view float32": lambda d: torch.tensor([1 + 2j, 3 - 4j], device=d).view(torch.float32),
+    "uint64 over int64": lambda d: torch.full((2,), 2**63 + 5, dtype=torch.uint64, device=d),
+    "chalf view_as_complex": lambda d: torch.view_as_complex(torch.tensor([[1.0, 2.0]], dtype=torch.half,
+                                                                          device=d)),
+    "float8 saturation": lambda d: torch.tensor([1000.0, -1e6], device=d).to(torch.float8_e4m3fn),
+}
+
+
+def _outcome(fn, device: str):
+    try:
+        out = fn(device)
+    except Exception as e:  # noqa: BLE001 (the error is the result compared)
+        return type(e), str(e).split("\n")[0]
+    outs = out if isinstance(out, tuple) else (out,)
+    return tuple((o.dtype, tuple(o.shape), _bytes(o).tolist()) if isinstance(o, torch.Tensor) else o
+                 for o in outs)
+
+
+@pytest.mark.parametrize("name", PROMOTION)
+def test_promotion_and_bit_views_match_local(name):
+    assert _outcome(PROMOTION[name], "cuda") == _outcome(PROMOTION[name], "cpu")
