@@ -197,6 +197,11 @@ _DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
                                          or _tensor_dtype(a, 2) not in (None, _tensor_dtype(a, 0))),
     **{op: lambda a: _tensor_dtype(a, 1) not in (None, torch.int64)
        for op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)},
+    # (an integer to a negative integer power, multinomial of integer weights: checks the
+    # device's C++ kernel makes at the call, which torch's Python meta kernels leave out)
+    **{op: lambda a: type(a[1]) is int and a[1] < 0 and not (a[0].is_floating_point() or a[0].is_complex())
+       for op in (aten.pow.Tensor_Scalar, aten.pow_.Scalar)},
+    aten.multinomial.default: lambda a: not a[0].is_floating_point(),
     **{op: lambda a: not (_tensor_dtype(a, 0) or torch.float32).is_floating_point
        for op in (aten._softmax.default, aten._log_softmax.default)},
     **{op: lambda a: _tensor_dtype(a, 1) not in (None, torch.bool)
@@ -715,8 +720,9 @@ _META_REFUSED = Bypass(dc.META_REFUSED)
 
 
 def unsendable_dtype(dtype: torch.dtype) -> NotImplementedError:
-    """The error for a dtype the protocol has no code for (quantized ones, the float8 variants a
-    GPU does not compute in): it cannot be sent, so no remote tensor holds it."""
+    """The error for a dtype the protocol has no code for (quantized ones, ``bits*``, the sub-byte
+    ``uint1``..``int7`` shells: none has a kernel on any device beyond views and empty tensors):
+    it cannot be sent, so no remote tensor holds it."""
     hint = "dequantize() it first" if dtype in _QUANTIZED else "convert it to a supported dtype first"
     return NotImplementedError(f"remotecuda: tensors of dtype {dtype} cannot live on a remote 'cuda' device "
                                f"(the protocol does not carry it); {hint}, or keep it on the CPU")

@@ -1188,10 +1188,13 @@ class RemoteDispatchMode(TorchDispatchMode):
         try:
             return func(*args, **kwargs)
         except RuntimeError:
-            tensors = _numbers_as_tensors(func, args)
-            if tensors is None:
-                raise
-            return func(*tensors, **kwargs)
+            try:
+                tensors = _numbers_as_tensors(func, args)
+                if tensors is not None:
+                    return func(*tensors, **kwargs)
+            except Exception:  # (an int no int64 tensor holds: torch's error is the op's own)
+                pass
+            raise
 
     def again(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` with the mode on: torch takes it off the stack while it handles an op (one

@@ -27,7 +27,7 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import msgpack
 import numpy as np
@@ -80,7 +80,8 @@ DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
     torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.complex32,
+    torch.complex32, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
 ]
 DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 MEMORY_FORMATS = [torch.contiguous_format, torch.channels_last, torch.channels_last_3d,
@@ -152,7 +153,7 @@ def _default(obj: Any) -> msgpack.ExtType:
     if isinstance(obj, GeneratorRef):
         return msgpack.ExtType(EXT_GENERATOR, _u64.pack(obj.id))
     if isinstance(obj, torch.dtype):
-        return msgpack.ExtType(EXT_DTYPE, bytes((DTYPE_CODE[obj],)))
+        return DTYPE_EXT.get(obj) or _unsendable(f"a tensor dtype the wire has no code for ({obj})")
     if isinstance(obj, torch.device):
         return msgpack.ExtType(EXT_DEVICE, (obj.type + ("" if obj.index is None else f":{obj.index}")).encode())
     if isinstance(obj, torch.memory_format):
@@ -163,7 +164,13 @@ def _default(obj: Any) -> msgpack.ExtType:
         return msgpack.ExtType(EXT_COMPLEX, _c128.pack(obj.real, obj.imag))
     if isinstance(obj, torch.Size):
         return list(obj)
-    raise TypeError(f"remotecuda cannot send a {type(obj).__name__} to the gateway")
+    return _unsendable(f"a {type(obj).__name__}")
+
+
+def _unsendable(what: str) -> NoReturn:
+    """Encoding's refusal of a value, a TypeError (one of ``UNSENDABLE``): the session refuses
+    that op alone, where any other error would leave it queued to fail every later message."""
+    raise TypeError(f"remotecuda cannot send {what} to the gateway")
 
 
 def _ext_hook(code: int, data: bytes) -> Any:

@@ -254,8 +254,8 @@ def test_a_forked_worker_using_cuda_tensors_says_what_a_gpu_says(remote):
 @pytest.mark.parametrize("make", [
     lambda: torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8).cuda(),
     lambda: torch.quantize_per_tensor(torch.ones(2, device="cuda"), 0.1, 0, torch.qint8),
-    lambda: torch.ones(2, dtype=torch.float8_e4m3fnuz).to("cuda"),
-    lambda: torch.ones(2, device="cuda").to(torch.float8_e5m2fnuz)])
+    lambda: torch.ones(2, dtype=torch.uint8).view(torch.bits8).to("cuda"),
+    lambda: torch.ones(2, dtype=torch.uint8, device="cuda").view(torch.uint4)])
 def test_a_dtype_the_wire_lacks_is_refused_at_the_call(remote, make):
     """A quantized (or other unsendable) dtype on 'cuda' says so at the call and leaves the session
     working: a quantized upload raised KeyError in the flush thread, which died."""
