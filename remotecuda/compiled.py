@@ -542,6 +542,11 @@ class _Trace:
                 _warn_tf32_disabled(gm)
             return _Program(self.session, gm)
 
+        def bw_compiler(gm: torch.fx.GraphModule, example: Any) -> Callable:
+            if inductor:
+                _warn_tf32_disabled(gm)
+            return _Backward(self.session, gm)
+
         fake = FakeTensorMode()  # static shapes: another shape is another trace
         with _disable_current_modes(), _device_neutral(), autocast.stand_ins():
             fakes = []
@@ -552,7 +557,7 @@ class _Trace:
                 fakes.append(f.requires_grad_(t.requires_grad) if t.requires_grad else f)
             # (a plain module works as well as the GraphModule the signature names: it is traced)
             self.compiled = aot_module_simplified(cast(Any, Flat()), fakes, fw_compiler=cast(Any, fw_compiler),
-                                                  bw_compiler=cast(Any, fw_compiler), partition_fn=partition,
+                                                  bw_compiler=cast(Any, bw_compiler), partition_fn=partition,
                                                   decompositions=library_kernels(),
                                                   keep_inference_input_mutations=True)
         if self.out is None:
@@ -701,10 +706,13 @@ class _Program:
     and gives the outputs' wrappers (None where the graph returns None)."""
 
     def __init__(self, session: Any, gm: torch.fx.GraphModule) -> None:
-        n_in, nodes, values, self.lays = _nodes(gm)
+        n_in, nodes, self.values, self.lays = _nodes(gm)
         self.session, self.id, self.n_in = session, next(_ids), n_in
+        values = iter(self.values)  # (one per output that is not None)
+        #: output position -> its value index, for the outputs that are not None
+        self.outputs = {i: next(values) for i, lay in enumerate(self.lays) if lay is not None}
         session.enqueue("rc::program_define",
-                        [self.id, n_in, nodes, values, [list(lay[0][2]) for lay in self.lays if lay is not None]],
+                        [self.id, n_in, nodes, self.values, [list(lay[0][2]) for lay in self.lays if lay is not None]],
                         None, None)
 
     _boxed_call = True  # AOTAutograd passes the arguments as one list
@@ -724,3 +732,72 @@ class _Program:
                 s.enqueue("rc::program_free", [self.id], None, None)
         except Exception:  # noqa: BLE001 - a finalizer must not raise
             pass
+
+
+class _Backward(_Program):
+    """A backward graph, whose parameter gradients it stores in their ``.grad`` itself.
+
+    The engine would hand each gradient to the parameter's ``AccumulateGrad``, which stores
+    ``grad.detach()``: one more op through the dispatcher per parameter and step (torch's
+    ``__torch_dispatch__`` price and a wrapper each), the largest part of a replayed step's
+    client work on a model with few ops per parameter. Where ``AccumulateGrad`` would store the
+    gradient as it is (see ``_stealable``), the wrapper the graph gave is stored instead, the same
+    tensor on the gateway, and the engine gets None for it (``AccumulateGrad`` does nothing with
+    None). Everything else (a ``.grad`` to add to, hooks, ``autograd.grad``, ``backward(inputs=)``,
+    ``create_graph``) goes through ``AccumulateGrad`` as before.
+
+    A gradient that is one of the graph's inputs (the incoming gradient passed on as a bias's)
+    is given as that input's wrapper, as a compiled graph returns the tensor it was given: a
+    wrapper of its own would hide that the two are one tensor on the gateway, and
+    AccumulateGrad, which copies a gradient that others hold, would store the incoming
+    gradient itself (the program's output sent for it is freed with the wrapper)."""
+
+    def __init__(self, session: Any, gm: torch.fx.GraphModule) -> None:
+        super().__init__(session, gm)
+        #: outputs the graph computed, each once: as a new gradient, eager's would be a tensor no
+        #: other holds, which AccumulateGrad takes as it is (a graph input, such as an incoming
+        #: gradient, or an output given twice, AccumulateGrad would clone)
+        self.fresh = frozenset(i for i, v in self.outputs.items() if v >= self.n_in and self.values.count(v) == 1)
+
+    def __call__(self, args: list) -> list:
+        grads = super().__call__(args)
+        for i, v in self.outputs.items():
+            if v < self.n_in:
+                grads[i] = args[v]
+        return _stored_as_grads(grads, self.fresh)
+
+
+def _stored_as_grads(grads: list, fresh: frozenset[int]) -> list:
+    """``grads``, the gradients of the engine's current node's inputs, with those that
+    ``AccumulateGrad`` would store as they are stored in their parameters' ``.grad`` here and
+    given to the engine as None."""
+    node = torch._C._current_autograd_node()
+    if node is None or torch.is_grad_enabled():  # (create_graph: AccumulateGrad keeps a graph)
+        return grads
+    edges = node.next_functions
+    if len(edges) != len(grads):  # (inputs and gradients not one to one: leave them to the engine)
+        return grads
+    for i in fresh:
+        acc = edges[i][0]
+        if not isinstance(acc, torch._C._functions.AccumulateGrad):  # type: ignore[attr-defined]
+            continue
+        try:
+            if not torch._C._will_engine_execute_node(acc):  # (backward(inputs=) without this one)
+                continue
+        except RuntimeError:  # autograd.grad(): the leaves' gradients are returned, not stored
+            return grads
+        param = acc.variable
+        if _stealable(param, grads[i]):
+            param.grad = grads[i]
+            grads[i] = None
+    return grads
+
+
+def _stealable(param: torch.Tensor, grad: RemoteTensor) -> bool:
+    """Whether ``AccumulateGrad`` would store ``grad`` (a new tensor no other holds) in ``param``
+    as it is: no gradient there yet, no hook to see it first or after, and the parameter's own
+    layout (dtype, shape and strides: its layout contract; else it stores a copy laid out as
+    the parameter)."""
+    return (isinstance(param, RemoteTensor) and param._s is grad._s and param.grad is None
+            and not param._backward_hooks and param._post_accumulate_grad_hooks is None
+            and param._k[:3] == grad._k[:3])

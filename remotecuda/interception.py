@@ -86,7 +86,7 @@ from .device_type import DEVICE
 from .dispatch import Dispatcher, meta_stand_in, not_dense, strided_nested
 from .errors import install_excepthook, uninstall_excepthook
 from .runtime import Runtime
-from .tensor import OWN_KEYS, RemoteTensor, follow, is_pinned, wrapper_type
+from .tensor import OWN_KEYS, RemoteTensor, cuda_device, follow, is_pinned, wrapper_type
 
 _mode_stack_len = torch._C._len_torch_dispatch_stack  # > 0: our mode is on this thread's stack
 _active_here = runtime.active_here
@@ -1393,6 +1393,10 @@ def _group_by_device(original: Callable) -> Callable:
             if device.type != "meta" or not lists or not lists[0]:
                 fixed[(device, dtype)] = (lists, indices)
                 continue
+            one = _one_device(lists[0])
+            if one is not None:  # (the common case, a model on one device: no per-tensor regrouping)
+                fixed[(one, dtype)] = (lists, indices)
+                continue
             positions: dict[torch.device, list[int]] = {}
             for k in range(len(lists[0])):
                 t = next((lst[k] for lst in lists if lst and isinstance(lst[k], RemoteTensor)), None)
@@ -1402,6 +1406,15 @@ def _group_by_device(original: Callable) -> Callable:
                                        [indices[k] for k in ks] if indices else indices)
         return fixed
     return grouped
+
+
+def _one_device(tensors: list) -> torch.device | None:
+    """The cuda device of ``tensors`` when all are remote ones on that one device, else None."""
+    devices = {t.__dict__.get("_dev") if isinstance(t, RemoteTensor) else None for t in tensors}
+    if len(devices) != 1:
+        return None
+    dev = devices.pop()
+    return None if dev is None else cuda_device(dev)
 
 
 def _precomputed(fn: Callable, done: dict[int, Any]) -> Callable:
