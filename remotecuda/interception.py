@@ -80,6 +80,7 @@ from . import (
     torchscript,
     transfer,
     transformer_encoder,
+    value_reads,
     warning_location,
 )
 from .device_type import DEVICE
@@ -1680,6 +1681,9 @@ def install(rt: Runtime) -> Interception:
     install_excepthook()
     installed = _Installed()
     p.set(threading.Thread, "start", _thread_start(threading.Thread.start, rt.dispatcher, installed))
+    # x.item(), float(x)... straight to the session where nothing else would see them on the way
+    for name, method in value_reads.methods(rt.dispatcher, RemoteDispatchMode).items():
+        p.set(RemoteTensor, name, method)
     mode = RemoteDispatchMode(rt.dispatcher)
     p.set(rt.dispatcher, "as_user", mode.again)
     installed.took()

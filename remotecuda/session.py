@@ -65,6 +65,9 @@ LIVENESS = 20.0
 SEND_TIMEOUT = 5.0
 #: how long a new session tries the direct path before it settles for the forwarded one
 DIRECT_TIMEOUT = 1.5
+#: how long a value read's answer is waited for with interrupts held (Session._read_round_trip):
+#: a Ctrl-C meanwhile is raised at most this late
+READ_POLL_MS = 100
 
 #: an op that does nothing, in the place of one a replay must skip (message positions stay as logged)
 NOOP: list = ["rc::event_free", [], None, None]
@@ -596,13 +599,13 @@ class Session:
             self._ops[:] = [_sendable(op) for op in self._ops]
             return protocol.encode(protocol.OPS, body, self._payloads, self._seq + 1)
 
-    def _send_frames(self, sock: zmq.Socket, frames: list, track: bool = False) -> Any:
-        """Send without copying; the MessageTracker when ``track``. A send that waited out
-        SEND_TIMEOUT means the gateway is gone."""
+    def _send_frames(self, sock: zmq.Socket, frames: list, track: bool = False, copy: bool = False) -> Any:
+        """Send without copying (``copy``: a small message, cheaper copied); the MessageTracker
+        when ``track``. A send that waited out SEND_TIMEOUT means the gateway is gone."""
         if self.lost is not None:  # nothing more goes to a gateway found down
             raise self._loss_error()
         try:  # (callers hold interrupts: half a message must never stay queued)
-            return wire.send(sock, frames, copy=False, track=track)
+            return wire.send(sock, frames, copy=copy, track=track)
         except zmq.Again:
             self.closed = True
             raise GatewayLostError(f"gateway {self.endpoint} is not connected "
@@ -731,44 +734,72 @@ class Session:
         rid = self._rid
         t0 = time.perf_counter()
         index = self._op_index
+        stats = self._stats
         try:
-            with HeldInterrupts():  # (half a message must never stay queued)
-                self._seq += 1
-                frames = self._seal(fastread.encode_read(kind, rid, index, handle, self._seq), self.sock)
-                self._settled = False
-                self._send_frames(self.sock, frames)
-            self._stats["ops"] += 1
-            self._stats["messages"] += 1
-            self._stats["blocking_round_trips"] += 1
-            self._stats["bytes_up"] += sum(map(len, frames))
-            t_wait = time.monotonic()
-            try:
-                msg = self._read_reply(rid)
-            finally:
-                self._stats["wait_seconds"] += time.monotonic() - t_wait
-            if msg.type == protocol.VALUE:
-                self._stats["fast_reads"] += 1
+            msg = self._read_round_trip(kind, rid, index, handle)
         except GatewayLostError as e:
             if not self._may_recover():
                 raise
             self._recover(e)
             return self.request(name, args)
-        return self._result(name, args, index, msg, {}, t0, t_wait)
+        finally:
+            stats["wait_seconds"] += time.perf_counter() - t0
+        if msg.type == protocol.VALUE:
+            stats["fast_reads"] += 1
+            if kind == fastread.ITEM:  # (a plain answer: no error, warning, trace or download to take)
+                self._settled = True  # (nothing was queued: a read is sent only then)
+                return msg.body["res"]
+        return self._result(name, args, index, msg, {}, t0, t0)
 
-    def _read_reply(self, rid: int) -> protocol.Message:
-        """The answer to READ ``rid``: taken at once when it is the first message to come (the
-        common case), else by the general wait, which takes whatever comes before it."""
+    def _read_round_trip(self, kind: int, rid: int, index: int, handle: int) -> protocol.Message:
+        """Send READ ``rid`` and take its answer. Interrupts are held from the send to the answer
+        when it comes at once (the common case, within READ_POLL_MS): one hold, where a
+        hold for the send and another for the receive cost a signal handler's swap each (a
+        KeyboardInterrupt is raised after the answer is taken, and the books then agree with it).
+        An answer not come by then, or preceded by another message, is waited for by the general
+        wait, which an interrupt stops at once."""
+        stats = self._stats
+        answer = None
         try:
-            if zmq_poll([(self.sock, _POLLIN)], 100):
-                with HeldInterrupts():
-                    msg, _ = self._took(self._decoded(wire.recv(self.sock, zmq.NOBLOCK), self.sock), rid, {}, None)
-                if msg is not None:
-                    return msg
+            with HeldInterrupts():  # (half a message must never stay queued, nor half of one be read)
+                self._seq += 1
+                frames = self._seal(fastread.encode_read(kind, rid, index, handle, self._seq), self.sock)
+                self._settled = False
+                self._send_frames(self.sock, frames, copy=True)  # (a few dozen bytes: cheaper copied)
+                stats["ops"] += 1
+                stats["messages"] += 1
+                stats["blocking_round_trips"] += 1
+                stats["bytes_up"] += sum(map(len, frames))
+                if zmq_poll([(self.sock, _POLLIN)], READ_POLL_MS):
+                    answer, _ = self._took(self._read_answer(), rid, {}, None)
         except KeyboardInterrupt:  # (as in _wait: its answer is taken, and its error raised, at the next wait)
-            self._later.setdefault(rid, None)
-            self._abandoned.add(rid)
+            if answer is None:
+                self._later.setdefault(rid, None)
+                self._abandoned.add(rid)
             raise
-        return self._wait(rid)[0]
+        return answer if answer is not None else self._wait(rid)[0]
+
+    def _read_answer(self) -> protocol.Message:
+        """The message come on the session's socket after a READ, decoded: its header taken as
+        bytes, then a VALUE's body as bytes too (its header says it has no payload frames), any
+        other message's frames as ``zmq.Frame``s (a REPLY's payloads stay uncopied). A
+        ``zmq.Frame`` costs several times the copy of a VALUE's few dozen bytes."""
+        sock = self.sock
+        first = wire.recv_bytes(sock, zmq.NOBLOCK)
+        head = self._header(first)
+        try:
+            rest = [wire.recv_bytes(sock, zmq.NOBLOCK)] if head.type == protocol.VALUE else wire.recv(sock, zmq.NOBLOCK)
+        except zmq.Again:  # (ZeroMQ delivers a message whole: its header alone is a malformed one)
+            raise GatewayProtocolError(f"gateway {self.endpoint} sent a message this client refuses: "
+                                       "a header without its body") from None
+        return self._decoded([first, *rest], sock, head)
+
+    def _header(self, frame: Any) -> protocol.Header:
+        try:
+            return protocol.decode_header(frame)
+        except ProtocolError as e:
+            raise GatewayProtocolError(f"gateway {self.endpoint} sent a message this client "
+                                       f"refuses: {e}") from None
 
     def synchronize(self) -> None:
         """Wait for everything queued and sent (``rc::sync``), raising a pending remote error.
@@ -851,12 +882,13 @@ class Session:
                 elif msg.type == protocol.ERROR:
                     self._raise_error(msg.body)
 
-    def _decoded(self, frames: list, sock: zmq.Socket) -> protocol.Message:
+    def _decoded(self, frames: list, sock: zmq.Socket, head: protocol.Header | None = None) -> protocol.Message:
         """A message from the gateway, counted, opened (signed links) and decoded; a VALUE as the
-        REPLY it answers (fastread.py)."""
+        REPLY it answers (fastread.py). ``head``: its header, decoded already."""
         self._stats["bytes_down"] += sum(map(len, frames))
         try:
-            head = protocol.decode_header(frames[0]) if frames else None
+            if head is None:
+                head = protocol.decode_header(frames[0]) if frames else None
             if head is None:
                 raise ProtocolError("empty message")
             if self.peer is not None:

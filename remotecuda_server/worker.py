@@ -314,15 +314,16 @@ class Worker:
     def _seal(self, frames: list, channel: int) -> list:
         return self.keys.seal(frames, channel | auth.WORKER) if self.keys is not None else frames
 
-    def _to_client(self, frames: list) -> None:
-        """A message of the executor's for the client, sealed here, in the order it is sent."""
+    def _to_client(self, frames: list, copy: bool = False) -> None:
+        """A message of the executor's for the client, sealed here, in the order it is sent;
+        ``copy``: a small one (a VALUE), cheaper copied than wrapped (remotecuda_wire/frames.py)."""
         if self.direct_client is None:
-            wire.send(self.sock, [internal.OUT, self.client, *self._seal(frames, auth.FRONT)], copy=False)
+            wire.send(self.sock, [internal.OUT, self.client, *self._seal(frames, auth.FRONT)], copy=copy)
             return
         frames = self._seal(frames, auth.DIRECT)
         self.direct_counts["direct_bytes_out"] += sum(map(len, frames))
         try:
-            wire.send(self.data, [self.direct_client, *frames], copy=False)
+            wire.send(self.data, [self.direct_client, *frames], copy=copy)
         except zmq.ZMQError:  # the client's connection is gone; the session times out
             pass
 
@@ -608,7 +609,7 @@ class Worker:
             self._on_ops(protocol.Message(protocol.OPS, fastread.as_ops(read), [], head.seq))
             return
         self._forward_outbox()  # (what the executor sent before goes first)
-        self._to_client(fastread.encode_value(body))
+        self._to_client(fastread.encode_value(body), copy=True)
         stats = self.executor.stats
         stats["ops"] += 1
         stats["messages"] += 1

@@ -5,6 +5,7 @@ like any message."""
 from __future__ import annotations
 
 import struct
+import textwrap
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import remotecuda
 from remotecuda_wire import auth, fastread, protocol
 from remotecuda_wire.protocol import Handle
 
-from conftest import Client, GatewayProcess, still_served
+from conftest import Client, GatewayProcess, run_python, still_served
 
 TOKEN = "fast-read-token-0123456789abcdef"
 
@@ -179,3 +180,134 @@ def test_malformed_reads_and_values_are_protocol_errors():
         frames = protocol.encode_bytes(protocol.VALUE, body)
         with pytest.raises(protocol.ProtocolError):
             fastread.decode_value(frames, protocol.decode_header(frames[0]))
+
+
+# ---------------------------------------------------------------- reads routed around torch's dispatcher
+def _plain_reads(x: torch.Tensor, grid: torch.Tensor) -> list:
+    return [x.item(), float(x.detach()), int(x), bool(x), x.tolist(), grid.tolist(), f"{x:.3f}"]
+
+
+def test_value_reads_go_straight_to_the_session(remote):
+    """``item()``, ``float()``, ``int()``, ``bool()`` and ``tolist()`` of a remote tensor take the
+    session directly (value_reads.py): no dispatch of ``_local_scalar_dense`` or ``_to_copy``
+    through torch's C++ and the dispatcher (no metadata-cache bypass counted), the same values."""
+    def made(dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.tensor(-2.75, device=dev, requires_grad=True) * 1  # (item() of a grad tensor: plain)
+        grid = torch.arange(6.0, device=dev).view(2, 3)
+        x.sum().item(), grid.sum().item()  # (what was queued for them has run)
+        return x, grid
+    local = _plain_reads(*made("cpu"))
+    x, grid = made("cuda")
+    st = remotecuda.stats()
+    bypassed, fast = sum(st["metadata_cache_bypass_reasons"].values()), st["fast_reads"]
+    got = _plain_reads(x, grid)
+    st = remotecuda.stats()
+    assert sum(st["metadata_cache_bypass_reasons"].values()) == bypassed  # (torch's path counts one a read)
+    # (format's item() too; float() of the detached view waits for the detach queued before it)
+    assert st["fast_reads"] - fast == 6
+    assert got == local and [type(g) for g in got] == [type(v) for v in local]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+                                   torch.int64, torch.bool, torch.complex64, torch.uint64])
+def test_routed_reads_convert_as_torch_does(remote, dtype):
+    values = {torch.bool: [True, False], torch.uint8: [0, 255], torch.int8: [-128, 7],
+              torch.uint64: [2 ** 63 + 5, 3], torch.complex64: [1 - 2j, 0j]}.get(
+        dtype, [-2.5, float("inf"), float("nan"), 2 ** 40 + 0.5] if dtype.is_floating_point else [-(2 ** 62), 0])
+
+    def reads(dev: str) -> list:
+        out: list = []
+        for v in values:
+            t = torch.tensor(v, dtype=dtype, device=dev)
+            t.sum().item()
+            for read in (t.item, t.__float__, t.__int__, t.__bool__, t.tolist):
+                try:
+                    r = read()
+                    out.append((type(r), r if r == r else "nan"))
+                except Exception as e:  # (the same refusal: torch's own, as on a GPU)
+                    out.append((type(e), str(e)))
+        return out
+    assert reads("cuda") == reads("cpu")
+
+
+def test_refusals_before_dispatch_stay_torchs(remote):
+    """A read of another number of elements than one is refused by torch's C++ before any
+    dispatch, in each method's own words; the route leaves it to torch."""
+    def refusals(dev: str) -> list:
+        out = []
+        for t in (torch.ones(2, device=dev), torch.ones(0, device=dev)):
+            for read in (t.item, t.__float__, t.__int__, t.__bool__):
+                with pytest.raises(Exception) as e:
+                    read()
+                out.append((type(e.value), str(e.value)))
+        return out
+    assert refusals("cuda") == refusals("cpu")
+
+
+def test_what_stands_in_torchs_path_still_sees_a_read(remote):
+    """A user's dispatch mode sees ``_local_scalar_dense``; a function mode and a subclass's
+    ``__torch_function__`` see the method; ``torch.jit.trace`` warns of the read: as locally."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Functions(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class Tagged(torch.Tensor):
+        seen: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.seen.append(getattr(func, "__name__", str(func)))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    def seen(dev: str) -> list:
+        x = torch.tensor([3.5], device=dev)
+        x.sum().item()
+        with Ops() as ops:
+            values = [x.item(), float(x), int(x), bool(x)]
+        with Functions() as fns:
+            values += [x.item(), float(x), int(x), bool(x), x.tolist()]
+        Tagged.seen = []
+        tagged = x.as_subclass(Tagged)
+        values += [tagged.item(), float(tagged), bool(tagged)]
+        return [values, ops.seen, fns.seen, Tagged.seen]
+    assert seen("cuda") == seen("cpu")
+
+    def traced(dev: str) -> list:
+        with pytest.warns(torch.jit.TracerWarning, match="Converting a tensor to a Python number"):
+            torch.jit.trace(lambda t: t * t.item(), torch.tensor([2.0], device=dev))
+        return [True]
+    assert traced("cuda") == traced("cpu")
+
+
+def test_float_of_a_tensor_requiring_grad_warns_as_torch_does(gateway):
+    """torch warns once (C++'s warn-once) at ``float()`` of a tensor requiring grad: the read goes
+    torch's way there, and the program sees the warning."""
+    r = run_python(textwrap.dedent("""
+        import warnings, torch, remotecuda
+        remotecuda.activate()
+        x = torch.tensor([1.5], device="cuda", requires_grad=True) * 2
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert float(x) == 3.0 and float(x) == 3.0 and x.item() == 3.0
+        print([str(m.message).split(".")[0] for m in w])
+    """), env={"REMOTECUDA_SERVERS": gateway.address, "REMOTECUDA_FALLBACK": "error"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    warned = "Converting a tensor with requires_grad=True to a scalar may lead to unexpected behavior"
+    assert r.stdout.strip() == repr([warned])
