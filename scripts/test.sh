@@ -13,4 +13,4 @@ PY=${PYTHON:-python3}
 (cd labextension && npm test --silent)             # the panel's TypeScript unit tests (vitest)
 .venv/bin/ruff check remotecuda remotecuda_wire remotecuda_server remotecuda_kernel tests benchmarks  # lint first: rules in pyproject.toml
 .venv/bin/mypy  # types of the modules listed in pyproject.toml's [tool.mypy]
-exec .venv/bin/python -m pytest -ra --durations=30 "$@"
+exec .venv/bin/python -m pytest -ra --durations=30 -n 2 --dist loadfile "$@"
