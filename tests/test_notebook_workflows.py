@@ -6,13 +6,14 @@ import time
 
 import pytest
 
-from conftest import GatewayProcess, wait_for
+from conftest import wait_for
 
 pytest.importorskip("jupyter_client")
 from test_jupyter import (  # noqa: E402 - the kernel helpers, after jupyter_client is known
     START_TIMEOUT,
     Kernel,
     gateway_sessions,
+    jgw,  # noqa: F401 - fixtures (module-scoped: a gateway of this module's own)
     kernel_dirs,  # noqa: F401 - fixtures
     kernel_env,  # noqa: F401
     kernelspec_prefix,  # noqa: F401
@@ -21,14 +22,6 @@ from test_jupyter import (  # noqa: E402 - the kernel helpers, after jupyter_cli
 #: seconds of remote work a cell leaves queued when it is interrupted: long enough that waiting
 #: for it shows, short enough for a test
 BACKLOG_SECONDS = 4.0
-
-
-@pytest.fixture(scope="module")
-def jgw():
-    """A gateway of this module's own (its session count is this module's alone)."""
-    gw = GatewayProcess("--spare", "2")
-    yield gw
-    gw.stop()
 
 
 @pytest.fixture(scope="module")
