@@ -727,11 +727,8 @@ class _Program:
 
     def __del__(self) -> None:
         s = getattr(self, "session", None)  # (None: __init__ refused the graph before defining it)
-        try:
-            if s is not None and not s.closed:
-                s.enqueue("rc::program_free", [self.id], None, None)
-        except Exception:  # noqa: BLE001 - a finalizer must not raise
-            pass
+        if s is not None and not s.closed:
+            s.drop_object("rc::program_free", self.id)
 
 
 class _Backward(_Program):

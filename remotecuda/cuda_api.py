@@ -418,10 +418,7 @@ class Event:
     def __del__(self) -> None:
         s = self.session
         if s is not None and not s.closed:
-            try:
-                s.enqueue("rc::event_free", [self.id], None, None)
-            except Exception:  # a finalizer must not raise
-                pass
+            s.drop_object("rc::event_free", self.id)
 
 
 # ---------------------------------------------------------------------- memory

@@ -69,10 +69,9 @@ class CUDAGraph:
                            "cudaGraph to dump")
 
     def __del__(self) -> None:
-        try:
-            self.reset()
-        except Exception:  # a finalizer must not raise
-            pass
+        s = getattr(self, "session", None)
+        if s is not None and not s.closed:
+            s.drop_object("rc::graph_free", self.id)
 
 
 def graph_pool_handle() -> tuple[int, int]:

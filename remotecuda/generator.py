@@ -91,7 +91,7 @@ class CudaGenerator(torch._C.Generator):
         .manual_seed(s)`` given to each pipeline call) stayed there, and in every snapshot, for good."""
         s = getattr(self, "session", None)
         if s is not None and not s.closed:
-            s.release_generator(self.gid)
+            s.drop_object("rc::gen_free", self.gid)
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]

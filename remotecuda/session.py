@@ -127,7 +127,7 @@ class Session:
         self._pending_bytes = 0
         self._first_pending = 0.0
         self._release: list[tuple[int, int]] = []  # (ops queued before it, handle)
-        self._freed_generators: list[int] = []  # device generators dropped: freed at the next flush
+        self._forgotten: list[tuple[str, int]] = []  # (free op, id) of objects dropped: sent with the next flush
         self._inflight: list = []  # (tracker, tensor): zero-copy uploads zmq has not sent yet
         self._seq = 0  # the last sequence number sent
         self._parts_sent = 0  # PART messages so far: an upload's op names how many precede it
@@ -374,10 +374,13 @@ class Session:
         the message, so a batch of several steps peaks at the memory of one, as it would locally."""
         self._release.append((len(self._ops), handle))
 
-    def release_generator(self, gid: int) -> None:
-        """A device generator dropped (its finalizer, on any thread: only an atomic append, as in
-        ``release``); an ``rc::gen_free`` takes it with the next message."""
-        self._freed_generators.append(gid)
+    def drop_object(self, free_op: str, oid: int) -> None:
+        """A gateway object dropped (a generator, event, graph or compiled program): its finalizer
+        calls this, on any thread, maybe while this very thread is inside ``flush`` with the lock
+        held (a garbage collection runs finalizers wherever it starts). So only an atomic append
+        here, as in ``release``: queueing ``free_op`` then would put an op into a message half sent
+        and count it as sent. The next message frees it, after every op queued before."""
+        self._forgotten.append((free_op, oid))
 
     def upload(self, t: torch.Tensor, non_blocking: bool = False, handle: int | None = None) -> int:
         """Queue a CPU tensor's bytes for the gateway; return its handle.
@@ -544,15 +547,17 @@ class Session:
                 self.open("flush")
                 if not self.connected:
                     raise GatewayLostError(f"this remotecuda session is closed{self.closed_why}")
-            if self._freed_generators:  # (after every op queued before they were dropped)
-                gids, self._freed_generators = self._freed_generators, []
-                self._ops.append(["rc::gen_free", gids, None, None])
+            if self._forgotten:  # (after every op queued before they were dropped)
+                by_op: dict[str, list[int]] = {}
+                for free_op, oid in _take(self._forgotten):
+                    by_op.setdefault(free_op, []).append(oid)
+                self._ops.extend([free_op, ids, None, None] for free_op, ids in by_op.items())
             if self.lost is not None and self._may_recover():  # the queued ops go with the replay
                 self._recover(GatewayDownError(self.lost), req)
                 return
             body: dict = {"ops": self._ops, "n0": self._op_index}
             if self._release:
-                rel, self._release = self._release, []
+                rel = _take(self._release)
                 body["rel"] = [h for _, h in rel]
                 body["rel_at"] = [n for n, _ in rel]
             if req is not None:
@@ -721,7 +726,7 @@ class Session:
         nothing). Its place in the failover log is none: a read changes nothing a replay must
         rebuild."""
         return (self.fast_read and self._settled and not self._ops
-                and not self._freed_generators and not self._later and not self._abandoned and not self.sources
+                and not self._forgotten and not self._later and not self._abandoned and not self.sources
                 and self.trace is None and self.lost is None and len(args) == 1
                 and type(args[0]) is (int if kind == fastread.FETCH else bytes))
 
@@ -1059,7 +1064,7 @@ class Session:
         if self._ops or self._release or req is not None:
             body: dict = {"ops": self._ops, "n0": self._op_index}
             if self._release:
-                rel, self._release = self._release, []
+                rel = _take(self._release)
                 body["rel"], body["rel_at"] = [h for _, h in rel], [n for n, _ in rel]
             if req is not None:
                 body["req"] = req
@@ -1319,6 +1324,16 @@ class Download:
             return self.assembly.finish(dtype, shape)
         except ProtocolError as e:
             raise GatewayProtocolError(f"a download from the gateway was damaged: {e}") from None
+
+
+def _take(items: list) -> list:
+    """What ``items`` holds now, taken out of it: ``del`` of a slice is one step under the GIL,
+    so an item a finalizer appends meanwhile, on another thread, stays for the next taker (a
+    swap for a new list, ``taken, items = items, []``, could lose it)."""
+    n = len(items)
+    taken = items[:n]
+    del items[:n]
+    return taken
 
 
 def _sendable(op: list) -> list:

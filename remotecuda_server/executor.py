@@ -286,7 +286,10 @@ INTERNAL_OPS: dict[str, InternalOp] = {}
 
 
 #: internal ops a CUDA graph capture lets through (the rest synchronise or move data: CUDA refuses those)
+#: (freeing what the program dropped, as a finalizer's next message may during a capture, forgets
+#: Python objects only, as it does on a GPU)
 CAPTURE_SAFE = frozenset({"rc::graph_end", "rc::graph_free", "rc::event_record", "rc::event_free",
+                          "rc::gen_free", "rc::program_free",
                           "rc::upload", "rc::upload_cached"})  # an upload is a constant of the graph
 
 

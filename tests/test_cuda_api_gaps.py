@@ -357,3 +357,39 @@ def test_cuda_visible_devices_set_before_the_first_use_applies(sim):
     finally:
         _reactivate(sim, None)
     assert torch.cuda.device_count() == 3
+
+
+def test_a_dropped_event_or_graph_is_forgotten_without_the_sessions_lock(remote):
+    """A finalizer runs wherever a garbage collection starts: on a thread that holds the session's
+    lock in the middle of a flush (its free op then went into a message half encoded, and was
+    counted as sent: a trace's op count and the stats' came apart), or on another thread, which
+    waited for that lock. It only notes the id now; the next message frees it."""
+    import threading
+
+    from remotecuda import runtime
+    ev = torch.cuda.Event()
+    ev.record()
+    g = torch.cuda.CUDAGraph()
+    x = torch.ones(2, device="cuda")
+    with torch.cuda.graph(g):
+        y = x * 2
+    g.replay()
+    s = runtime.current().session(torch.cuda.current_device())
+    torch.cuda.synchronize()
+    held, done, freed_while_held = threading.Event(), threading.Event(), []
+
+    def hold() -> None:
+        with s.lock:
+            held.set()
+            freed_while_held.append(done.wait(10))
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    del ev, g
+    done.set()
+    t.join()
+    assert freed_while_held == [True]
+    assert sorted(op for op, _ in s._forgotten) == ["rc::event_free", "rc::graph_free"]
+    assert torch.equal((y + 1).cpu(), torch.full((2,), 3.0))  # (the next message frees them)
+    assert s._forgotten == []

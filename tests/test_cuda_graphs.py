@@ -165,3 +165,21 @@ def test_an_optimizers_first_step_may_be_captured(remote):
     local(x).sum().backward()
     torch.optim.SGD(local.parameters(), lr=0.1).step()
     assert torch.equal(model.weight.detach().cpu(), local.weight.detach())
+
+
+def test_a_generator_dropped_during_a_capture_leaves_the_capture_whole(remote):
+    """A dropped generator is forgotten with the session's next message, which a long capture sends
+    mid-capture (every BATCH_OPS ops): forgetting a Python object is no device work, and the
+    gateway refused it there ("rc::gen_free inside a CUDA graph capture"), failing the capture."""
+    from remotecuda.session import BATCH_OPS
+    x = torch.ones(4, device="cuda")
+    gen = torch.Generator("cuda").manual_seed(3)
+    torch.rand(2, device="cuda", generator=gen)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        del gen
+        y = x
+        for _ in range(BATCH_OPS + 8):
+            y = y + 1
+    g.replay()
+    assert torch.equal(y.cpu(), torch.full((4,), BATCH_OPS + 9.0))

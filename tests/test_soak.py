@@ -78,5 +78,5 @@ def test_a_training_loop_holds_steady():
         if step % 5 == 0:
             loss.item()
             seen.append((torch.cuda.memory_allocated(), len(runtime.current().dispatcher.cache),
-                         len(s._later), len(s._abandoned), len(s._freed_generators)))
+                         len(s._later), len(s._abandoned), len(s._forgotten)))
     assert seen[1:] == seen[1:2] * (len(seen) - 1), seen  # (the first steps create AdamW's state)
