@@ -3,18 +3,21 @@
 A CPU-only torch has no NCCL, and gloo's C++ reads a remote tensor's device as 'meta' and
 refuses it ("unsupported device type meta"). Gloo on a GPU machine stages CUDA tensors through
 host memory; its collectives do so here too: the 'cuda' tensors a call names are read, the
-collective runs on the CPU copies, and the results are written back. What cannot work says so,
-naming remotecuda: the 'nccl' backend, and ``DistributedDataParallel`` over a 'cuda' model,
-whose gradient buckets are made and reduced in C++, out of the client's reach.
+collective runs on the CPU copies, and the results are written back. ``DistributedDataParallel``
+over a 'cuda' model, whose gradient buckets C++ reduces out of the client's reach, is made a
+``StagedDDP`` (ddp.py), which reduces them in Python. The 'nccl' backend, which a CPU-only torch
+lacks, runs as gloo.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
+from .ddp import StagedDDP
 from .tensor import RemoteTensor
 
 #: the collectives and point-to-point calls of torch.distributed that take tensors (or lists of them)
@@ -53,27 +56,32 @@ def _staged(original: Callable) -> Callable:
 
 
 def _init_process_group(original: Callable) -> Callable:
-    """``init_process_group`` refusing 'nccl' by name; no backend is gloo alone (torch's default
-    for an available CUDA, 'cuda:nccl,cpu:gloo', fails on a CPU-only build)."""
+    """``init_process_group`` with gloo for 'nccl' (said once, in a warning: a CPU-only torch has no
+    NCCL, and the GPUs are the gateways'; gloo's collectives on 'cuda' tensors go through the CPU,
+    as on a GPU machine), so that a ``torchrun`` script runs unchanged; no backend is gloo alone
+    (torch's default for an available CUDA, 'cuda:nccl,cpu:gloo', fails on a CPU-only build)."""
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         if backend is not None and "nccl" in str(backend).lower():
-            raise RuntimeError(
-                "remotecuda: torch.distributed's 'nccl' backend needs the GPUs in this process, and "
-                "remotecuda's 'cuda' devices are on gateways. Use backend='gloo' (its collectives on 'cuda' "
-                "tensors go through the CPU, as on a GPU machine), or for several GPUs in one process "
-                "nn.DataParallel; DistributedDataParallel over a 'cuda' model is not supported")
+            warnings.warn("remotecuda: torch.distributed's 'nccl' backend runs as 'gloo' (the GPUs are on "
+                          "gateways: collectives on 'cuda' tensors go through this process's CPU)", stacklevel=2)
+            backend = "gloo"
         return original("gloo" if backend is None else backend, *args, **kwargs)
     init_process_group.__wrapped__ = original  # type: ignore[attr-defined]
     return init_process_group
 
 
 def _ddp_init(original: Callable) -> Callable:
+    """DDP's ``__init__``, making a DDP over a 'cuda' model a ``StagedDDP`` (ddp.py)."""
     def __init__(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         if any(isinstance(t, RemoteTensor) for t in (*module.parameters(), *module.buffers())):
-            raise NotImplementedError(
-                "remotecuda: DistributedDataParallel over a model on 'cuda' is not supported (its gradient "
-                "buckets are made and reduced in C++, which cannot reach the gateway). Use "
-                "nn.DataParallel over the pool's devices, or one process without DDP")
+            if type(self) is not torch.nn.parallel.DistributedDataParallel:
+                raise NotImplementedError(
+                    f"remotecuda: a subclass of DistributedDataParallel ({type(self).__name__}) over a model "
+                    "on 'cuda' is not supported (its gradient buckets are reduced in C++, which cannot reach "
+                    "the gateway; remotecuda replaces DistributedDataParallel itself only)")
+            self.__class__ = StagedDDP
+            StagedDDP._stage(cast(StagedDDP, self), module, *args, **kwargs)
+            return
         original(self, module, *args, **kwargs)
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     return __init__

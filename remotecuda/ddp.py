@@ -1,0 +1,136 @@
+"""``DistributedDataParallel`` over a model on 'cuda' while active.
+
+torch's DDP reduces gradients in C++ (its ``Reducer`` fills buckets from autograd hooks and hands
+them to the process group), which a remote tensor cannot cross: gloo's C++ sees its device as
+'meta'. Yet the program is ordinary (``torchrun train.py``, each process on its own GPU, DDP
+around the model), and on a GPU machine with gloo the buckets go through host memory. So a DDP
+made over a 'cuda' model becomes a ``StagedDDP``, which does what the Reducer does, in Python, at
+the same points: the module's parameters and buffers broadcast from rank 0 when it is made, the
+buffers again before each forward (``broadcast_buffers``), and at the end of each backward that
+syncs (not inside ``no_sync()``) every gradient summed over the world and divided by its size,
+as one flat tensor per dtype: one read and one write per backward, whatever the parameter count.
+With one process the world is the process itself and nothing crosses the wire.
+
+What the Reducer offers beyond that is refused by name (communication hooks, ``join``, static
+graph); a gradient a rank did not compute counts as zeros in the others' sum (as
+``find_unused_parameters=True`` makes it), and stays None on that rank.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+
+class StagedDDP(nn.parallel.DistributedDataParallel):
+    """A DDP whose gradient reduction runs in Python, through the CPU (module docstring).
+    Made by ``DistributedDataParallel(model)`` when ``model`` is on 'cuda' (distributed.py)."""
+
+    def _stage(self, module: nn.Module, device_ids: Any = None, output_device: Any = None, dim: int = 0,
+               broadcast_buffers: bool = True, process_group: Any = None, bucket_cap_mb: Any = None,
+               find_unused_parameters: bool = False, check_reduction: bool = False,
+               gradient_as_bucket_view: bool = False, static_graph: bool = False, **_: Any) -> None:
+        """DDP's ``__init__`` for this class: its arguments, the same defaults."""
+        nn.Module.__init__(self)
+        if static_graph:
+            raise NotImplementedError("remotecuda: DistributedDataParallel(static_graph=True) over a 'cuda' model "
+                                      "is not supported (remotecuda reduces gradients itself, without a Reducer)")
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.device_ids = None if device_ids is None else [torch.device("cuda", d) if isinstance(d, int)
+                                                           else torch.device(d) for d in device_ids]
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._world = dist.get_world_size(self.process_group)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._queued = False
+        self._broadcast([*module.parameters(), *module.buffers()])
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.device_ids:  # (DDP moves the inputs to its device, as here)
+            device = self.device_ids[0]
+            inputs, kwargs = tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, (inputs, kwargs))
+        if self.broadcast_buffers and self.require_forward_param_sync:
+            self._broadcast(list(self.module.buffers()))
+        return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside it accumulate gradients without reducing them (DDP's idiom for
+        gradient accumulation); the first one after it reduces what was accumulated."""
+        before, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = before
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        raise NotImplementedError("remotecuda: DDP communication hooks over a 'cuda' model are not supported "
+                                  "(remotecuda reduces the gradients itself, through the CPU)")
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("remotecuda: DDP's join() over a 'cuda' model is not supported")
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values of ``tensors`` on every rank (DDP's ``_sync_module_states``)."""
+        if self._world == 1 or not tensors:
+            return
+        with torch.no_grad():
+            for group in _by_dtype(tensors).values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group]).cpu()
+                dist.broadcast(flat, _global_rank_0(self.process_group), group=self.process_group)
+                _write_back(group, flat.to(group[0].device))
+
+    def _accumulated(self, _: torch.Tensor) -> None:
+        """A parameter's gradient is in: at the end of this backward, reduce them all (once)."""
+        if self.require_backward_grad_sync and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    def _reduce(self) -> None:
+        """Each gradient summed over the world and divided by its size, a flat tensor per dtype."""
+        self._queued = False
+        if self._world == 1:  # (the sum of one, divided by one)
+            return
+        with torch.no_grad():
+            for group in _by_dtype(self._params).values():
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                  for p in group]).cpu()
+                flat.mul_(1.0 / self._world)  # (the Reducer divides as it fills a bucket, then sums)
+                dist.all_reduce(flat, group=self.process_group)
+                _write_back(group, flat.to(group[0].device), grads=True)
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return groups
+
+
+def _write_back(tensors: list[torch.Tensor], flat: torch.Tensor, grads: bool = False) -> None:
+    """``flat``'s consecutive pieces copied into ``tensors`` (``grads``: into their gradients,
+    a tensor without one skipped, its piece too)."""
+    at = 0
+    for t in tensors:
+        n = t.numel()
+        target = t.grad if grads else t
+        if target is not None:
+            target.copy_(flat[at:at + n].view(t.shape))
+        at += n
+
+
+def _global_rank_0(group: Any) -> int:
+    return dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
