@@ -290,6 +290,10 @@ CAPTURE_SAFE = frozenset({"rc::graph_end", "rc::graph_free", "rc::event_record",
                           "rc::upload", "rc::upload_cached"})  # an upload is a constant of the graph
 
 
+#: what a CUDA generator's ``graphsafe_get_state``/``graphsafe_set_state`` share (a CPU device's refusal names it)
+_GRAPHSAFE = "graph-safe state (graphsafe_get_state, graphsafe_set_state)"
+
+
 def internal_op(name: str, args: str, stores: bool = False) -> Callable:
     """Serve ``rc::<name>`` with the decorated Executor method, called with the op's args."""
     def register(method: Callable) -> Callable:
@@ -883,6 +887,47 @@ class Executor:
         if g is None:
             g = self.generators[gid] = torch.Generator(device=self.device)
         g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+    @internal_op("gen_offset", "[generator id or nil, offset or nil]")
+    def _gen_offset(self, args: list) -> int | None:
+        """A device generator's Philox offset (nil: the device's default generator's): read, as
+        ``get_offset()``, or set when given, as ``set_offset()`` (the generator's own check, a
+        multiple of 4, decides). A request both ways, so a refusal comes at the call."""
+        gid, offset = args
+        g = self._philox_generator(gid, "Philox offset (get_offset, set_offset)")
+        if offset is None:
+            return g.get_offset()
+        g.set_offset(offset)
+        return None
+
+    @internal_op("gen_graphsafe_get", "[new generator id, source generator id or nil]")
+    def _gen_graphsafe_get(self, args: list) -> None:
+        """``graphsafe_get_state()``: a new generator sharing the source's state (nil: the device's
+        default's), not a copy of it: a draw from either advances both, as a CUDA graph's
+        registered generator states need."""
+        gid, source = args
+        self.generators[gid] = self._philox_generator(source, _GRAPHSAFE).graphsafe_get_state()
+
+    @internal_op("gen_graphsafe_set", "[generator id or nil, state generator id or nil]")
+    def _gen_graphsafe_set(self, args: list) -> None:
+        """``graphsafe_set_state(state)``: the generator (nil: the device's default) draws from the
+        state ``state`` holds from now on, sharing it."""
+        gid, state = args
+        self._philox_generator(gid, _GRAPHSAFE).graphsafe_set_state(self._philox_generator(state, _GRAPHSAFE))
+
+    def _philox_generator(self, gid: int | None, what: str) -> torch.Generator:
+        """A generator whose Philox state a program reaches (nil: the device's default): a CUDA
+        generator's. A device served by the CPU has the CPU's Mersenne Twister, which has no such
+        state; its refusal says so (the CPU generator's own would blame a 'CPU Generator' the
+        program never made)."""
+        if self.device.type != "cuda":
+            raise NotImplementedError(
+                f"remotecuda: this device is served by its gateway's CPU, whose generator (a Mersenne Twister, "
+                f"not CUDA's Philox) has no {what}: that needs a gateway serving a GPU")
+        g = self._default_generator() if gid is None else self.generators.get(gid)
+        if g is None:
+            raise RuntimeError(f"remotecuda: generator {gid} is unknown to the gateway")
+        return g
 
     def _default_generator(self) -> torch.Generator:
         """The device's default generator (a worker's CUDA device always names its index)."""
