@@ -1,5 +1,6 @@
-"""Backend flags a script sets (cuDNN, TF32, matmul precision, deterministic algorithms,
-``torch.set_default_dtype``, the attention backends) reach the gateways, where the work they govern runs.
+"""Backend flags a script sets (cuDNN, TF32, matmul precision, deterministic algorithms and the
+``CUBLAS_WORKSPACE_CONFIG`` they need, ``torch.set_default_dtype``, the attention backends) reach the
+gateways, where the work they govern runs.
 
 Every Python-level way of setting them (``torch.backends.cudnn.benchmark = True``,
 ``cudnn.flags(...)``, ``torch.backends.cuda.matmul.allow_tf32``,
@@ -12,6 +13,7 @@ Sessions opened later get every flag set so far (the runtime's ``flags``).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +40,9 @@ _READ: dict[str, Callable[[], Any]] = {
         lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
     "float32_matmul_precision": torch.get_float32_matmul_precision,
     "deterministic_algorithms": _deterministic,
+    # an environment variable torch reads at the first cuBLAS call, where the GPU is: the program's,
+    # as it is when a flag is set (a program sets it before ``use_deterministic_algorithms``)
+    "cublas_workspace_config": lambda: os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     # what a factory given no dtype makes, and what integer tensors promote to (``arange(4) / 3``)
     "default_dtype": lambda: str(torch.get_default_dtype()).removeprefix("torch."),
 }
@@ -69,7 +74,7 @@ DEFAULTS: dict[str, Any] = {
     "cudnn.enabled": True, "cudnn.benchmark": False, "cudnn.deterministic": False, "cudnn.allow_tf32": True,
     "matmul.allow_tf32": False, "matmul.allow_fp16_reduced_precision_reduction": True,
     "matmul.allow_bf16_reduced_precision_reduction": True, "float32_matmul_precision": "highest",
-    "deterministic_algorithms": [False, False], "default_dtype": "float32",
+    "deterministic_algorithms": [False, False], "cublas_workspace_config": None, "default_dtype": "float32",
     "fp32_precision.generic.all": "none", "fp32_precision.cuda.all": "none", "fp32_precision.cuda.matmul": "none",
     "fp32_precision.cuda.conv": "tf32", "fp32_precision.cuda.rnn": "tf32",
     "sdp.flash": True, "sdp.mem_efficient": True, "sdp.math": True, "sdp.cudnn": True, "sdp.overrideable": True,

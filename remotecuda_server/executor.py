@@ -8,6 +8,7 @@ error is returned with the reply to the client's next request.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -1318,6 +1319,7 @@ _FLAGS = {
     "matmul.allow_bf16_reduced_precision_reduction":
         lambda v: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", _reduction(v)),
     "deterministic_algorithms": lambda v: _set_deterministic(bool(v[0]), bool(v[1])),
+    "cublas_workspace_config": lambda v: _set_cublas_workspace_config(v),
     "default_dtype": lambda v: torch.set_default_dtype(_DEFAULT_DTYPES[str(v)]),
     # which attention backends ``_fused_sdp_choice`` may pick (``sdpa_kernel``), and in what order
     "sdp.flash": lambda v: torch._C._set_sdp_use_flash(bool(v)),
@@ -1338,6 +1340,23 @@ def _set_deterministic(mode: bool, warn_only: bool) -> None:
     if config is not None:
         config.deterministic = mode
     torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+
+
+#: the worker's own ``CUBLAS_WORKSPACE_CONFIG`` (the gateway's environment), what a client's unset restores
+_CUBLAS_WORKSPACE_CONFIG = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+
+
+def _set_cublas_workspace_config(value: str | None) -> None:
+    """The program's ``CUBLAS_WORKSPACE_CONFIG`` (None: it has none), in this worker's environment,
+    where torch reads it: at the first cuBLAS call, deterministic algorithms on, a value other than
+    ``:4096:8`` or ``:16:8`` makes every cuBLAS op raise, and the workspace is sized by it. Left in
+    the client's environment only, a program that set it (transformers' ``enable_full_determinism``
+    does) had every matmul on a GPU gateway refused."""
+    value = _CUBLAS_WORKSPACE_CONFIG if value is None else str(value)
+    if value is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = value
 
 
 def _reduction(v: Any) -> bool | tuple:
