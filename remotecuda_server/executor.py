@@ -1320,6 +1320,10 @@ _FLAGS = {
         lambda v: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", _reduction(v)),
     "deterministic_algorithms": lambda v: _set_deterministic(bool(v[0]), bool(v[1])),
     "cublas_workspace_config": lambda v: _set_cublas_workspace_config(v),
+    "fill_uninitialized_memory": lambda v: torch._C._set_deterministic_fill_uninitialized_memory(bool(v)),
+    "matmul.allow_fp16_accumulation": lambda v: torch._C._set_cublas_allow_fp16_accumulation(bool(v)),
+    "preferred_linalg_library": lambda v: _prefer("_set_linalg_preferred_backend", torch._C._LinalgBackend, v),
+    "preferred_blas_library": lambda v: _prefer("_set_blas_preferred_backend", torch._C._BlasBackend, v),
     "default_dtype": lambda v: torch.set_default_dtype(_DEFAULT_DTYPES[str(v)]),
     # which attention backends ``_fused_sdp_choice`` may pick (``sdpa_kernel``), and in what order
     "sdp.flash": lambda v: torch._C._set_sdp_use_flash(bool(v)),
@@ -1357,6 +1361,14 @@ def _set_cublas_workspace_config(value: str | None) -> None:
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     else:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = value
+
+
+def _prefer(setter: str, enum: Any, name: Any) -> None:
+    """A CUDA library choice (cuSOLVER or MAGMA, cuBLAS or cuBLASLt), by its enum member's name, made
+    where CUDA runs; a gateway without CUDA has neither library (its torch would refuse the choice)
+    and its CPU kernels use neither."""
+    if torch.cuda.is_available():
+        getattr(torch._C, setter)(getattr(enum, str(name)))
 
 
 def _reduction(v: Any) -> bool | tuple:

@@ -93,3 +93,44 @@ def test_a_gpu_gateways_cublas_follows_the_programs_workspace_config(run_python,
         gw.stop()
     assert local.returncode == 0 and remote.returncode == 0, local.stderr + remote.stderr
     assert json.loads(remote.stdout.splitlines()[-1]) == json.loads(local.stdout.splitlines()[-1])
+
+
+def test_fill_uninitialized_memory_turned_off_reaches_the_gateway():
+    """``torch.utils.deterministic.fill_uninitialized_memory = False`` (deterministic algorithms
+    without the cost of filling every new tensor): the gateway went on filling them with NaN."""
+    import torch.utils.deterministic as deterministic
+
+    torch._C._set_deterministic_algorithms(True)
+    try:
+        deterministic.fill_uninitialized_memory = False
+        local = torch.empty(64)
+        remote = torch.empty(64, device="cuda").cpu()
+        deterministic.fill_uninitialized_memory = True
+        filled = torch.empty(64, device="cuda").cpu()
+    finally:
+        deterministic.fill_uninitialized_memory = True
+        torch._C._set_deterministic_algorithms(False)
+    assert not local.isnan().all() and not remote.isnan().all()
+    assert filled.isnan().all()
+
+
+@pytest.mark.parametrize(("choose", "choice"), [
+    (torch.backends.cuda.preferred_linalg_library, "cusolver"),
+    (torch.backends.cuda.preferred_linalg_library, "magma"),
+    (torch.backends.cuda.preferred_blas_library, "cublaslt"),
+])
+def test_a_cuda_library_choice_is_held_and_sent_not_refused(monkeypatch, choose, choice):
+    """A CPU-only torch has neither cuSOLVER, MAGMA nor cuBLASLt: choosing one (a known workaround for a
+    cuSOLVER failure) raised "not compiled with cuSOLVER" in the program, where a GPU machine's torch
+    takes it. The choice is the gateway's to apply; the program reads back what it chose."""
+    torch.ones(1, device="cuda")  # a session is open
+    sent = _sent_flags(monkeypatch)
+    before = choose()
+    try:
+        got = choose(choice)
+        assert got.name.lower() == choice and choose() == got
+        torch.cuda.synchronize()  # the gateway took it (an error in rc::set_flags is raised here)
+    finally:
+        choose(before.name.lower())
+    key = f"preferred_{choose.__name__.split('_')[1]}_library"
+    assert [d[key] for d in sent] == [got.name, before.name]
