@@ -103,10 +103,10 @@ def test_fill_uninitialized_memory_turned_off_reaches_the_gateway():
     torch._C._set_deterministic_algorithms(True)
     try:
         deterministic.fill_uninitialized_memory = False
-        local = torch.empty(64)
-        remote = torch.empty(64, device="cuda").cpu()
+        local = torch.empty(70001)  # (a size no earlier test's filled tensor freed for reuse)
+        remote = torch.empty(70001, device="cuda").cpu()
         deterministic.fill_uninitialized_memory = True
-        filled = torch.empty(64, device="cuda").cpu()
+        filled = torch.empty(70001, device="cuda").cpu()
     finally:
         deterministic.fill_uninitialized_memory = True
         torch._C._set_deterministic_algorithms(False)
