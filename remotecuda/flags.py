@@ -1,5 +1,6 @@
-"""Backend flags a script sets (cuDNN, TF32, matmul precision, deterministic algorithms,
-``torch.set_default_dtype``, the attention backends) reach the gateways, where the work they govern runs.
+"""Backend flags a script sets (cuDNN, TF32, matmul precision, deterministic algorithms and the
+``CUBLAS_WORKSPACE_CONFIG`` they need, ``torch.set_default_dtype``, the attention backends) reach the
+gateways, where the work they govern runs.
 
 Every Python-level way of setting them (``torch.backends.cudnn.benchmark = True``,
 ``cudnn.flags(...)``, ``torch.backends.cuda.matmul.allow_tf32``,
@@ -12,6 +13,7 @@ Sessions opened later get every flag set so far (the runtime's ``flags``).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +38,14 @@ _READ: dict[str, Callable[[], Any]] = {
         lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
     "matmul.allow_bf16_reduced_precision_reduction":
         lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+    "matmul.allow_fp16_accumulation": lambda: torch.backends.cuda.matmul.allow_fp16_accumulation,
     "float32_matmul_precision": torch.get_float32_matmul_precision,
     "deterministic_algorithms": _deterministic,
+    # whether deterministic algorithms fill new tensors' memory (NaN, an integer's largest value)
+    "fill_uninitialized_memory": torch._C._get_deterministic_fill_uninitialized_memory,
+    # an environment variable torch reads at the first cuBLAS call, where the GPU is: the program's,
+    # as it is when a flag is set (a program sets it before ``use_deterministic_algorithms``)
+    "cublas_workspace_config": lambda: os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     # what a factory given no dtype makes, and what integer tensors promote to (``arange(4) / 3``)
     "default_dtype": lambda: str(torch.get_default_dtype()).removeprefix("torch."),
 }
@@ -68,8 +76,10 @@ _READ.update({key: getattr(torch._C, f"_get_{name}") for key, name in _SDP.items
 DEFAULTS: dict[str, Any] = {
     "cudnn.enabled": True, "cudnn.benchmark": False, "cudnn.deterministic": False, "cudnn.allow_tf32": True,
     "matmul.allow_tf32": False, "matmul.allow_fp16_reduced_precision_reduction": True,
-    "matmul.allow_bf16_reduced_precision_reduction": True, "float32_matmul_precision": "highest",
-    "deterministic_algorithms": [False, False], "default_dtype": "float32",
+    "matmul.allow_bf16_reduced_precision_reduction": True, "matmul.allow_fp16_accumulation": False,
+    "float32_matmul_precision": "highest", "deterministic_algorithms": [False, False],
+    "fill_uninitialized_memory": True, "cublas_workspace_config": None, "default_dtype": "float32",
+    "preferred_linalg_library": "Default", "preferred_blas_library": "Cublas",
     "fp32_precision.generic.all": "none", "fp32_precision.cuda.all": "none", "fp32_precision.cuda.matmul": "none",
     "fp32_precision.cuda.conv": "tf32", "fp32_precision.cuda.rnn": "tf32",
     "sdp.flash": True, "sdp.mem_efficient": True, "sdp.math": True, "sdp.cudnn": True, "sdp.overrideable": True,
@@ -79,11 +89,21 @@ DEFAULTS: dict[str, Any] = {
 #: the torch._C setters every route above ends in
 _SETTERS = ("_set_cudnn_enabled", "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_allow_tf32",
             "_set_cublas_allow_tf32", "_set_cublas_allow_fp16_reduced_precision_reduction",
-            "_set_cublas_allow_bf16_reduced_precision_reduction", "_set_float32_matmul_precision",
-            "_set_deterministic_algorithms", "_set_default_dtype", "_set_fp32_precision_setter",
+            "_set_cublas_allow_bf16_reduced_precision_reduction", "_set_cublas_allow_fp16_accumulation",
+            "_set_float32_matmul_precision", "_set_deterministic_algorithms",
+            "_set_deterministic_fill_uninitialized_memory", "_set_default_dtype", "_set_fp32_precision_setter",
             *(name for name in ("_set_sdp_use_flash", "_set_sdp_use_mem_efficient", "_set_sdp_use_math",
                                 "_set_sdp_use_cudnn", "_set_sdp_use_overrideable", "_set_sdp_priority_order",
                                 "_set_math_sdp_allow_fp16_bf16_reduction") if hasattr(torch._C, name)))
+#: CUDA library choices a CPU-only torch refuses to hold, having neither library
+#: (``torch.backends.cuda.preferred_linalg_library("cusolver")``, ``preferred_blas_library("cublaslt")``
+#: raised "not compiled with cuSOLVER" in the program): while active the client keeps them (the
+#: runtime's ``flags``, by the enum's member name) and the gateway's torch applies them. flag → torch._C's
+#: getter, setter and enum
+_HELD = {
+    "preferred_linalg_library": ("_get_linalg_preferred_backend", "_set_linalg_preferred_backend", "_LinalgBackend"),
+    "preferred_blas_library": ("_get_blas_preferred_backend", "_set_blas_preferred_backend", "_BlasBackend"),
+}
 #: cudnn's properties hold their setter, not torch._C's attribute: re-pointed while active
 _CUDNN_PROPS = {"enabled": "_set_cudnn_enabled", "benchmark": "_set_cudnn_benchmark",
                 "deterministic": "_set_cudnn_deterministic", "allow_tf32": "_set_cudnn_allow_tf32"}
@@ -108,9 +128,11 @@ def _current() -> dict[str, Any]:
 def changed() -> None:
     """Queue what differs from what the gateways were told (the defaults, then each change)."""
     rt = runtime.active()
-    if rt is None:
-        return
-    delta = {k: v for k, v in _current().items() if rt.flags.get(k, DEFAULTS[k]) != v}
+    if rt is not None:
+        _tell(rt, {k: v for k, v in _current().items() if rt.flags.get(k, DEFAULTS[k]) != v})
+
+
+def _tell(rt: Any, delta: dict[str, Any]) -> None:
     if not delta:
         return
     rt.flags.update(delta)
@@ -129,6 +151,17 @@ def _noting(setter: Callable) -> Callable:
     return set_flag
 
 
+def _held_getter(key: str, enum: Any) -> Callable[[], Any]:
+    return lambda: getattr(enum, runtime.current().flags.get(key, DEFAULTS[key]))
+
+
+def _held_setter(key: str) -> Callable[[Any], None]:
+    def set_flag(backend: Any) -> None:
+        rt = runtime.current()
+        _tell(rt, {key: backend.name} if rt.flags.get(key, DEFAULTS[key]) != backend.name else {})
+    return set_flag
+
+
 def _late_bound(name: str) -> Callable[[Any], Any]:
     return lambda value: getattr(torch._C, name)(value)
 
@@ -138,6 +171,9 @@ def install(p: Any) -> None:
     about flags set before activation."""
     for name in _SETTERS:
         p.set(torch._C, name, _noting(getattr(torch._C, name)))
+    for key, (getter, setter, enum) in _HELD.items():
+        p.set(torch._C, getter, _held_getter(key, getattr(torch._C, enum)))
+        p.set(torch._C, setter, _held_setter(key))
     cudnn_type = type(torch.backends.cudnn)
     for prop, name in _CUDNN_PROPS.items():
         p.set(cudnn_type, prop, ContextProp(vars(cudnn_type)[prop].getter, _late_bound(name)))

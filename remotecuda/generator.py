@@ -62,18 +62,14 @@ class CudaGenerator(torch._C.Generator):
     gid: int
     index: int
     session: Any
-    user_seed: int
+    #: the seed the program set, in a cell that generators sharing one state share
+    #: (``graphsafe_get_state``: a CUDA generator's seed is part of its state)
+    seed_cell: list[int]
 
     def __new__(cls, session: Any, clone_of: tuple[int | None, int] | None = None) -> CudaGenerator:
         """A fresh generator, or with ``clone_of`` = (the source's id, None for the device's
         default; its initial seed) a copy of another's state on the gateway (``clone_state``)."""
-        self = torch._C.Generator.__new__(cls, "cpu")  # type: ignore[call-arg]  # (torch's stub)
-        self.gid = next(_ids)
-        self.index = session.vdev
-        self.session = session
-        self.user_seed = DEFAULT_SEED if clone_of is None else clone_of[1]
-        torch._C.Generator.manual_seed(self, _MAGIC | self.gid)
-        _live[self.gid] = self
+        self = cls.carrier(session, [DEFAULT_SEED if clone_of is None else clone_of[1]])
         if clone_of is None:
             self._send("rc::gen_new", [self.gid, DEFAULT_SEED])
         else:
@@ -82,6 +78,34 @@ class CudaGenerator(torch._C.Generator):
 
     def __init__(self, session: Any, clone_of: tuple[int | None, int] | None = None) -> None:
         pass
+
+    @classmethod
+    def carrier(cls, session: Any, seed_cell: list[int]) -> CudaGenerator:
+        """The client's object for a new gateway generator id, which the caller then makes there."""
+        self = torch._C.Generator.__new__(cls, "cpu")  # type: ignore[call-arg]  # (torch's stub)
+        self.gid = next(_ids)
+        self.index = session.vdev
+        self.session = session
+        self.seed_cell = seed_cell
+        torch._C.Generator.manual_seed(self, _MAGIC | self.gid)
+        _live[self.gid] = self
+        return self
+
+    @classmethod
+    def sharing_state(cls, session: Any, source: int | None, seed_cell: list[int]) -> CudaGenerator:
+        """``graphsafe_get_state()`` of the gateway generator ``source`` (None: the device's default):
+        a generator drawing from the same state, not a copy of it."""
+        self = cls.carrier(session, seed_cell)
+        session.request("rc::gen_graphsafe_get", [self.gid, source])
+        return self
+
+    @property
+    def user_seed(self) -> int:
+        return self.seed_cell[0]
+
+    @user_seed.setter
+    def user_seed(self, seed: int) -> None:
+        self.seed_cell[0] = seed
 
     def _send(self, op: str, args: list) -> None:
         self.session.enqueue(op, args, None, None)
@@ -122,6 +146,21 @@ class CudaGenerator(torch._C.Generator):
         """A generator of its own in this one's state, as a CUDA generator's ``clone_state`` gives:
         torch's would clone the carrier, whose seed names this same gateway generator."""
         return CudaGenerator(self.session, (self.gid, self.user_seed))
+
+    def get_offset(self) -> int:  # type: ignore[override]
+        """The gateway generator's Philox offset (a CPU-served device has none: its refusal)."""
+        return philox_offset(self.session, self.gid)
+
+    def set_offset(self, offset: int) -> CudaGenerator:  # type: ignore[override]
+        set_philox_offset(self.session, self.gid, offset)
+        return self
+
+    def graphsafe_get_state(self) -> CudaGenerator:  # type: ignore[override]
+        return CudaGenerator.sharing_state(self.session, self.gid, self.seed_cell)
+
+    def graphsafe_set_state(self, state: torch._C.Generator) -> CudaGenerator:  # type: ignore[override]
+        self.seed_cell = share_state(self.session, self.gid, state)
+        return self
 
     def __reduce__(self) -> tuple[Any, ...]:
         """``copy.deepcopy`` and pickle, as torch's ``(Generator, (device,), (seed, offset, state))``."""
@@ -183,11 +222,59 @@ class DefaultCudaGenerator(torch._C.Generator):
         mean the default)."""
         return CudaGenerator(self.session_of(self.index), (None, self.initial_seed()))
 
+    def get_offset(self) -> int:  # type: ignore[override]
+        """``torch.cuda._get_rng_state_offset`` asks this."""
+        return philox_offset(self.session_of(self.index), None)
+
+    def set_offset(self, offset: int) -> DefaultCudaGenerator:  # type: ignore[override]
+        set_philox_offset(self.session_of(self.index), None, offset)
+        return self
+
+    def graphsafe_get_state(self) -> CudaGenerator:  # type: ignore[override]
+        """A generator sharing the default's state (its seed asked once: the default's is the gateway's)."""
+        session = self.session_of(self.index)
+        return CudaGenerator.sharing_state(session, None, [self.initial_seed()])
+
+    def graphsafe_set_state(self, state: torch._C.Generator) -> DefaultCudaGenerator:  # type: ignore[override]
+        share_state(self.session_of(self.index), None, state)
+        return self
+
     def __reduce__(self) -> tuple[Any, ...]:
         return remade, (self.device,), (self.initial_seed(), None, self.get_state())
 
     def __repr__(self) -> str:
         return f"<torch.Generator device='cuda:{self.index}' (remotecuda: the device's default)>"
+
+
+def philox_offset(session: Any, gid: int | None) -> int:
+    """Generator ``gid``'s Philox offset (None: the device's default), the gateway's answer."""
+    return int(session.request("rc::gen_offset", [gid, None]))
+
+
+def set_philox_offset(session: Any, gid: int | None, offset: Any) -> None:
+    """Set it, as a request: the gateway's generator checks the value (a multiple of 4) and a
+    CPU-served device refuses, both at the call, as a GPU's generator raises there."""
+    session.request("rc::gen_offset", [gid, _unsigned(offset)])
+
+
+def _unsigned(offset: Any) -> int:
+    """An offset as torch's binding takes it (an unsigned 64-bit number: -4 is 2**64 - 4), with its
+    errors at the call for what it refuses."""
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise RuntimeError(f"manual_offset expected a long, but got {type(offset).__name__}")
+    if not -2**63 <= offset < 2**64:
+        raise ValueError("Overflow when unpacking long long")
+    return offset % 2**64
+
+
+def share_state(session: Any, gid: int | None, state: Any) -> list[int]:
+    """``graphsafe_set_state(state)`` of generator ``gid`` (None: the device's default): from now on
+    it draws from ``state``'s state; the seed cell it then shares with ``state`` is returned."""
+    if not on_cuda(state):
+        raise RuntimeError("Expected a CUDA Generator")
+    ref = wire_ref(state, session)
+    session.request("rc::gen_graphsafe_set", [gid, None if ref is None else ref.id])
+    return state.seed_cell if isinstance(state, CudaGenerator) else [state.initial_seed()]
 
 
 def on_cuda(g: Any) -> bool:

@@ -8,6 +8,7 @@ error is returned with the reply to the client's next request.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -291,6 +292,10 @@ INTERNAL_OPS: dict[str, InternalOp] = {}
 CAPTURE_SAFE = frozenset({"rc::graph_end", "rc::graph_free", "rc::event_record", "rc::event_free",
                           "rc::gen_free", "rc::program_free",
                           "rc::upload", "rc::upload_cached"})  # an upload is a constant of the graph
+
+
+#: what a CUDA generator's ``graphsafe_get_state``/``graphsafe_set_state`` share (a CPU device's refusal names it)
+_GRAPHSAFE = "graph-safe state (graphsafe_get_state, graphsafe_set_state)"
 
 
 def internal_op(name: str, args: str, stores: bool = False) -> Callable:
@@ -887,6 +892,47 @@ class Executor:
             g = self.generators[gid] = torch.Generator(device=self.device)
         g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
+    @internal_op("gen_offset", "[generator id or nil, offset or nil]")
+    def _gen_offset(self, args: list) -> int | None:
+        """A device generator's Philox offset (nil: the device's default generator's): read, as
+        ``get_offset()``, or set when given, as ``set_offset()`` (the generator's own check, a
+        multiple of 4, decides). A request both ways, so a refusal comes at the call."""
+        gid, offset = args
+        g = self._philox_generator(gid, "Philox offset (get_offset, set_offset)")
+        if offset is None:
+            return g.get_offset()
+        g.set_offset(offset)
+        return None
+
+    @internal_op("gen_graphsafe_get", "[new generator id, source generator id or nil]")
+    def _gen_graphsafe_get(self, args: list) -> None:
+        """``graphsafe_get_state()``: a new generator sharing the source's state (nil: the device's
+        default's), not a copy of it: a draw from either advances both, as a CUDA graph's
+        registered generator states need."""
+        gid, source = args
+        self.generators[gid] = self._philox_generator(source, _GRAPHSAFE).graphsafe_get_state()
+
+    @internal_op("gen_graphsafe_set", "[generator id or nil, state generator id or nil]")
+    def _gen_graphsafe_set(self, args: list) -> None:
+        """``graphsafe_set_state(state)``: the generator (nil: the device's default) draws from the
+        state ``state`` holds from now on, sharing it."""
+        gid, state = args
+        self._philox_generator(gid, _GRAPHSAFE).graphsafe_set_state(self._philox_generator(state, _GRAPHSAFE))
+
+    def _philox_generator(self, gid: int | None, what: str) -> torch.Generator:
+        """A generator whose Philox state a program reaches (nil: the device's default): a CUDA
+        generator's. A device served by the CPU has the CPU's Mersenne Twister, which has no such
+        state; its refusal says so (the CPU generator's own would blame a 'CPU Generator' the
+        program never made)."""
+        if self.device.type != "cuda":
+            raise NotImplementedError(
+                f"remotecuda: this device is served by its gateway's CPU, whose generator (a Mersenne Twister, "
+                f"not CUDA's Philox) has no {what}: that needs a gateway serving a GPU")
+        g = self._default_generator() if gid is None else self.generators.get(gid)
+        if g is None:
+            raise RuntimeError(f"remotecuda: generator {gid} is unknown to the gateway")
+        return g
+
     def _default_generator(self) -> torch.Generator:
         """The device's default generator (a worker's CUDA device always names its index)."""
         if self.device.type == "cuda":
@@ -1276,6 +1322,11 @@ _FLAGS = {
     "matmul.allow_bf16_reduced_precision_reduction":
         lambda v: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", _reduction(v)),
     "deterministic_algorithms": lambda v: _set_deterministic(bool(v[0]), bool(v[1])),
+    "cublas_workspace_config": lambda v: _set_cublas_workspace_config(v),
+    "fill_uninitialized_memory": lambda v: torch._C._set_deterministic_fill_uninitialized_memory(bool(v)),
+    "matmul.allow_fp16_accumulation": lambda v: torch._C._set_cublas_allow_fp16_accumulation(bool(v)),
+    "preferred_linalg_library": lambda v: _prefer("_set_linalg_preferred_backend", torch._C._LinalgBackend, v),
+    "preferred_blas_library": lambda v: _prefer("_set_blas_preferred_backend", torch._C._BlasBackend, v),
     "default_dtype": lambda v: torch.set_default_dtype(_DEFAULT_DTYPES[str(v)]),
     # which attention backends ``_fused_sdp_choice`` may pick (``sdpa_kernel``), and in what order
     "sdp.flash": lambda v: torch._C._set_sdp_use_flash(bool(v)),
@@ -1296,6 +1347,31 @@ def _set_deterministic(mode: bool, warn_only: bool) -> None:
     if config is not None:
         config.deterministic = mode
     torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+
+
+#: the worker's own ``CUBLAS_WORKSPACE_CONFIG`` (the gateway's environment), what a client's unset restores
+_CUBLAS_WORKSPACE_CONFIG = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+
+
+def _set_cublas_workspace_config(value: str | None) -> None:
+    """The program's ``CUBLAS_WORKSPACE_CONFIG`` (None: it has none), in this worker's environment,
+    where torch reads it: at the first cuBLAS call, deterministic algorithms on, a value other than
+    ``:4096:8`` or ``:16:8`` makes every cuBLAS op raise, and the workspace is sized by it. Left in
+    the client's environment only, a program that set it (transformers' ``enable_full_determinism``
+    does) had every matmul on a GPU gateway refused."""
+    value = _CUBLAS_WORKSPACE_CONFIG if value is None else str(value)
+    if value is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = value
+
+
+def _prefer(setter: str, enum: Any, name: Any) -> None:
+    """A CUDA library choice (cuSOLVER or MAGMA, cuBLAS or cuBLASLt), by its enum member's name, made
+    where CUDA runs; a gateway without CUDA has neither library (its torch would refuse the choice)
+    and its CPU kernels use neither."""
+    if torch.cuda.is_available():
+        getattr(torch._C, setter)(getattr(enum, str(name)))
 
 
 def _reduction(v: Any) -> bool | tuple:

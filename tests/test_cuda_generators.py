@@ -6,11 +6,15 @@ ByteTensor is refused at the call (the Reformer's reversible layers, activation 
 from __future__ import annotations
 
 import copy
+import json
 import pickle
+import re
 from collections.abc import Callable
 
 import pytest
 import torch
+
+from conftest import GatewayProcess
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -71,3 +75,89 @@ def test_initial_seed_is_the_seed_as_torch_keeps_it(seed):
     """torch keeps a seed as an unsigned 64-bit number: ``manual_seed(-1).initial_seed()`` is 2**64 - 1."""
     expected = torch.Generator().manual_seed(seed).initial_seed()
     assert torch.Generator("cuda").manual_seed(seed).initial_seed() == expected
+
+
+#: a CUDA generator's Philox state, as a program reaches it: its offset and its graph-safe state
+PHILOX_CALLS: dict[str, Callable[[], object]] = {
+    "get_offset": lambda: torch.Generator("cuda").get_offset(),
+    "set_offset": lambda: torch.Generator("cuda").set_offset(4),
+    "default get_offset": lambda: torch.cuda.default_generators[0].get_offset(),
+    "_get_rng_state_offset": torch.cuda._get_rng_state_offset,
+    "_set_rng_state_offset": lambda: torch.cuda._set_rng_state_offset(8),
+    "graphsafe_get_state": lambda: torch.Generator("cuda").graphsafe_get_state(),
+    "default graphsafe_get_state": lambda: torch.cuda.default_generators[0].graphsafe_get_state(),
+    "graphsafe_set_state": lambda: torch.Generator("cuda").graphsafe_set_state(torch.Generator("cuda")),
+}
+
+
+@pytest.mark.parametrize("call", sorted(PHILOX_CALLS))
+def test_a_cpu_served_device_refuses_philox_state_at_the_call_saying_why(call):
+    """A GPU's generator has a Philox offset and a graph-safe state; a CPU-served device's (a Mersenne
+    Twister) has neither. These reached the client's CPU carrier, whose error blamed a "CPU Generator"
+    the program never made (and ``set_offset`` would have set the carrier's, changing nothing)."""
+    with pytest.raises(NotImplementedError, match="served by its gateway's CPU.*needs a gateway serving a GPU"):
+        PHILOX_CALLS[call]()
+    assert torch.ones(2, device="cuda").sum().item() == 2.0  # the session goes on
+
+
+@pytest.mark.parametrize("offset", [1.5, True, 2**64])
+def test_an_offset_torch_refuses_is_refused_at_the_call_with_its_error(offset):
+    with pytest.raises(Exception) as local:  # noqa: PT011 - compared with the remote error below
+        torch.Generator().set_offset(offset)
+    with pytest.raises(type(local.value), match=re.escape(str(local.value))):
+        torch.Generator("cuda").set_offset(offset)
+
+
+def test_graphsafe_set_state_of_a_cpu_generator_is_torchs_error():
+    with pytest.raises(RuntimeError, match="Expected a CUDA Generator"):
+        torch.Generator("cuda").graphsafe_set_state(torch.Generator())
+
+
+#: what a program sees of a CUDA generator's Philox state, printed as JSON (run on a GPU, locally and
+#: through a ``--device cuda`` gateway with CUDA hidden from the client)
+_PHILOX_PROGRAM = """
+import json, sys, torch
+if len(sys.argv) > 1:
+    import remotecuda
+    remotecuda.activate(sys.argv[1], fallback="error")
+out = {}
+g = torch.Generator("cuda").manual_seed(5)
+out["fresh"] = g.get_offset()
+first = torch.rand(10, device="cuda", generator=g).tolist()
+out["after_draw"] = g.get_offset()
+g.set_offset(0)
+out["redrawn"] = torch.rand(10, device="cuda", generator=g).tolist() == first
+try:
+    g.set_offset(2)
+except RuntimeError as e:
+    out["odd_offset"] = str(e).splitlines()[0]
+shared = g.graphsafe_get_state()
+out["shared_seed"] = shared.initial_seed()
+torch.rand(100, device="cuda", generator=shared)
+out["shared_advances_source"] = g.get_offset()
+other = torch.Generator("cuda").manual_seed(9)
+other.graphsafe_set_state(shared)
+out["other_offset"] = other.get_offset()
+out["other_draw"] = torch.rand(3, device="cuda", generator=other).tolist()
+out["source_offset_after_other"] = g.get_offset()
+torch.cuda.manual_seed(3)
+torch.randn(7, device="cuda")
+out["default_offset"] = torch.cuda._get_rng_state_offset()
+torch.cuda._set_rng_state_offset(0)
+out["default_redraw"] = torch.randn(3, device="cuda").tolist()
+out["default_shared"] = torch.cuda.default_generators[0].graphsafe_get_state().get_offset()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU, for a --device cuda gateway and local CUDA")
+def test_philox_offset_and_graphsafe_state_on_a_gpu_gateway_are_the_cuda_generators(run_python):
+    gw = GatewayProcess("--device", "cuda")
+    try:
+        local = run_python(_PHILOX_PROGRAM)
+        remote = run_python("", env={"CUDA_VISIBLE_DEVICES": ""}, args=["-c", _PHILOX_PROGRAM, gw.endpoint])
+    finally:
+        gw.stop()
+    assert local.returncode == 0, local.stderr
+    assert remote.returncode == 0, remote.stderr
+    assert json.loads(remote.stdout.splitlines()[-1]) == json.loads(local.stdout.splitlines()[-1])

@@ -237,6 +237,20 @@ def test_backend_flags_reach_the_gateway_once_when_changed(monkeypatch):
         torch.set_float32_matmul_precision(saved[3])
 
 
+def test_fp16_accumulation_reaches_the_gateway(monkeypatch):
+    """``torch.backends.cuda.matmul.allow_fp16_accumulation`` (cuBLAS half matmuls accumulating in
+    half) stayed in the client, where no cuBLAS runs."""
+    torch.ones(1, device="cuda")  # a session is open
+    sent = _sent_flags(monkeypatch)
+    matmul = torch.backends.cuda.matmul
+    try:
+        matmul.allow_fp16_accumulation = True
+        torch.cuda.synchronize()  # the gateway applied it (an error in rc::set_flags is raised here)
+    finally:
+        matmul.allow_fp16_accumulation = False
+    assert sent == [{"matmul.allow_fp16_accumulation": True}, {"matmul.allow_fp16_accumulation": False}]
+
+
 def test_tf32_set_through_the_newer_api_reaches_the_gateway(monkeypatch):
     """``torch.backends.fp32_precision = "tf32"`` (transformers' ``TrainingArguments(tf32=True)``)
     and its per-backend forms end in one setter the legacy flags do not see."""
