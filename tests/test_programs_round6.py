@@ -26,11 +26,16 @@ value (tests/test_corpus.py's rules). The programs live in tests/corpus:
 - modern_training_loop: channels_last, bfloat16 autocast with a GradScaler, checkpointing with
   ``use_reentrant=False``, ``sdpa_kernel``, a fused AdamW, an EMA and an SWA model with
   ``update_bn``.
-"""
+
+Beside them, the fidelity bugs they found, each shown directly."""
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
+from local_parity import data as D
 from test_corpus import F16, F32, assert_program_matches
+from torch import nn
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -53,3 +58,28 @@ def test_program_matches_local(gateway, name: str, tol: tuple[float, float]):
     """The program prints under ``remotecuda run`` what it prints with plain ``python``."""
     assert_program_matches(gateway, name, tol)
 
+
+def _shuffle_unit(dev: str, groups: int) -> list[torch.Tensor]:
+    """A ShuffleNet unit's channel shuffle, trained through ``.sum()``: its backward shuffles the
+    expanded (all-zero-stride) gradient ``sum`` gives back."""
+    x = D(2, 4, 3, 3).to(dev).requires_grad_()
+    conv = nn.Conv2d(4, 4, 1, groups=2).to(dev)
+    with torch.no_grad():
+        conv.weight.copy_(D(4, 2, 1, 1, seed=1).to(dev))
+        conv.bias.zero_()
+    y = nn.ChannelShuffle(groups)(conv(x))
+    y.sum().backward()
+    return [y, x.grad, conv.weight.grad, F.channel_shuffle(x.detach()[:1].expand(3, 4, 3, 3), groups)]
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_channel_shuffle_of_a_non_contiguous_tensor(groups: int):
+    """torch's meta kernel for ``channel_shuffle`` gives a view of its input (same strides) when
+    every channel is its own group or there is one group (as CUDA's kernel does for a contiguous
+    input); for a non-contiguous one (the zero-stride gradient of ``y.sum()``) CUDA copies it into
+    a contiguous tensor, which the gateway could not lay out on zero strides: "more than one element
+    of the written-to tensor refers to a single memory location", at the next sync."""
+    got, want = _shuffle_unit("cuda", groups), _shuffle_unit("cpu", groups)
+    for g, w in zip(got, want):
+        assert g.is_contiguous()
+        torch.testing.assert_close(g.cpu(), w)
