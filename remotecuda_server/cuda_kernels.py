@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch._prims_common import suggest_memory_format
 
+from remotecuda_wire import layouts
+
 #: op name (all overloads) → the CUDA kernel's computation, called with the op's arguments when
 #: the CPU kernel would refuse them or give otherwise (``None``: it gives what CUDA's does, run it)
 INSTEAD: dict[str, Callable[[dict], Callable | None]] = {}
@@ -68,8 +70,11 @@ def cuda_like(op: Any, fn: Callable) -> Callable:
 
 
 def _laid_out_as_meta(op: Any, fn: Callable) -> Callable:
-    """``fn`` whose tensor outputs take the strides op's meta kernel gives (a copy only where the
-    CPU's differ)."""
+    """``fn`` whose tensor outputs take the strides the client's metadata gives them: op's meta
+    kernel's, corrected where both sides correct it (``layouts.CONTIGUOUS``); a copy only where
+    the CPU's differ."""
+    contiguous = f"{op._schema.name}.{op._overloadname}" in layouts.CONTIGUOUS
+
     def as_meta(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
@@ -86,7 +91,8 @@ def _laid_out_as_meta(op: Any, fn: Callable) -> Callable:
         out = fn(*args, **kwargs)
         if kwargs.get("out") is not None:  # (an out= variant writes where it is told)
             return out
-        return conform(out, op(*as_meta(args), **{k: as_meta(v) for k, v in kwargs.items()}))
+        meta = op(*as_meta(args), **{k: as_meta(v) for k, v in kwargs.items()})
+        return conform(out, layouts.contiguous(meta) if contiguous else meta)
     return run
 
 

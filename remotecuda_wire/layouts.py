@@ -25,7 +25,12 @@ losses' backward (``CONTIGUOUS``): their kernels (Loss.cpp, shared by CPU and CU
 ``zeros_like(input, contiguous)``, their meta kernels follow a transposed input, and
 ``F.mse_loss(pred.transpose(1, 2), ...)`` then failed its backward's ``view`` on the gateway. So
 do a few more (found by tests/scripts/layout_sweep.py): log-softmax's and layer norm's input
-gradients of a transposed input, ``torch.pow(2, x)``, ``isin`` and the gamma sampler.
+gradients of a transposed input, ``torch.pow(2, x)``, ``isin`` and the gamma sampler. And the
+channel shuffle, whose meta kernel (torch's reference) returns a view of its input when there is
+one group or one channel a group, which CUDA's kernel (``.contiguous()`` of a permutation that
+moves a dimension of size one) gives only for a contiguous input: ShuffleNet's backward shuffles
+the all-zero-stride gradient of ``y.sum()``, and a gateway asked for that layout could not write
+the output into it.
 """
 from __future__ import annotations
 
@@ -59,8 +64,10 @@ ELEMENTWISE = frozenset({
 #: follow the inputs' strides: the losses' backward above; pow of a scalar base, isin and
 #: log-softmax's backward, whose structured kernels' shared C++ meta function allocates a
 #: contiguous output; the gamma sampler and layer norm's backward, whose CPU and CUDA kernels
-#: both allocate theirs contiguous
-CONTIGUOUS = frozenset({"aten::mse_loss_backward.default", "aten::huber_loss_backward.default",
+#: both allocate theirs contiguous; the channel shuffle, whose CUDA kernel does (the CPU's
+#: keeps a channels-last input's layout: the gateway conforms it, remotecuda_server/cuda_kernels.py)
+CONTIGUOUS = frozenset({"aten::channel_shuffle.default", "aten::native_channel_shuffle.default",
+                        "aten::mse_loss_backward.default", "aten::huber_loss_backward.default",
                         "aten::smooth_l1_loss_backward.default", "aten::pow.Scalar",
                         "aten::isin.Tensor_Tensor", "aten::isin.Tensor_Scalar",
                         "aten::_log_softmax_backward_data.default", "aten::_standard_gamma.default",
