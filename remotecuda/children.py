@@ -14,6 +14,8 @@ variables). A variable the user set is left as it is.
 from __future__ import annotations
 
 import os
+import sys
+import types
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -79,6 +81,23 @@ def activate_run_child() -> None:
     program was activated (its settings are in the environment: ``--server`` as REMOTECUDA_SERVERS,
     the others as the user set them). An error (no gateway, with REMOTECUDA_FALLBACK=error) is
     raised by the ``import torch``, as it is by the program's activation."""
-    if os.environ.get(RUN):
+    if os.environ.get(RUN) and not _imported_by_remotecuda(sys._getframe(1)):
         import remotecuda
         remotecuda.activate()
+
+
+def _imported_by_remotecuda(frame: types.FrameType | None) -> bool:
+    """Whether remotecuda's own code is importing torch (a frame of its packages' modules below
+    ``frame``): ``activate()``, which then activates with its own arguments (a child's explicit
+    ``activate(...)``, ``remotecuda run`` itself), or a module of remotecuda's imported for its own
+    use. Activating there would run inside that module's import, half made (its names not there
+    yet: "partially initialized module 'remotecuda.interception'")."""
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").partition(".")[0] in _PACKAGES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+#: remotecuda's packages (pyproject.toml's wheel)
+_PACKAGES = ("remotecuda", "remotecuda_wire", "remotecuda_server", "remotecuda_kernel")

@@ -41,6 +41,9 @@ PARENT = textwrap.dedent('''
     print(r.stdout, end="")
     print("WORK_RC", r.returncode, r.stderr[-2000:].replace("\\n", " | "))
     print("SHELL_RC", os.system(f"{sys.executable} work.py > shell.txt 2>&1"), open("shell.txt").read().split()[:2])
+    own = "import remotecuda; remotecuda.activate(); import torch; print(torch.ones(2, device='cuda').sum().item())"
+    r = subprocess.run([sys.executable, "-c", own], capture_output=True, text=True)
+    print("SELF", r.returncode, r.stdout.strip(), r.stderr[-2000:].replace("\\n", " | "))
     r = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True)
     print("PASS_RC", r.returncode, repr(r.stderr))
     r = subprocess.run(["sh", "-c", "echo $REMOTECUDA_RUN"], capture_output=True, text=True)
@@ -79,14 +82,16 @@ def local_out():
 
 def test_a_python_child_of_a_run_program_uses_cuda_as_the_program_does(gateway, work_dir, local_out):
     """``subprocess.run([sys.executable, "b.py"])`` and ``os.system("python b.py")`` under ``remotecuda
-    run``: the child computes on the gateway what the CPU computes; a child that never imports torch
-    (``python -c pass``) runs as it does, without a word; a shell is told nothing but the variable."""
+    run``: the child computes on the gateway what the CPU computes; one that calls ``activate()``
+    itself still can; a child that never imports torch (``python -c pass``) runs as it does, without
+    a word; nor does a shell (it sees the variable, nothing more)."""
     r = _remotecuda_run(["--server", gateway.address, "python", "parent.py"], work_dir)
     seen = _lines(r.stdout)
     assert r.returncode == 0, (r.stdout, r.stderr[-3000:])
     assert seen["WORK_RC"].strip() == "0", seen["WORK_RC"]
     assert seen["CUDA"] == "True cuda" and seen["OUT"] == local_out, r.stdout
     assert seen["SHELL_RC"] == "0 ['CUDA', 'True']", seen["SHELL_RC"]
+    assert seen["SELF"].strip() == "0 2.0", seen["SELF"]  # (as the README said to: its activate() was half made)
     assert seen["PASS_RC"] == "0 ''" and seen["SH"] == "1", r.stdout
 
 
@@ -198,3 +203,35 @@ def test_a_gateway_started_under_run_serves_its_clients(gateway, work_dir, local
     seen = _lines(r.stdout)
     assert r.returncode == 0 and seen["WORK_RC"].strip() == "0", (r.stdout, r.stderr[-3000:])
     assert seen["CUDA"] == "True cuda" and seen["OUT"] == local_out, r.stdout
+
+
+#: spawned children as a DDP-style program and a DataLoader start them
+SPAWNING = textwrap.dedent('''
+    import torch, torch.multiprocessing as mp
+    from torch.utils.data import DataLoader, TensorDataset
+
+
+    def work(rank, queue):
+        torch.cuda.set_device(rank)
+        queue.put((torch.cuda.current_device(), torch.arange(4.0, device="cuda").pow(2).sum().item()))
+
+
+    if __name__ == "__main__":
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(work, args=(queue,), nprocs=1)
+        print("SPAWNED", *queue.get())
+        loader = DataLoader(TensorDataset(torch.arange(8.0).view(4, 2)), batch_size=2, num_workers=1,
+                            multiprocessing_context="spawn")
+        print("BATCHES", [b.cuda().sum().item() for b, in loader])
+''')
+
+
+def test_spawned_children_of_a_run_program_use_cuda(gateway, tmp_path):
+    """``torch.multiprocessing.spawn`` children (``torch.cuda.set_device(rank)`` first thing, as DDP-style
+    programs do) are activated, as a GPU's see its CUDA devices; a DataLoader's spawned workers (also
+    activated, at their ``import torch``) still load CPU batches, which the program moves."""
+    (tmp_path / "spawning.py").write_text(SPAWNING)
+    r = _remotecuda_run(["--server", gateway.address, "python", "spawning.py"], tmp_path)
+    seen = _lines(r.stdout)
+    assert r.returncode == 0 and seen.get("SPAWNED") == "0 14.0", (r.stdout, r.stderr[-3000:])
+    assert seen["BATCHES"] == "[6.0, 22.0]"
