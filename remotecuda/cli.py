@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--curve-clients", default=None, metavar="DIR",
                    help="with --curve-secret: the directory of client public keys (.key files) admitted; "
                         "any other client key is refused")
-    r = sub.add_parser("run", help="run a Python script with 'cuda' on the gateways")
+    r = sub.add_parser("run", help="run a Python script (or a launcher: torchrun...) with 'cuda' on the gateways")
     r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT], all their GPUs as cuda:0..N-1 "
                    "(default REMOTECUDA_SERVERS, else the gateways found on multicast)")
     r.add_argument("--trace", default=None, metavar="FILE.json",
@@ -534,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
                         "FILE.json at its end (Chrome trace-event format: open it in https://ui.perfetto.dev)")
     r.add_argument("command", nargs=argparse.REMAINDER,
                    help="python SCRIPT.py [ARGS...] | python -m MODULE [ARGS...] | python -c CODE [ARGS...] | "
-                        "python - [ARGS...] (the program from stdin)")
+                        "python - [ARGS...] (the program from stdin) | COMMAND [ARGS...] (torchrun, accelerate "
+                        "launch...); every Python process the program or command starts is activated too")
     v = sub.add_parser("servers", help="list the gateways found (multicast beacons, or --server)")
     v.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT] to ask instead of listening "
                    "(default REMOTECUDA_SERVERS; unset: listen for beacons)")
