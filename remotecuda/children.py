@@ -14,6 +14,9 @@ variables). A variable the user set is left as it is.
 from __future__ import annotations
 
 import os
+import sys
+import types
+from collections.abc import MutableMapping
 from typing import Any
 
 #: what each ``activate()`` option is called in the environment
@@ -43,3 +46,58 @@ def tell_forked(told: dict[str, str]) -> None:
     """In a child forked from an activation that was ``told``: keep it in the environment for good."""
     for name, value in told.items():
         os.environ.setdefault(name, value)
+
+
+#: in the environment of a ``remotecuda run`` program: the Python processes it starts activate
+RUN = "REMOTECUDA_RUN"
+#: the directory, put first on their PYTHONPATH, whose ``sitecustomize.py`` activates them
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_site")
+
+
+def tell_run(env: MutableMapping[str, str]) -> None:
+    """Make every Python process started with ``env`` (and their own children, which inherit it)
+    activate as a ``remotecuda run`` program, at its first ``import torch`` (run_site/sitecustomize.py):
+    ``subprocess``, ``os.system``, ``torchrun``'s and ``accelerate launch``'s workers, spawned
+    ``multiprocessing`` children all see 'cuda' as the program does."""
+    env[RUN] = "1"
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if SITE not in entries:
+        env["PYTHONPATH"] = os.pathsep.join([SITE, *entries])
+
+
+def untell_run(env: MutableMapping[str, str]) -> None:
+    """Undo ``tell_run`` in ``env``: a gateway started under ``remotecuda run`` (the fallback CPU
+    gateway, a program's own ``remotecuda start``) serves 'cuda'; its workers are no programs of it."""
+    env.pop(RUN, None)
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE]
+    if entries:
+        env["PYTHONPATH"] = os.pathsep.join(entries)
+    else:
+        env.pop("PYTHONPATH", None)
+
+
+def activate_run_child() -> None:
+    """In a process started under ``remotecuda run`` that has just imported torch: activate as the
+    program was activated (its settings are in the environment: ``--server`` as REMOTECUDA_SERVERS,
+    the others as the user set them). An error (no gateway, with REMOTECUDA_FALLBACK=error) is
+    raised by the ``import torch``, as it is by the program's activation."""
+    if os.environ.get(RUN) and not _imported_by_remotecuda(sys._getframe(1)):
+        import remotecuda
+        remotecuda.activate()
+
+
+def _imported_by_remotecuda(frame: types.FrameType | None) -> bool:
+    """Whether remotecuda's own code is importing torch (a frame of its packages' modules below
+    ``frame``): ``activate()``, which then activates with its own arguments (a child's explicit
+    ``activate(...)``, ``remotecuda run`` itself), or a module of remotecuda's imported for its own
+    use. Activating there would run inside that module's import, half made (its names not there
+    yet: "partially initialized module 'remotecuda.interception'")."""
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").partition(".")[0] in _PACKAGES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+#: remotecuda's packages (pyproject.toml's wheel)
+_PACKAGES = ("remotecuda", "remotecuda_wire", "remotecuda_server", "remotecuda_kernel")

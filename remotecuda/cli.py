@@ -19,7 +19,7 @@ from typing import Any
 
 from remotecuda_wire.limits import CACHE_BYTES, MAX_QUEUED
 
-from . import __version__
+from . import __version__, children
 
 
 def _is_loopback(host: str) -> bool:
@@ -108,6 +108,7 @@ def _keys(a: argparse.Namespace) -> int:
 
 
 def _start(a: argparse.Namespace, argv: list[str]) -> int:
+    children.untell_run(os.environ)  # started under `remotecuda run`: it serves 'cuda', its workers too
     token, refusal = _gateway_token(a)
     admin = None
     if not refusal:
@@ -220,7 +221,8 @@ def _servers(a: argparse.Namespace) -> int:
 
 
 USAGE = ("usage: remotecuda run [--server HOST:PORT] [--trace FILE.json] "
-         "python [-u -O -W ARG -X OPT ...] (SCRIPT.py | -m MODULE | -c CODE | -) [ARGS...]")
+         "python [-u -O -W ARG -X OPT ...] (SCRIPT.py | -m MODULE | -c CODE | -) [ARGS...]\n"
+         "       remotecuda run [--server HOST:PORT] COMMAND [ARGS...]  (torchrun, accelerate launch, ...)")
 
 # interpreter options that keep `python OPTIONS -m remotecuda run ...` running the program as
 # `python OPTIONS ...` would (not -S: without site, neither torch nor remotecuda imports)
@@ -249,7 +251,7 @@ def _command_mistake(cmd: list[str], is_python: bool, split: tuple[list[str], li
     if not cmd:
         return "no command given"
     if not is_python:
-        return f"it runs a Python program; {cmd[0]!r} is not python"
+        return None
     if split is None:
         return "an option of python it cannot keep (it keeps -b -B -d -E -I -O -P -q -s -u -v -W ARG -X OPT)"
     rest = split[1]
@@ -274,9 +276,13 @@ def _run(a: argparse.Namespace) -> int:
     split = _split_options(cmd[1:]) if is_python else None
     options, rest = split or ([], [])
     reason = _command_mistake(cmd, is_python, split)
+    if reason is None and not is_python and a.trace:
+        reason = f"--trace records a python program run by remotecuda run itself; {cmd[0]!r} is not python"
     if reason is not None:  # (said as argparse says a usage error)
         print(f"{USAGE}\nremotecuda run: error: {reason}", file=sys.stderr)
         return 2
+    if not is_python:
+        return _launch(a, cmd)
     if options:  # they act at the interpreter's start: start one with them, running this command
         again = [f"--server={a.server}"] * (a.server is not None) + [f"--trace={a.trace}"] * (a.trace is not None)
         sys.stdout.flush()
@@ -302,6 +308,7 @@ def _run(a: argparse.Namespace) -> int:
             return 1
     for w in said:
         print(w.message, file=sys.stderr, flush=True)
+    children.tell_run(os.environ)  # the Python processes the program starts are activated as it is
     if a.trace:
         remotecuda.trace.start()
     code = 0
@@ -324,6 +331,22 @@ def _run(a: argparse.Namespace) -> int:
     finally:
         if a.trace:
             _save_trace(a.trace)
+
+
+def _launch(a: argparse.Namespace, cmd: list[str]) -> int:
+    """``remotecuda run COMMAND ...`` for a command that is not python (``torchrun``, ``accelerate
+    launch``, a shell script): it runs in place of this process, and every Python process it starts
+    is activated (children.tell_run); the command itself uses no 'cuda'."""
+    if a.server is not None:
+        os.environ["REMOTECUDA_SERVERS"] = a.server
+    children.tell_run(os.environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as e:  # as a shell says it: 127 not found, 126 found but not runnable
+        print(f"remotecuda run: {cmd[0]}: {e.strerror}", file=sys.stderr)
+        return 127 if isinstance(e, FileNotFoundError) else 126
 
 
 def _writable(path: str) -> bool:
@@ -503,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--curve-clients", default=None, metavar="DIR",
                    help="with --curve-secret: the directory of client public keys (.key files) admitted; "
                         "any other client key is refused")
-    r = sub.add_parser("run", help="run a Python script with 'cuda' on the gateways")
+    r = sub.add_parser("run", help="run a Python script (or a launcher: torchrun...) with 'cuda' on the gateways")
     r.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT], all their GPUs as cuda:0..N-1 "
                    "(default REMOTECUDA_SERVERS, else the gateways found on multicast)")
     r.add_argument("--trace", default=None, metavar="FILE.json",
@@ -511,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
                         "FILE.json at its end (Chrome trace-event format: open it in https://ui.perfetto.dev)")
     r.add_argument("command", nargs=argparse.REMAINDER,
                    help="python SCRIPT.py [ARGS...] | python -m MODULE [ARGS...] | python -c CODE [ARGS...] | "
-                        "python - [ARGS...] (the program from stdin)")
+                        "python - [ARGS...] (the program from stdin) | COMMAND [ARGS...] (torchrun, accelerate "
+                        "launch...); every Python process the program or command starts is activated too")
     v = sub.add_parser("servers", help="list the gateways found (multicast beacons, or --server)")
     v.add_argument("--server", default=None, help="HOST:PORT[,HOST:PORT] to ask instead of listening "
                    "(default REMOTECUDA_SERVERS; unset: listen for beacons)")

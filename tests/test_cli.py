@@ -121,18 +121,25 @@ def test_python_dash_m_remotecuda_run(gateway, train_script, expected_losses):
     _check_training(r, expected_losses, argv=["x"], code=0)
 
 
-def test_run_rejects_a_non_python_command(gateway):
-    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address, "bash", "-c", "true"])
-    assert r.returncode == 2 and "usage: remotecuda run" in r.stderr
+def test_run_of_a_command_that_is_not_python_runs_it_telling_its_python_children(gateway):
+    """``remotecuda run torchrun ...``, ``accelerate launch``, a shell script: the command runs in
+    remotecuda's place (its exit status is the run's) with the Python processes it starts told to
+    activate (tests/test_run_children.py); one not found is said as a shell says it (127)."""
+    r = _run([sys.executable, "-m", "remotecuda", "run", "--server", gateway.address,
+              "sh", "-c", 'echo "$REMOTECUDA_RUN $REMOTECUDA_SERVERS"; exit 3'])
+    assert (r.returncode, r.stdout) == (3, f"1 {gateway.address}\n"), r.stderr
+    r = _run([sys.executable, "-m", "remotecuda", "run", "no-such-command-here"])
+    assert (r.returncode, r.stderr) == (127, "remotecuda run: no-such-command-here: No such file or directory\n")
 
 
 @pytest.mark.parametrize("args, says", [
     (["start", "--bogus"], "usage: remotecuda start [-h]|remotecuda start: error: unrecognized arguments: --bogus"),
     (["servers", "x"], "usage: remotecuda servers|remotecuda servers: error: unrecognized arguments: x"),
-    (["run", "bash", "-c", "true"], "usage: remotecuda run|remotecuda run: error: it runs a Python program; 'bash'"),
+    (["run", "--trace", "t.json", "bash", "-c", "true"],
+     "usage: remotecuda run|remotecuda run: error: --trace records a python program run by remotecuda run itself"),
     (["run", "python", "-m"], "remotecuda run: error: -m needs an argument"),
     (["run"], "remotecuda run: error: no command given"),
-], ids=["start flag", "servers argument", "not python", "-m alone", "nothing"])
+], ids=["start flag", "servers argument", "trace of not python", "-m alone", "nothing"])
 def test_a_command_line_mistake_is_said_by_its_command(args, says):
     """A mistake is a usage error (exit 2) with the command's own usage and a line saying what is wrong (a
     bad flag of start showed the top level's usage; run's mistakes showed its usage alone)."""
