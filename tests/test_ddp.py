@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import textwrap
 import warnings
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import ROOT, run_python
+from conftest import ROOT, GatewayProcess, run_python
 
 
 def _model(seed: int) -> nn.Module:
@@ -59,41 +60,51 @@ def test_a_one_process_world_trains_a_cuda_model_as_torchs_ddp_on_the_cpu(remote
         dist.destroy_process_group()
 
 
+#: a torchrun script as its tutorials write it: 'cuda' when there is one, nccl with it
 PROGRAM = textwrap.dedent("""
     import os, sys
-    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    import torch, torch.distributed as dist
     sys.path.insert(0, {tests!r})
     from test_ddp import _model, _train
 
-    def run(rank, dev, rdv, out):
-        if dev == "cuda":
-            import remotecuda
-            remotecuda.activate({server!r})
-        dist.init_process_group("nccl" if dev == "cuda" else "gloo", init_method=rdv, rank=rank, world_size=2)
-        model = _model(rank).to(dev)  # (each rank starts apart: DDP broadcasts rank 0's)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0] if dev == "cuda" else None)
-        torch.save(_train(ddp, dev, 100 + rank), f"{{out}}.{{rank}}")
-        dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        dev, rdv, out = sys.argv[1:]
-        mp.spawn(run, args=(dev, rdv, out), nprocs=2)
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local)
+    dev = f"cuda:{{local}}" if cuda else "cpu"
+    model = _model(rank).to(dev)  # (each rank starts apart: DDP broadcasts rank 0's)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if cuda else None)
+    result = _train(ddp, dev, 100 + rank)
+    torch.save({{**result, "device": str(model[0].weight.device)}}, os.path.join({out!r}, f"{{dev[:4]}}.{{rank}}"))
+    dist.destroy_process_group()
 """)
 
 
-def test_a_two_process_world_reduces_gradients_as_torchs_ddp(gateway, tmp_path):
-    """Two ranks, each on 'cuda' through its own session, different data and initial weights:
-    rank 0's weights broadcast, gradients averaged (the buffers, BatchNorm's running statistics,
-    are broadcast before each forward)."""
+@pytest.fixture(scope="module")
+def two_gpus():
+    gw = GatewayProcess("--spare", "2", "--gpus", "2")
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+def test_torchrun_of_two_ranks_reduces_gradients_as_torchs_ddp(two_gpus, tmp_path):
+    """``remotecuda run torchrun --nproc_per_node 2`` of an unchanged DDP script: each rank on
+    its own 'cuda:LOCAL_RANK', different data and initial weights; rank 0's weights broadcast,
+    gradients averaged, BatchNorm's running statistics broadcast before each forward; equal to the
+    same script under plain torchrun on the CPU."""
     script = tmp_path / "ddp_train.py"
-    script.write_text(PROGRAM.format(tests=os.path.join(ROOT, "tests"), server=gateway.address))
-    results = {}
-    for dev in ("cpu", "cuda"):
-        r = run_python("", args=[str(script), dev, f"file://{tmp_path}/rdv-{dev}", str(tmp_path / dev)], timeout=240)
+    script.write_text(PROGRAM.format(tests=os.path.join(ROOT, "tests"), out=str(tmp_path)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    for args in (torchrun, [sys.executable, "-m", "remotecuda", "run", "--server", two_gpus.address, *torchrun]):
+        r = run_python("", args=args[1:], timeout=240)
         assert r.returncode == 0, r.stderr[-3000:]
-        results[dev] = [torch.load(tmp_path / f"{dev}.{rank}") for rank in range(2)]
-    for got, want in zip(results["cuda"], results["cpu"]):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert not torch.equal(results["cpu"][0]["loss"], results["cpu"][1]["loss"])
-    first, second = (results["cuda"][rank]["module.0.weight"] for rank in range(2))
-    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    cpu, cuda = ([torch.load(tmp_path / f"{dev}.{rank}") for rank in range(2)] for dev in ("cpu", "cuda"))
+    assert [c.pop("device") for c in cuda] == ["cuda:0", "cuda:1"]
+    for got, want in zip(cuda, cpu):  # (to float32's tolerance: torchrun runs the CPU's ranks on one thread)
+        want.pop("device")
+        torch.testing.assert_close(got, want)
+    assert not torch.equal(cpu[0]["loss"], cpu[1]["loss"])
+    torch.testing.assert_close(cuda[0]["module.0.weight"], cuda[1]["module.0.weight"], rtol=0, atol=0)
