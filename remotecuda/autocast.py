@@ -43,6 +43,7 @@ _FP32: list[Callable] = [  # run in float32
     torch.pdist, torch.cdist, torch.renorm, torch.logsumexp, torch.Tensor.logsumexp, F.rms_norm,
     torch.rms_norm, torch.frobenius_norm, torch.nuclear_norm,
     torch.Tensor.__rpow__,  # (``2 ** x``: aten's pow.Scalar)
+    torch.square, torch.arccos, torch.arcsin,  # (composites of pow, acos, asin: CUDA casts their callee)
 ]
 _FP32_SET_OPT_DTYPE: list[Callable] = [  # float32 through their dtype= argument
     F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax,

@@ -335,6 +335,7 @@ _SPELLINGS = {  # CUDA autocast's float32 ops reached through a Tensor method, a
     "special.softmax": lambda x: torch.special.softmax(x, 0),
     "special.logsumexp": lambda x: torch.special.logsumexp(x, 0),
     "linalg.norm": torch.linalg.norm, "rms_norm": lambda x: torch.rms_norm(x, [4]),
+    "Tensor.square": lambda x: x.square(), "Tensor.arccos": lambda x: (x - 1).arccos(),  # (pow's, acos' composites)
 }
 
 
