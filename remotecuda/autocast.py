@@ -24,6 +24,7 @@ _LOWER: list[Callable] = [  # run in the autocast dtype (float16 / bfloat16)
     F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
     torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm,
     torch.baddbmm, torch.Tensor.baddbmm, torch.addbmm, torch.Tensor.addbmm, torch.mv, torch.Tensor.mv,
+    torch.linalg.matmul, torch.linalg.vecdot,
     torch.addmv, torch.Tensor.addmv, torch.addr, torch.Tensor.addr, torch.einsum, torch.chain_matmul,
     torch.linalg.multi_dot, torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d,
     torch.conv_transpose2d, torch.conv_transpose3d, torch.convolution, torch.conv_tbc, torch.prelu,
@@ -39,22 +40,40 @@ _FP32: list[Callable] = [  # run in float32
     F.cross_entropy, F.hinge_embedding_loss, F.kl_div, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
     F.mse_loss, F.margin_ranking_loss, F.multilabel_margin_loss, F.soft_margin_loss,
     F.triplet_margin_loss, F.multi_margin_loss, F.binary_cross_entropy_with_logits, torch.dist,
-    torch.pdist, torch.cdist, torch.renorm, torch.logsumexp, torch.Tensor.logsumexp, F.interpolate,
-    F.rms_norm,
+    torch.pdist, torch.cdist, torch.renorm, torch.logsumexp, torch.Tensor.logsumexp, F.rms_norm,
+    torch.rms_norm, torch.frobenius_norm, torch.nuclear_norm,
+    torch.Tensor.__rpow__,  # (``2 ** x``: aten's pow.Scalar)
+    torch.square, torch.arccos, torch.arcsin,  # (composites of pow, acos, asin: CUDA casts their callee)
 ]
 _FP32_SET_OPT_DTYPE: list[Callable] = [  # float32 through their dtype= argument
     F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax,
     torch.Tensor.log_softmax, torch.prod, torch.Tensor.prod, torch.cumprod, torch.Tensor.cumprod,
     torch.cumsum, torch.Tensor.cumsum, torch.sum, torch.Tensor.sum, torch.linalg.vector_norm,
     torch.linalg.matrix_norm,
+    torch.linalg.norm,  # (a vector or matrix norm)
 ]
 _PROMOTE: list[Callable] = [  # run in the widest floating type among the inputs
     torch.addcdiv, torch.Tensor.addcdiv, torch.addcmul, torch.Tensor.addcmul, torch.atan2,
-    F.bilinear, torch.cross, torch.linalg.cross, torch.dot, torch.Tensor.dot, F.grid_sample,
+    F.bilinear, torch.cross, torch.linalg.cross, torch.dot, torch.Tensor.dot, torch.vdot, F.grid_sample,
     torch.index_put, torch.Tensor.index_put, torch.scatter_add, torch.Tensor.scatter_add,
     torch.tensordot,
 ]
 _BANNED: list[Callable] = [F.binary_cross_entropy]
+
+
+def _spellings(fns: list[Callable]) -> list[Callable]:
+    """``fns`` with the other spellings of the same aten ops. CUDA autocast casts at the aten level,
+    so ``x.log1p()`` and ``torch.special.log1p(x)`` are cast as ``torch.log1p(x)`` is; the mode sees
+    each spelling as a function of its own (``Tensor.log1p``, ``special_log1p``)."""
+    found = list(fns)
+    for f in fns:
+        if getattr(torch, getattr(f, "__name__", ""), None) is not f:
+            continue  # (only torch.* functions have method and torch.special spellings)
+        for owner in (torch.Tensor, torch.special):
+            other = getattr(owner, f.__name__, None)
+            if callable(other) and other not in found:
+                found.append(other)
+    return found
 
 _LOW = (torch.float16, torch.bfloat16)
 #: the tensors the policies cast: remote ones, and any while a compiled call is traced (``stand_ins``)
@@ -135,10 +154,17 @@ def _banned(func: Callable, args: tuple, kwargs: dict) -> Any:
         "safe to autocast.")
 
 
-POLICY: dict[Callable, Callable] = {}
+def _interpolate(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``F.interpolate``: its upsampling ops are on CUDA's float32 list; ``mode='area'`` is an
+    adaptive average pool, which is on no list and keeps its input's dtype."""
+    mode = args[3] if len(args) > 3 else kwargs.get("mode", "nearest")
+    return func(*args, **kwargs) if mode == "area" else _fp32(func, args, kwargs)
+
+
+POLICY: dict[Callable, Callable] = {F.interpolate: _interpolate}
 for _fs, _p in ((_LOWER, _lower), (_FP32, _fp32), (_FP32_SET_OPT_DTYPE, _fp32_dtype),
                 (_PROMOTE, _promote), (_BANNED, _banned)):
-    for _f in _fs:
+    for _f in _spellings(_fs):
         POLICY[_f] = _p
 
 

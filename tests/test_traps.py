@@ -325,6 +325,52 @@ def test_autocast_reaches_the_calls_inside_functional_composites():
         torch.testing.assert_close(got.cpu().float(), want.detach(), rtol=2e-2, atol=2e-2)
 
 
+_SPELLINGS = {  # CUDA autocast's float32 ops reached through a Tensor method, an operator or an alias
+    "Tensor.log1p": lambda x: x.log1p(), "Tensor.expm1": lambda x: x.expm1(),
+    "Tensor.reciprocal": lambda x: (x + 1e-9).reciprocal(),  # (DAC's Snake activation)
+    "Tensor.log2": lambda x: x.log2(), "Tensor.log10": lambda x: x.log10(), "Tensor.sinh": lambda x: x.sinh(),
+    "Tensor.erfinv": lambda x: (x - 1).erfinv(), "Tensor.renorm": lambda x: x.renorm(2, 0, 1.0),
+    "Tensor.dist": lambda x: x.dist(x.flip(0)), "rpow": lambda x: 2 ** x,
+    "special.expm1": torch.special.expm1, "special.log1p": torch.special.log1p,
+    "special.softmax": lambda x: torch.special.softmax(x, 0),
+    "special.logsumexp": lambda x: torch.special.logsumexp(x, 0),
+    "linalg.norm": torch.linalg.norm, "rms_norm": lambda x: torch.rms_norm(x, [4]),
+    "Tensor.square": lambda x: x.square(), "Tensor.arccos": lambda x: (x - 1).arccos(),  # (pow's, acos' composites)
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SPELLINGS))
+def test_autocast_casts_every_spelling_of_an_op(name):
+    """CUDA autocast casts at the aten level, so ``x.log1p()``, ``2 ** x`` and ``torch.special.expm1``
+    run in float32 as ``torch.log1p`` does; the mode's lists named the ``torch.*`` functions only, and
+    the other spellings ran in half precision (another result, and the dtype downstream)."""
+    x = torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) + 0.5
+    fn = _SPELLINGS[name]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = fn(x.cuda().bfloat16())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), fn(x.bfloat16().float()))
+
+
+def test_autocast_spellings_of_lower_and_promoted_ops():
+    """``torch.linalg.matmul`` is ``matmul`` (half precision); ``vdot`` promotes its operands, as
+    ``dot`` does; ``F.interpolate(mode='area')`` is an adaptive average pool, on none of CUDA's lists,
+    so it keeps its input's dtype where the upsampling modes run in float32."""
+    a = torch.rand(4, 4, generator=torch.Generator().manual_seed(0))
+    v = torch.rand(4, generator=torch.Generator().manual_seed(1))
+    img = torch.rand(1, 2, 8, 8, generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert torch.linalg.matmul(a.cuda(), a.cuda()).dtype == torch.bfloat16
+        assert torch.linalg.vecdot(a.cuda(), a.cuda()).dtype == torch.bfloat16
+        dot = torch.vdot(v.cuda().bfloat16(), v.cuda())
+        area = F.interpolate(img.cuda().bfloat16(), size=(4, 4), mode="area")
+        nearest = F.interpolate(img.cuda().bfloat16(), scale_factor=2, mode="nearest")
+    assert dot.dtype == torch.float32
+    torch.testing.assert_close(dot.cpu(), torch.vdot(v.bfloat16().float(), v))
+    assert area.dtype == torch.bfloat16 and nearest.dtype == torch.float32
+    torch.testing.assert_close(area.cpu(), F.interpolate(img.bfloat16(), size=(4, 4), mode="area"))
+
+
 def test_no_function_mode_on_the_op_path():
     """Ops on remote tensors pay for no TorchFunctionMode (~8 µs each): only autocast pushes one."""
     assert torch._C._len_torch_function_stack() == 0
