@@ -34,7 +34,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from . import runtime
-from .tensor import HANDLE_FIELDS, OWN_KEYS, RemoteTensor
+from .tensor import HANDLE_FIELDS, OWN_KEYS, RemoteTensor, torch_function_first
 
 #: the ``__dict__`` key under which a wrapper made on 'meta' keeps the 'cuda' device it stands for
 DEVICE_KEY = "_remotecuda_device"
@@ -160,6 +160,7 @@ class _UnderSubclass(RemoteTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _DEFAULT_TORCH_FUNCTION(cls, func, types, args, kwargs)
 
+    @torch_function_first
     def __deepcopy__(self, memo: dict) -> RemoteTensor:
         """torch's deepcopy of a subclass that defines none: it builds the copy with the subclass's
         ``new_empty`` (its overrides off), and refuses a subclass whose ``new_empty`` gives another
