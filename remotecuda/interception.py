@@ -888,6 +888,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.export, "draft_export", _export),
     (torch.library, "opcheck", _opcheck),
     (torch.nn.TransformerEncoder, "forward", transformer_encoder.forward),
+    (torch.utils.data._utils.collate, "collate", tensor_subclasses.collate),  # what default_collate calls
 ]
 
 

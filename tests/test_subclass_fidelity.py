@@ -10,6 +10,8 @@ import pickle
 
 import pytest
 import torch
+from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -74,3 +76,38 @@ def test_subclass_reads_answer_for_cuda_and_round_trip():
     for back in (_save_and_load(remote), pickle.loads(pickle.dumps(remote))):
         assert type(back).__name__ == "_Logged" and isinstance(back, _Logged) and back.device.type == "cuda"
         assert back.cpu().tolist() == [1.0, 2.0, 3.0]
+
+
+class _Tagged(torch.Tensor):
+    """A library's subclass with a collate function of its own in torch's table (MONAI's MetaTensor)."""
+
+
+def _collate_tagged(batch, *, collate_fn_map=None):
+    out = torch.stack(batch)
+    out.batched_from = len(batch)
+    return out
+
+
+@pytest.fixture
+def tagged_collate():
+    table = default_collate_fn_map
+    table[_Tagged] = _collate_tagged
+    yield
+    del table[_Tagged]
+
+
+@pytest.mark.usefixtures("tagged_collate")
+@pytest.mark.parametrize("nested", [False, True], ids=["tensors", "dicts"])
+def test_default_collate_finds_a_subclass_by_its_exact_type(nested):
+    # torch looks the table up by the exact type first: a 'cuda' _Tagged (of a class made from it and
+    # remotecuda's) fell to the table's first isinstance match, torch.Tensor's plain stack
+    def batch(device):
+        items = [torch.full((2,), float(i), device=device).as_subclass(_Tagged) for i in range(3)]
+        return [{"image": t} for t in items] if nested else items
+
+    local, remote = default_collate(batch("cpu")), default_collate(batch("cuda"))
+    if nested:
+        local, remote = local["image"], remote["image"]
+    assert isinstance(remote, _Tagged) and remote.device.type == "cuda"
+    assert getattr(remote, "batched_from", None) == local.batched_from == 3
+    assert torch.equal(remote.cpu(), local.as_subclass(torch.Tensor))
