@@ -429,6 +429,25 @@ class Dispatcher:
             args = (like, *args[1:])
         return self.run(m, args, kwargs, s, factory=True)
 
+    def _run_with_cpu_tensors(self, m: OpMeta, args: tuple, kwargs: dict, session: Any, factory: bool) -> Any:
+        """``run`` of an op with CPU tensors among its arguments: a sparse tensor's, a CPU tensor
+        indexed, or the CPU tensors uploaded. It runs in ``run``'s handler of ``_NeedUpload``, which
+        is remotecuda's own signal, not an error: an error raised here (torch's device mismatch, a
+        shape error) is raised without it as its context, which Python would show ("During handling
+        of the above exception, another exception occurred", remotecuda's frames) and a GPU's error
+        has not."""
+        try:
+            if sparse.involved(args) or (kwargs and sparse.involved(kwargs)):
+                return sparse.dispatch(m.func, args, kwargs)
+            if m.func in _INDEXING and session is None and not isinstance(args[0], RemoteTensor):
+                return _index_cpu_tensor(m, args, kwargs)
+            args, kwargs = self._upload_cpu_args(m, args, kwargs, session)
+            return self.run(m, args, kwargs, session, factory)
+        except BaseException as e:
+            if isinstance(e.__context__, _NeedUpload):
+                e.__context__ = None
+            raise
+
     # ------------------------------------------------------------------ the common path
     def run(self, m: OpMeta, args: tuple, kwargs: dict, session: Any = None, factory: bool = False) -> Any:
         parts: list = [m]  # of the cache key
@@ -440,12 +459,7 @@ class Dispatcher:
                 wkw = dict(zip(kwargs, values))
                 parts.append(tuple(kwargs))
         except _NeedUpload:
-            if sparse.involved(args) or (kwargs and sparse.involved(kwargs)):
-                return sparse.dispatch(m.func, args, kwargs)
-            if m.func in _INDEXING and session is None and not isinstance(args[0], RemoteTensor):
-                return _index_cpu_tensor(m, args, kwargs)
-            args, kwargs = self._upload_cpu_args(m, args, kwargs, session)
-            return self.run(m, args, kwargs, session, factory)
+            return self._run_with_cpu_tensors(m, args, kwargs, session, factory)
         if s is None:
             raise RuntimeError(f"remotecuda: op {m.name} has no remote tensor argument")
         self.local.vdev = s.vdev

@@ -888,6 +888,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch.export, "draft_export", _export),
     (torch.library, "opcheck", _opcheck),
     (torch.nn.TransformerEncoder, "forward", transformer_encoder.forward),
+    (torch.utils.data._utils.collate, "collate", tensor_subclasses.collate),  # what default_collate calls
 ]
 
 
@@ -986,6 +987,7 @@ def _grad_property() -> property:
 
 
 _IS_META: Any = vars(torch._C.TensorBase)["is_meta"].__get__
+_has_torch_function_unary = torch._C._has_torch_function_unary
 _functorch = torch._C._functorch
 
 
@@ -1021,18 +1023,26 @@ def _identity_property(name: str) -> property:
     """``Tensor.<name>`` (device, is_cuda, is_meta) answering for the remote tensor inside a
     torch.func wrapper, as a GPU's wrapper does (per-sample gradients run model code such as
     ``torch.arange(n, device=x.device)`` and ``.to(other)`` under vmap and grad), and for another
-    library's wrapper subclass made for 'cuda'."""
+    library's wrapper subclass made for 'cuda'. Handed to a subclass's or a mode's
+    ``__torch_function__`` first, as C++'s getter is, so that it sees the one read a program
+    makes, not this one's own look (``is_meta``) too."""
     getset = vars(torch._C.TensorBase)[name]
     plain = getset.__get__
     of_remote = _OF_REMOTE[name]
 
     def get(self: torch.Tensor) -> Any:
+        if _has_torch_function_unary(self):
+            return torch.overrides.handle_torch_function(prop.__get__, (self,), self)
         device = _remote_device(self)
         return plain(self) if device is None else of_remote(device)
-    return property(get, doc=getset.__doc__)
+    prop = property(get, doc=getset.__doc__)
+    return prop
 
 
+@functools.wraps(torch._C.TensorBase.get_device)  # (the name a __torch_function__ is shown, as torch's)
 def _get_device(self: torch.Tensor) -> int:
+    if _has_torch_function_unary(self):  # (as C++'s method: see _identity_property)
+        return torch.overrides.handle_torch_function(_get_device, (self,), self)
     device = _remote_device(self)
     return torch._C.TensorBase.get_device(self) if device is None else device.index
 

@@ -81,7 +81,8 @@ def forget(t: RemoteTensor) -> None:
     another counter, and one through its storage none. (Other views of that base have copies only
     inside a decode.)"""
     t.__dict__.pop(KNOWN_KEY, None)
-    base = t._base
+    with torch._C.DisableTorchFunctionSubclass():  # (remotecuda's read, not the program's: unseen by a subclass)
+        base = t._base
     if isinstance(base, RemoteTensor):
         base.__dict__.pop(KNOWN_KEY, None)
 

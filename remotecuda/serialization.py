@@ -32,7 +32,14 @@ import torch
 
 from . import downloads, runtime
 from .device_type import DEVICE
-from .tensor import RemoteStorage, RemoteTensor, as_subclass_reduction, extent, stands_for_parameter
+from .tensor import (
+    RemoteStorage,
+    RemoteTensor,
+    as_subclass_reduction,
+    extent,
+    stands_for_parameter,
+    torch_function_first,
+)
 
 #: the dtypes of which TypedStorage refuses to make a CUDA storage
 _QUANTIZED = frozenset((torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32, torch.qint8))
@@ -328,7 +335,20 @@ def _saved_storages(tensors: list[RemoteTensor], whole: set[int] | None = None) 
     tensors on it, all fetched in one round trip per session. A storage saved as itself too
     (``whole``: ``torch.save([t.storage(), t])``) is instead the one record its tensors view, as on
     a GPU: the RemoteStorage, which torch saves whole (``cpu()``) and keys by its StorageImpl."""
-    whole = whole or set()
+    with torch._C.DisableTorchFunctionSubclass():  # (remotecuda's reads: a subclass's __torch_function__ sees none)
+        mine = _fetched_storages(tensors, whole or set())
+    outer = getattr(_saving, "storages", None)
+    outer_whole: set[int] = getattr(_saving, "whole", set())
+    _saving.storages, _saving.whole = {**(outer or {}), **mine}, outer_whole | (whole or set())
+    try:
+        yield
+    finally:
+        _saving.storages, _saving.whole = outer, outer_whole
+
+
+def _fetched_storages(tensors: list[RemoteTensor], whole: set[int]) -> dict:
+    """``_saved_storages``' CPU storages, keyed by (session, storage, dtype): each with the storage
+    offset its bytes begin at."""
     spans: dict[tuple, tuple[RemoteTensor, int, int]] = {}
     for t in tensors:
         if t.numel() and not (whole and t.untyped_storage()._cdata in whole):
@@ -344,19 +364,14 @@ def _saved_storages(tensors: list[RemoteTensor], whole: set[int] | None = None) 
     with torch.no_grad():
         flats = [_plain(t.detach() if t.is_contiguous() and t.storage_offset() == lo and t.numel() == hi - lo
                         else t.as_strided((hi - lo,), (1,), lo)) for t, lo, hi in spans.values()]
-    outer = getattr(_saving, "storages", None)
-    outer_whole: set[int] = getattr(_saving, "whole", set())
-    mine = {key: (_own(cpu.reshape(-1)), lo) for (key, (_, lo, _)), cpu in zip(spans.items(), downloads.fetch(flats))}
-    _saving.storages, _saving.whole = {**(outer or {}), **mine}, outer_whole | whole
-    try:
-        yield
-    finally:
-        _saving.storages, _saving.whole = outer, outer_whole
+    return {key: (_own(cpu.reshape(-1)), lo) for (key, (_, lo, _)), cpu in zip(spans.items(), downloads.fetch(flats))}
 
 
 def _make_save(original: Any) -> Any:
     def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
-        with _saved_storages(*saved_contents(obj)):
+        with torch._C.DisableTorchFunctionSubclass():  # (finding them is remotecuda's, unseen by a subclass)
+            contents = saved_contents(obj)
+        with _saved_storages(*contents):
             return original(obj, *args, **kwargs)
     save.__doc__ = original.__doc__
     save.__wrapped__ = original  # type: ignore[attr-defined]  # (as functools.wraps sets it)
@@ -365,7 +380,8 @@ def _make_save(original: Any) -> Any:
 
 def _reduce_ex(plain: Any) -> Any:
     """``RemoteTensor.__reduce_ex__``: inside torch.save, a view of a CPU storage that the file
-    locates on 'cuda:N' (torch's own form for a CUDA tensor); elsewhere ``plain``'s."""
+    locates on 'cuda:N' (torch's own form for a CUDA tensor); elsewhere ``plain``'s. Handed to a
+    subclass's ``__torch_function__`` first, as torch's ``Tensor.__reduce_ex__`` is."""
     def __reduce_ex__(self: RemoteTensor, proto: Any) -> Any:
         storages = getattr(_saving, "storages", None)
         if storages is None or stands_for_parameter(self):
@@ -388,7 +404,7 @@ def _reduce_ex(plain: Any) -> Any:
         typed._fake_device = storage._fake_device = self.device  # type: ignore[attr-defined]
         return as_subclass_reduction(self, (torch._utils._rebuild_tensor_v2,
                                             (typed, *args, *([metadata] if metadata else []))))
-    return __reduce_ex__
+    return torch_function_first(__reduce_ex__)
 
 
 def _make_load(original: Any) -> Any:

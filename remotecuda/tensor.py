@@ -29,7 +29,7 @@ _new_wrapper = torch.Tensor._make_wrapper_subclass
 _has_torch_function_unary = torch._C._has_torch_function_unary
 
 
-def _torch_function_first(method: Callable) -> Callable:
+def torch_function_first(method: Callable) -> Callable:
     """RemoteTensor's own version of a Tensor method that torch hands to ``__torch_function__``
     first (its C++ binding, or torch/_tensor.py's ``has_torch_function_unary`` check): a user
     subclass's (``x.as_subclass(Sub)``), or a function mode's, sees the call as on any device,
@@ -41,6 +41,20 @@ def _torch_function_first(method: Callable) -> Callable:
             return torch.overrides.handle_torch_function(first, (self,), self, *args, **kwargs)
         return method(self, *args, **kwargs)
     return first
+
+
+def _torch_function_first_property(getter: Callable) -> property:
+    """A read-only property of RemoteTensor's that torch's C++ getter hands to
+    ``__torch_function__`` first (``device``, ``is_cuda``...): a user subclass's, or a function
+    mode's, sees the read as on any device, with this property's ``__get__`` as the function, whose
+    call with their overrides off comes back here and reads the value. (torch's own ``func`` is
+    ``Tensor.<name>.__get__``, which would read the meta wrapper's C++ answer.)"""
+    def get(self: Any) -> Any:
+        if _has_torch_function_unary(self):
+            return torch.overrides.handle_torch_function(prop.__get__, (self,), self)
+        return getter(self)
+    prop = property(functools.wraps(getter)(get))
+    return prop
 
 
 def cuda_device(index: int) -> torch.device:
@@ -237,27 +251,27 @@ class RemoteTensor(torch.Tensor):
         return cls.dispatch(func, args, kwargs or {})
 
     # ---------------------------------------------------------------- identity
-    @property
+    @_torch_function_first_property
     def device(self) -> torch.device:  # type: ignore[override]
         return cuda_device(self._dev)
 
-    @property
+    @_torch_function_first_property
     def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
-    @property
+    @_torch_function_first_property
     def is_meta(self) -> bool:  # type: ignore[override]
         return False
 
-    @property
+    @_torch_function_first_property
     def is_cpu(self) -> bool:  # type: ignore[override]
         return False
 
-    @_torch_function_first
+    @torch_function_first
     def get_device(self) -> int:
         return self._dev
 
-    @_torch_function_first
+    @torch_function_first
     def type(self, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:  # type: ignore[override]
         """The legacy type API: ``x.type()`` names a CUDA type ('torch.cuda.FloatTensor') and
         ``x.type(torch.cuda.HalfTensor)`` / ``x.type('torch.DoubleTensor')`` convert, as on a GPU."""
@@ -272,12 +286,12 @@ class RemoteTensor(torch.Tensor):
         device = "cuda" if name.startswith("torch.cuda.") else "cpu"
         return self.to(device if device == "cpu" else self.device, legacy, non_blocking=non_blocking)
 
-    @_torch_function_first
+    @torch_function_first
     def data_ptr(self) -> int:
         """A stable fake address: distinct per storage, offset like a real pointer."""
         return _address(self._dev, self._sid) + int(self.storage_offset()) * self.element_size()
 
-    @_torch_function_first
+    @torch_function_first
     def untyped_storage(self) -> torch.UntypedStorage:
         """The (meta) storage of the wrapper that owns the gateway's storage: a view's base's, so
         that a view and its base share one storage object (``_cdata``) and its size, as on a GPU;
@@ -300,24 +314,24 @@ class RemoteTensor(torch.Tensor):
         storage.__dict__["_start"] = 0  # (where its bytes begin in the gateway's storage: a slice's are further)
         return storage
 
-    @_torch_function_first
+    @torch_function_first
     def is_pinned(self, device: Any = None) -> bool:
         return is_pinned(self, device)
 
-    @_torch_function_first
+    @torch_function_first
     def pin_memory(self, device: Any = None) -> RemoteTensor:
         raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
 
-    @_torch_function_first
+    @torch_function_first
     def share_memory_(self) -> RemoteTensor:
         """A no-op, as for a CUDA tensor: device memory is shared across processes without moving it."""
         return self
 
-    @_torch_function_first
+    @torch_function_first
     def is_shared(self) -> bool:
         return True  # (torch says so of every CUDA storage)
 
-    @_torch_function_first
+    @torch_function_first
     def __dlpack__(self, *, stream: Any = -1, max_version: tuple[int, int] | None = None,
                    dl_device: tuple[Any, int] | None = None, copy: bool | None = None) -> Any:
         """A capsule that ``torch.from_dlpack`` takes back as an alias (dlpack.py), or a CPU copy's
@@ -335,7 +349,7 @@ class RemoteTensor(torch.Tensor):
                              "this process, so __cuda_array_interface__ cannot hand it to another library here; "
                              "copy it to the CPU first (tensor.cpu()) and share that")
 
-    @_torch_function_first
+    @torch_function_first
     def record_stream(self, stream: Any) -> None:
         """A caching-allocator hint: a session's streams run serially on the gateway, so no use of
         this memory can still be pending on another stream when it is freed."""
@@ -346,7 +360,7 @@ class RemoteTensor(torch.Tensor):
         return self if expected_type in (None, torch.Tensor) and expected_metadata is None else None
 
     # ---------------------------------------------------------------- values (sync points)
-    @_torch_function_first
+    @torch_function_first
     def numpy(self, *, force: bool = False) -> Any:
         """A GPU's refusal, which is about the device before it is about grad (torch checks in that
         order), but ``force=True`` copies to the host first (torch's documented meaning)."""
@@ -355,20 +369,20 @@ class RemoteTensor(torch.Tensor):
         raise TypeError(f"can't convert cuda:{self._dev} device type tensor to numpy. Use Tensor.cpu() "
                         "to copy the tensor to host memory first.")
 
-    @_torch_function_first
+    @torch_function_first
     def tolist(self) -> Any:
         """Its values, downloaded: under no_grad, not through a ``detach`` (an op, which would make
         the read wait for it: a read with nothing queued is one message each way, fastread.py)."""
         with torch.no_grad():
             return self.cpu().tolist()
 
-    @_torch_function_first
+    @torch_function_first
     def __format__(self, spec: str) -> str:
         if self.dim() == 0 and type(self) is RemoteTensor:  # (torch formats a subclass's as an object)
             return self.item().__format__(spec)
         return object.__format__(self, spec)
 
-    @_torch_function_first
+    @torch_function_first
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]  # (torch's stub)
         from torch._tensor_str import _str
         # (ops of another library's subclass give plain tensors here, as under torch's own repr)
@@ -405,6 +419,7 @@ class RemoteTensor(torch.Tensor):
             PRINT_OPTS.threshold = threshold
 
     # ---------------------------------------------------------------- copies and pickling
+    @torch_function_first
     def __deepcopy__(self, memo: dict) -> RemoteTensor:
         """torch's deepcopy: leaves only, and views deepcopied together stay views of one copy
         (torch copies each storage once per deepcopy): a view copies its base, and views that. A lazy

@@ -34,7 +34,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from . import runtime
-from .tensor import HANDLE_FIELDS, OWN_KEYS, RemoteTensor
+from .tensor import HANDLE_FIELDS, OWN_KEYS, RemoteTensor, torch_function_first
 
 #: the ``__dict__`` key under which a wrapper made on 'meta' keeps the 'cuda' device it stands for
 DEVICE_KEY = "_remotecuda_device"
@@ -104,6 +104,23 @@ def parameter_new(original: Callable, args: tuple, kwargs: dict) -> torch.Tensor
     return torch.Tensor._make_subclass(cls, data, requires_grad)
 
 
+def collate(original: Callable, args: tuple, kwargs: dict) -> Any:
+    """torch's ``collate(batch, collate_fn_map=...)`` (what ``default_collate`` and a DataLoader
+    run), whose table of collate functions is asked for the batch's first element's exact type
+    before any ``isinstance``: for a library's remote class, the entry of the library's class, as a
+    GPU's tensor of that class finds it. (MONAI adds ``MetaTensor`` to torch's
+    ``default_collate_fn_map``: a batch of 'cuda' MetaTensors met the table's first ``isinstance``
+    match, ``torch.Tensor``'s, a stack without their metadata.)"""
+    table = kwargs.get("collate_fn_map")
+    batch = args[0] if len(args) == 1 else None
+    if table is not None and isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], RemoteTensor):
+        cls = type(batch[0])
+        library = _library_class(cls)
+        if library is not cls and cls not in table and library in table:
+            return table[library](batch, collate_fn_map=table)
+    return original(*args, **kwargs)
+
+
 def keep_parameters(module: torch.nn.Module) -> Callable[[], None]:
     """What a GPU's ``module.to('cuda')`` keeps of its parameters: each stays the object it was
     (``param.data = ...``), so its class (a subclass of nn.Parameter: diffusers' GGUFParameter, a
@@ -160,6 +177,7 @@ class _UnderSubclass(RemoteTensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _DEFAULT_TORCH_FUNCTION(cls, func, types, args, kwargs)
 
+    @torch_function_first
     def __deepcopy__(self, memo: dict) -> RemoteTensor:
         """torch's deepcopy of a subclass that defines none: it builds the copy with the subclass's
         ``new_empty`` (its overrides off), and refuses a subclass whose ``new_empty`` gives another

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -441,6 +442,18 @@ def test_ipython_traceback_has_no_runtime_frames(gateway):
         assert "m.sum().item()" in shown or "m = torch.tanh(m @ m)" in shown, shown
     finally:
         k.stop()
+
+
+@pytest.mark.parametrize("mix", [lambda: torch.ones(2) @ torch.ones(2, device="cuda"),
+                                 lambda: torch.ones(2, device="cuda") + torch.ones(3)], ids=["cpu@cuda", "cuda+cpu"])
+def test_a_device_mismatch_has_no_internal_exception_as_its_context(remote, mix):
+    # a GPU's error has none; this one was raised while remotecuda handled its own signal for a CPU
+    # argument, which Python showed above it ("During handling of the above exception...", with
+    # remotecuda's frames, which no traceback trimming hides: in a notebook, a display's error too)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device") as info:
+        mix()
+    assert info.value.__context__ is None
+    assert "During handling" not in "".join(traceback.format_exception(info.value))
 
 
 def test_an_op_the_wire_cannot_carry_fails_alone(remote):
