@@ -34,8 +34,8 @@ from torch._prims_common import canonicalize_dim, make_contiguous_strides_for
 from remotecuda_wire import layouts
 from remotecuda_wire.protocol import DTYPE_EXT, OP_NAMESPACES
 
+from . import call_checks, downloads, known, sparse, transfer
 from . import dispatch_cache as dc
-from . import downloads, known, sparse, transfer
 from .device_type import DEVICE
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import GatewayLostError, RemoteCUDAError
@@ -107,7 +107,7 @@ def _op_meta(func: Any) -> OpMeta:
     fully_inplace = (all(ra is not None and ra[2] for ra in ret_alias) if ret_alias else schema.is_mutable)
     return OpMeta(func, name, tuple(ret_alias), len(schema.returns) > 1, _bypass(func), fully_inplace,
                   _Tag.inplace_view in func.tags or func in _METADATA_MUTATION, func in _CPU_OK,
-                  not fully_inplace and _float_values(sargs))
+                  (not fully_inplace and _float_values(sargs)) or func in call_checks.READS_FLOATS)
 
 
 #: ops that read their ``info`` to raise at the call, on a GPU too (every overload, ``out=`` ones
@@ -501,6 +501,7 @@ class Dispatcher:
             pos, dim_pos, name = unchecked
             dim = args[dim_pos] if dim_pos is not None and len(args) > dim_pos else kwargs.get(name, -1)
             canonicalize_dim(args[pos].dim(), dim)  # IndexError: for the gateway to word
+        call_checks.check(m.func, args, kwargs)  # (the device's checks at the call its meta kernel leaves out)
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
         # (a warning a Python meta kernel gives, the kernel that runs on the gateway gives too,

@@ -1,0 +1,83 @@
+"""Errors a GPU raises at the call, where torch's meta kernels (which give a 'cuda' op's output
+metadata on the client) accept the arguments: raised at the call here too, with the device's
+type and message, not at the next sync point as asynchronous ones (remotecuda/call_checks.py).
+
+Each mistake runs locally on the CPU (the gateway's device here) and on 'cuda' with
+REMOTECUDA_SYNC off; the remote error must come from the call itself and be the local one."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.usefixtures("remote")
+
+
+def _raised(fn, dev):
+    with pytest.raises(Exception) as info:
+        fn(dev)
+    return info.value
+
+
+MISTAKES = {
+    "conv2d_zero_dilation": lambda d: F.conv2d(torch.randn(1, 2, 5, 5, device=d), torch.randn(3, 2, 3, 3, device=d),
+                                               dilation=0),
+    "conv3d_negative_padding": lambda d: F.conv3d(torch.randn(1, 1, 4, 4, 4, device=d),
+                                                  torch.randn(1, 1, 2, 2, 2, device=d), padding=-1),
+    "conv_transpose_negative_output_padding": lambda d: torch.ops.aten.convolution(
+        torch.randn(1, 2, 5, 5, device=d), torch.randn(2, 3, 3, 3, device=d), None, [2, 2], [0, 0], [1, 1], True,
+        [-1, -1], 1),
+    "uniform_from_above_to": lambda d: torch.empty(3, device=d).uniform_(2.0, 1.0),
+    "index_add_source_shape": lambda d: torch.zeros(5, 3, device=d).index_add_(
+        0, torch.tensor([0, 1], device=d), torch.ones(2, 4, device=d)),
+    "index_add_source_of_fewer_dims": lambda d: torch.zeros(3, 2, device=d).index_add(
+        0, torch.tensor([0, 1], device=d), torch.ones(2, device=d)),
+    "bucketize_2d_boundaries": lambda d: torch.bucketize(torch.randn(3, device=d), torch.randn(2, 3, device=d)),
+    "aminmax_out_of_another_float": lambda d: torch.aminmax(
+        torch.randn(3, device=d), out=(torch.empty(0, dtype=torch.float64, device=d), torch.empty(0, device=d))),
+    "multinomial_float_out": lambda d: torch.multinomial(torch.rand(4, device=d), 2, out=torch.empty(2, device=d)),
+    "multinomial_no_samples": lambda d: torch.multinomial(torch.rand(4, device=d), 0),
+    "multinomial_more_than_categories": lambda d: torch.multinomial(torch.rand(4, device=d), 5),
+    "complex_out_of_another_dtype": lambda d: torch.complex(
+        torch.randn(2, device=d), torch.randn(2, device=d), out=torch.empty(2, dtype=torch.complex128, device=d)),
+    "as_strided_scatter_out_of_bounds": lambda d: torch.as_strided_scatter(
+        torch.zeros(4, device=d), torch.ones(3, device=d), (3,), (2,)),
+    "layer_norm_float64_weight": lambda d: F.layer_norm(torch.randn(2, 4, device=d), (4,),
+                                                        torch.randn(4, dtype=torch.float64, device=d)),
+    "add_into_expanded": lambda d: torch.zeros(1, device=d).expand(3).add_(1),
+    "index_select_into_expanded": lambda d: torch.index_select(
+        torch.randn(3, device=d), 0, torch.tensor([0, 1, 2], device=d), out=torch.zeros(1, device=d).expand(3)),
+    "meta_tensor_to_cuda": lambda d: torch.empty(3, device="meta").to(d),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES.values()), ids=list(MISTAKES))
+def test_raised_at_the_call_as_the_device_raises_it(mistake):
+    local = _raised(mistake, "cpu")
+    got = _raised(mistake, "cuda")  # (no sync point: an asynchronous error would not come here)
+    assert (type(got), str(got)) == (type(local), str(local))
+    torch.cuda.synchronize()  # nothing was queued that fails later
+    assert torch.ones(2, device="cuda").sum().item() == 2.0
+
+
+def test_a_checked_op_with_accepted_arguments_runs():
+    """The checks refuse only what the device refuses: the same signatures with good values run,
+    and a refused value after an accepted one (the same shapes: one cache entry) is still refused."""
+    x = torch.empty(1000, device="cuda")
+    for bound in (0.5, 0.25, 2.0):  # nn.init's uniform_(-bound, bound), a new bound per layer
+        x.uniform_(-bound, bound)
+        assert -bound <= x.min().item() and x.max().item() <= bound
+    with pytest.raises(RuntimeError, match=r"from=1 > to=0.5"):
+        x.uniform_(1.0, 0.5)
+    assert torch.multinomial(torch.rand(4, device="cuda"), 4).sort().values.tolist() == [0, 1, 2, 3]
+    s = torch.zeros(5, 3, device="cuda").index_add_(0, torch.tensor([0, 4], device="cuda"),
+                                                    torch.ones(2, 3, device="cuda"))
+    assert s.sum().item() == 6.0
+
+
+@pytest.mark.parametrize("fill", [lambda t: t.fill_(2.0), lambda t: t.zero_()], ids=["fill_", "zero_"])
+def test_expanded_tensors_the_device_writes_still_run(fill):
+    """``fill_`` and ``zero_`` write an expanded tensor on a GPU too (the gateway says so)."""
+    local = fill(torch.ones(1).expand(3))
+    got = fill(torch.ones(1, device="cuda").expand(3))
+    assert got.cpu().tolist() == local.tolist()
