@@ -209,6 +209,27 @@ _DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
                   aten.masked_fill_.Tensor, aten.masked_scatter.default, aten.masked_scatter_.default)},
 }
 
+#: ``out=`` overloads of structured linalg kernels whose meta functions (BatchLinearAlgebra.cpp's
+#: ``TORCH_META_FUNC``s) give their matrices column-major strides, ``set_output_strided`` with
+#: ``batched_matrix_contiguous_strides(..., /*f_contig=*/true)``, which torchgen's ``resize_out``
+#: applies to an ``out`` it resizes (on every device); their Python meta kernels resize it
+#: row-major, and the gateway's tensor then had other strides than the client's (a later
+#: ``Q.view(-1)`` passed here and failed there)
+_COLUMN_MAJOR_OUT = frozenset({aten.linalg_qr.out, aten.linalg_lu_factor_ex.out, aten.triangular_solve.X,
+                               aten.linalg_lu_solve.out, aten.linalg_householder_product.out,
+                               aten.linalg_ldl_factor_ex.out})
+
+
+def _restride_resized_outs(m: OpMeta, kwargs: dict, out: Any) -> None:
+    """Give the matrices among ``out`` (meta tensors: the op's results, its ``out=`` arguments
+    after the meta kernel) that it resized the batched column-major strides of ``_COLUMN_MAJOR_OUT``.
+    ``kwargs`` are the op's own, whose wrappers keep their shapes until the op is sent."""
+    for r, alias in zip(out if m.multi else (out,), m.ret_alias):
+        given = kwargs.get(alias[1]) if alias is not None else None
+        if isinstance(r, torch.Tensor) and given is not None and r.dim() >= 2 and given.shape != r.shape:
+            r.as_strided_(r.shape, make_contiguous_strides_for(r.shape, row_major=False))
+
+
 #: advanced indexing, which takes a CPU tensor indexed with 'cuda' indices as a GPU's torch does
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
@@ -532,6 +553,8 @@ class Dispatcher:
             out = layouts.elementwise(margs, out)
         elif m.name in layouts.CONTIGUOUS:
             out = layouts.contiguous(out)
+        elif m.func in _COLUMN_MAJOR_OUT:
+            _restride_resized_outs(m, kwargs, out)
         rets = out if m.multi else (out,)
         items: list[Any] = []
         # (a metadata-mutating op's own change is applied after it is sent: _mutate_wrapper)

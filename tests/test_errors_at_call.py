@@ -81,3 +81,36 @@ def test_expanded_tensors_the_device_writes_still_run(fill):
     local = fill(torch.ones(1).expand(3))
     got = fill(torch.ones(1, device="cuda").expand(3))
     assert got.cpu().tolist() == local.tolist()
+
+
+_A = torch.randn(4, 4)
+_S = _A @ _A.T + 4 * torch.eye(4)
+_B = torch.randn(4, 2)
+_INT = torch.int32
+#: structured linalg kernels that lay a resized ``out=`` column-major: (call, out dtypes)
+LINALG_OUTS = {
+    "qr": (lambda d, o: torch.linalg.qr(_A.to(d), out=o), (None, None)),
+    "qr_complete": (lambda d, o: torch.linalg.qr(_A[:, :3].to(d), mode="complete", out=o), (None, None)),
+    "lu_factor": (lambda d, o: torch.linalg.lu_factor(_S.to(d), out=o), (None, _INT)),
+    "ldl_factor": (lambda d, o: torch.linalg.ldl_factor(_S.to(d), out=o), (None, _INT)),
+    "triangular_solve": (lambda d, o: torch.triangular_solve(_B.to(d), _S.to(d), out=o), (None, None)),
+    "lu_solve": (lambda d, o: torch.linalg.lu_solve(*torch.linalg.lu_factor(_S.to(d)), _B.to(d), out=o[0]), (None,)),
+    "householder_product": (lambda d, o: torch.linalg.householder_product(
+        _A.to(d), torch.linspace(0.1, 0.9, 3, device=d), out=o[0]), (None,)),
+}
+
+
+@pytest.mark.parametrize("case", list(LINALG_OUTS.values()), ids=list(LINALG_OUTS))
+@pytest.mark.filterwarnings("ignore:torch.triangular_solve is deprecated")
+def test_linalg_out_of_another_shape_is_laid_out_as_the_device_lays_it(case):
+    """A resized ``out=`` has the strides the device's kernel gives it (column-major), so a later
+    ``view`` is refused, or allowed, at the call as on a GPU, not by the gateway later."""
+    call, dtypes = case
+    outs = {d: tuple(torch.empty(0, dtype=t or torch.float32, device=d) for t in dtypes) for d in ("cpu", "cuda")}
+    for d, o in outs.items():
+        call(d, o)
+    assert [t.stride() for t in outs["cuda"]] == [t.stride() for t in outs["cpu"]]
+    assert all(torch.equal(r.cpu(), c) for r, c in zip(outs["cuda"], outs["cpu"]))
+    local = _raised(lambda d: outs[d][0].view(-1), "cpu")
+    got = _raised(lambda d: outs[d][0].view(-1), "cuda")
+    assert (type(got), str(got)) == (type(local), str(local))
