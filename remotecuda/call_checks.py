@@ -136,6 +136,53 @@ def _layer_norm(args: tuple, kwargs: dict) -> None:
             raise RuntimeError(f"expected scalar type {_c10_name(x.dtype)} but found {_c10_name(p.dtype)}")
 
 
+def _random_from(args: tuple, kwargs: dict) -> None:
+    """aten/src/ATen/native/DistributionTemplates.h, ``random_from_to_impl``."""
+    low, high = _arg(args, kwargs, 1, "from"), _arg(args, kwargs, 2, "to")
+    if high is not None and low >= high:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+
+
+def _random_to(args: tuple, kwargs: dict) -> None:
+    """``random_(to)``: ``random_(0, to)`` (DistributionTemplates.h, ``random_from_to_impl``)."""
+    _random_from((args[0], 0, _arg(args, kwargs, 1, "to")), {})
+
+
+def _bernoulli(args: tuple, kwargs: dict) -> None:
+    """aten/src/ATen/native/DistributionTemplates.h, ``bernoulli_impl_``."""
+    p = _arg(args, kwargs, 1, "p", 0.5)
+    if not 0 <= p <= 1:
+        raise RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got p={p}")
+
+
+def _std_var(args: tuple, kwargs: dict) -> None:
+    """aten/src/ATen/native/ReduceOps.cpp, ``std_var_out`` and ``std_var_mean_out``."""
+    if not (args[0].is_floating_point() or args[0].is_complex()):
+        raise RuntimeError("std and var only support floating point and complex dtypes")
+
+
+def _sort(args: tuple, kwargs: dict) -> None:
+    """aten/src/ATen/native/cuda/Sort.cpp (and native/Sort.cpp for the CPU's words)."""
+    if args[0].is_complex():
+        raise RuntimeError("Sort currently does not support complex dtypes on CUDA.")
+
+
+def _index_select(args: tuple, kwargs: dict) -> None:
+    """aten/src/ATen/native/TensorAdvancedIndexing.cpp and cuda/Indexing.cu, ``index_select_out``."""
+    if _arg(args, kwargs, 2, "index").dim() > 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+
+
+def _searchsorted(args: tuple, kwargs: dict) -> None:
+    """aten/src/ATen/native/BucketizationUtils.h, ``searchsorted_pre_check``."""
+    side, sorter = kwargs.get("side"), kwargs.get("sorter")
+    if side is not None and side not in ("left", "right"):
+        raise RuntimeError(f"torch.searchsorted(): side can only be 'left' or 'right' but got {side}")
+    if sorter is not None and sorter.dtype is not torch.int64:
+        raise RuntimeError(f"torch.searchsorted(): sorter must be a tensor of long dtype but got dtype "
+                           f"{_c10_name(sorter.dtype)}")
+
+
 def _c10_name(dtype: torch.dtype) -> str:
     """c10's name of a dtype, as torch's messages print it (``Float``, ``Long``, ``ComplexDouble``)."""
     return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
@@ -158,13 +205,26 @@ _CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
     aten.aminmax.out: _same_dtype_out("min", "max"),
     aten.as_strided_scatter.default: _as_strided_scatter,
     aten.native_layer_norm.default: _layer_norm,
+    **dict.fromkeys((getattr(aten.random_, "from"), getattr(aten.random, "from"), aten.random.from_out),
+                    _random_from),
+    **dict.fromkeys((aten.random_.to, aten.random.to, aten.random.to_out), _random_to),
+    **dict.fromkeys((aten.bernoulli_.float, aten.bernoulli.p), _bernoulli),
+    **dict.fromkeys((aten.std.correction, aten.var.correction, aten.std_mean.correction, aten.var_mean.correction,
+                     aten.std.correction_out, aten.var.correction_out), _std_var),
+    **dict.fromkeys((aten.sort.default, aten.sort.stable, aten.sort.values, aten.sort.values_stable), _sort),
+    **dict.fromkeys((aten.index_select.default, aten.index_select.out), _index_select),
+    **dict.fromkeys((aten.searchsorted.Tensor, aten.searchsorted.Scalar, aten.searchsorted.Tensor_out,
+                     aten.searchsorted.Scalar_out), _searchsorted),
 }
 
 #: ops that write a tensor's metadata, not its elements, and are not tagged ``inplace_view``
 _METADATA_ONLY = frozenset((aten.resize_, aten.resize_as_, aten.set_, aten.detach_))
 
-#: ops whose checks read float arguments, which must then be part of their cache key
-READS_FLOATS = frozenset((aten.uniform_.default, aten.uniform.default, aten.uniform.out))
+#: ops whose checks, here or in their meta kernels, read float arguments, which must then be part
+#: of their cache key (else ``x.geometric_(0.5)`` cached, ``x.geometric_(2.0)`` hit its entry)
+READS_FLOATS = frozenset((aten.uniform_.default, aten.uniform.default, aten.uniform.out, aten.bernoulli_.float,
+                          aten.bernoulli.p, aten.geometric_.default, aten.log_normal_.default,
+                          aten.histc.default, aten.histc.out))
 
 
 def check(func: Any, args: tuple, kwargs: dict) -> None:

@@ -48,7 +48,46 @@ MISTAKES = {
     "index_select_into_expanded": lambda d: torch.index_select(
         torch.randn(3, device=d), 0, torch.tensor([0, 1, 2], device=d), out=torch.zeros(1, device=d).expand(3)),
     "meta_tensor_to_cuda": lambda d: torch.empty(3, device="meta").to(d),
+    "random_from_above_to": lambda d: torch.empty(3, device=d).random_(5, 2),
+    "random_to_zero": lambda d: torch.empty(3, device=d).random_(0),
+    "bernoulli_p_above_one": lambda d: torch.empty(3, device=d).bernoulli_(1.5),
+    "bernoulli_fn_p_below_zero": lambda d: torch.bernoulli(torch.empty(3, device=d), -0.5),
+    "std_of_integers": lambda d: torch.zeros(3, dtype=torch.long, device=d).std(),
+    "var_mean_of_integers": lambda d: torch.var_mean(torch.zeros(3, dtype=torch.long, device=d)),
+    "index_select_2d_index": lambda d: torch.randn(4, 5, device=d).index_select(
+        0, torch.zeros(2, 2, dtype=torch.long, device=d)),
+    "searchsorted_side": lambda d: torch.searchsorted(torch.arange(3.0, device=d), torch.ones(2, device=d),
+                                                      side="middle"),
+    "searchsorted_float_sorter": lambda d: torch.searchsorted(torch.arange(3.0, device=d), torch.ones(2, device=d),
+                                                              sorter=torch.arange(3.0, device=d)),
+    "ctc_loss_blank_out_of_range": lambda d: F.ctc_loss(
+        torch.randn(5, 2, 4, device=d).log_softmax(2), torch.ones(2, 3, dtype=torch.long, device=d), (5, 5), (3, 3),
+        blank=7),
 }
+
+#: mistakes in a float argument, made after the same call with a good value (one signature): the
+#: cached entry of the good call must not let the bad one through
+AFTER_A_GOOD_CALL = {
+    "geometric_": (lambda x: x.geometric_(0.5), lambda x: x.geometric_(2.0)),
+    "log_normal_": (lambda x: x.log_normal_(0.0, 1.0), lambda x: x.log_normal_(0.0, -1.0)),
+    "bernoulli_": (lambda x: x.bernoulli_(0.5), lambda x: x.bernoulli_(1.5)),
+    "uniform_": (lambda x: x.uniform_(0.0, 1.0), lambda x: x.uniform_(1.0, 0.0)),
+    "histc": (lambda x: torch.histc(x, 4, 0.0, 1.0), lambda x: torch.histc(x, 4, 3.0, 1.0)),
+}
+
+
+@pytest.mark.parametrize("calls", list(AFTER_A_GOOD_CALL.values()), ids=list(AFTER_A_GOOD_CALL))
+def test_a_bad_float_after_a_good_one_is_raised_at_the_call(calls):
+    good, bad = calls
+
+    def mistake(d):
+        x = torch.rand(3, device=d)
+        good(x)
+        bad(x)
+    local = _raised(mistake, "cpu")
+    got = _raised(mistake, "cuda")
+    assert (type(got), str(got)) == (type(local), str(local))
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES.values()), ids=list(MISTAKES))
