@@ -220,6 +220,10 @@ _CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
 #: ops that write a tensor's metadata, not its elements, and are not tagged ``inplace_view``
 _METADATA_ONLY = frozenset((aten.resize_, aten.resize_as_, aten.set_, aten.detach_))
 
+#: ops whose kernels write an expanded tensor (FillKernel.cpp: ``set_check_mem_overlap(false)``,
+#: "fill is idempotent"): not asked of the gateway, which would then describe every such call
+_OVERLAP_ACCEPTED = frozenset((aten.fill_, aten.zero_))
+
 #: ops whose checks, here or in their meta kernels, read float arguments, which must then be part
 #: of their cache key (else ``x.geometric_(0.5)`` cached, ``x.geometric_(2.0)`` hit its entry)
 READS_FLOATS = frozenset((aten.uniform_.default, aten.uniform.default, aten.uniform.out, aten.bernoulli_.float,
@@ -242,16 +246,17 @@ def check(func: Any, args: tuple, kwargs: dict) -> None:
 def _overlaps_itself(t: torch.Tensor) -> bool:
     """aten/src/ATen/MemoryOverlap.cpp ``has_internal_overlap``'s ``Yes``: a dimension of stride
     0 and size above 1 (an ``expand``ed tensor), which the kernels that write a tensor refuse
-    (``assert_no_internal_overlap``, TensorIterator's outputs); those that accept it (``fill_``,
-    ``zero_``) are told so by the gateway."""
+    (``assert_no_internal_overlap``, TensorIterator's outputs); one that accepts it after all is
+    told so by the gateway."""
     return any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
 
 
 @functools.cache
 def _written(func: Any) -> tuple[tuple[int | None, str], ...]:
-    """The tensor arguments whose values ``func`` writes: (position, or None where keyword-only;
-    name). Not those of the ops that change a tensor's metadata only (``t_``, ``resize_``, ``set_``)."""
-    if torch.Tag.inplace_view in func.tags or func.overloadpacket in _METADATA_ONLY:
+    """The tensor arguments whose values ``func`` writes, checked for internal overlap: (position,
+    or None where keyword-only; name). None for the ops that change a tensor's metadata only
+    (``t_``, ``resize_``, ``set_``) and for those that accept an expanded tensor (``fill_``)."""
+    if torch.Tag.inplace_view in func.tags or func.overloadpacket in _METADATA_ONLY | _OVERLAP_ACCEPTED:
         return ()
     return tuple((None if a.kwarg_only else i, a.name) for i, a in enumerate(func._schema.arguments)
                  if a.alias_info is not None and a.alias_info.is_write and str(a.type) == "Tensor")
