@@ -153,3 +153,19 @@ def test_linalg_out_of_another_shape_is_laid_out_as_the_device_lays_it(case):
     local = _raised(lambda d: outs[d][0].view(-1), "cpu")
     got = _raised(lambda d: outs[d][0].view(-1), "cuda")
     assert (type(got), str(got)) == (type(local), str(local))
+
+
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_an_uploaded_tensor_grows_as_a_gpu_tensor_does():
+    """``x.cuda().resize_(n)`` and an ``out=`` that must grow: a GPU resizes any of its storages.
+    On a CPU gateway an upload's bytes sit in a storage torch cannot resize, and the op failed at
+    the next sync ("Trying to resize storage that is not resizable")."""
+    def grow(d):
+        x = torch.arange(3.0).to(d)
+        view = x[:2]
+        x.resize_(10)
+        x[0] = 7.0
+        out = torch.arange(2.0).to(d)
+        torch.cat([x[:3], x[:3]], out=out)
+        return x[:3].cpu(), view.cpu(), out.cpu()
+    assert all(torch.equal(r, c) for r, c in zip(grow("cuda"), grow("cpu")))
