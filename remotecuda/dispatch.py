@@ -34,8 +34,8 @@ from torch._prims_common import canonicalize_dim, make_contiguous_strides_for
 from remotecuda_wire import layouts
 from remotecuda_wire.protocol import DTYPE_EXT, OP_NAMESPACES
 
+from . import call_checks, downloads, known, sparse, transfer
 from . import dispatch_cache as dc
-from . import downloads, known, sparse, transfer
 from .device_type import DEVICE
 from .dispatch_cache import ArgOut, Bypass, ConstOut, DispatchCache, Entry, NewOut, NewTensor, Outputs, ViewOut
 from .errors import GatewayLostError, RemoteCUDAError
@@ -107,7 +107,7 @@ def _op_meta(func: Any) -> OpMeta:
     fully_inplace = (all(ra is not None and ra[2] for ra in ret_alias) if ret_alias else schema.is_mutable)
     return OpMeta(func, name, tuple(ret_alias), len(schema.returns) > 1, _bypass(func), fully_inplace,
                   _Tag.inplace_view in func.tags or func in _METADATA_MUTATION, func in _CPU_OK,
-                  not fully_inplace and _float_values(sargs))
+                  (not fully_inplace and _float_values(sargs)) or func in call_checks.READS_FLOATS)
 
 
 #: ops that read their ``info`` to raise at the call, on a GPU too (every overload, ``out=`` ones
@@ -208,6 +208,27 @@ _DTYPE_SUSPECT: dict[Any, Callable[[tuple], bool]] = {
        for op in (aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_fill.Tensor,
                   aten.masked_fill_.Tensor, aten.masked_scatter.default, aten.masked_scatter_.default)},
 }
+
+#: ``out=`` overloads of structured linalg kernels whose meta functions (BatchLinearAlgebra.cpp's
+#: ``TORCH_META_FUNC``s) give their matrices column-major strides, ``set_output_strided`` with
+#: ``batched_matrix_contiguous_strides(..., /*f_contig=*/true)``, which torchgen's ``resize_out``
+#: applies to an ``out`` it resizes (on every device); their Python meta kernels resize it
+#: row-major, and the gateway's tensor then had other strides than the client's (a later
+#: ``Q.view(-1)`` passed here and failed there)
+_COLUMN_MAJOR_OUT = frozenset({aten.linalg_qr.out, aten.linalg_lu_factor_ex.out, aten.triangular_solve.X,
+                               aten.linalg_lu_solve.out, aten.linalg_householder_product.out,
+                               aten.linalg_ldl_factor_ex.out})
+
+
+def _restride_resized_outs(m: OpMeta, kwargs: dict, out: Any) -> None:
+    """Give the matrices among ``out`` (meta tensors: the op's results, its ``out=`` arguments
+    after the meta kernel) that it resized the batched column-major strides of ``_COLUMN_MAJOR_OUT``.
+    ``kwargs`` are the op's own, whose wrappers keep their shapes until the op is sent."""
+    for r, alias in zip(out if m.multi else (out,), m.ret_alias):
+        given = kwargs.get(alias[1]) if alias is not None else None
+        if isinstance(r, torch.Tensor) and given is not None and r.dim() >= 2 and given.shape != r.shape:
+            r.as_strided_(r.shape, make_contiguous_strides_for(r.shape, row_major=False))
+
 
 #: advanced indexing, which takes a CPU tensor indexed with 'cuda' indices as a GPU's torch does
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
@@ -515,6 +536,7 @@ class Dispatcher:
             pos, dim_pos, name = unchecked
             dim = args[dim_pos] if dim_pos is not None and len(args) > dim_pos else kwargs.get(name, -1)
             canonicalize_dim(args[pos].dim(), dim)  # IndexError: for the gateway to word
+        call_checks.check(m.func, args, kwargs)  # (the device's checks at the call its meta kernel leaves out)
         margs = [_to_meta(a) for a in args]
         mkw = {k: _to_meta(v) for k, v in kwargs.items()}
         # (a warning a Python meta kernel gives, the kernel that runs on the gateway gives too,
@@ -545,6 +567,8 @@ class Dispatcher:
             out = layouts.elementwise(margs, out)
         elif m.name in layouts.CONTIGUOUS:
             out = layouts.contiguous(out)
+        elif m.func in _COLUMN_MAJOR_OUT:
+            _restride_resized_outs(m, kwargs, out)
         rets = out if m.multi else (out,)
         items: list[Any] = []
         # (a metadata-mutating op's own change is applied after it is sent: _mutate_wrapper)

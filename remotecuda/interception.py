@@ -147,6 +147,11 @@ def to_cuda(t: torch.Tensor, index: int, dtype: Any = None, non_blocking: bool =
     copy (past any function mode: ``with torch.device('cuda')`` would hand it to the patched ``to``)."""
     if is_lazy(t):
         return lazy_modules.to_cuda(t, index)
+    if t.is_meta and not isinstance(t, RemoteTensor):
+        # (C++ would copy it meta to meta, a remote tensor's C++ device, and hand back a meta
+        # tensor: a GPU's copy_ refuses it, aten/src/ATen/native/Copy.cpp, and nn.Module.to
+        # adds its hint, to_empty(), to this error)
+        raise NotImplementedError("Cannot copy out of meta tensor; no data!")
     local = runtime.current().dispatcher.local
     prev = local.target
     local.target = index

@@ -33,6 +33,16 @@ from .programs import Program
 from .session_quota import FLAG as QUOTA_FLAG
 from .session_quota import SessionQuota
 
+#: torch's refusal to resize a storage it does not own (StorageImpl's ``resizable()``)
+_NOT_RESIZABLE = "Trying to resize storage that is not resizable"
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes of its storage a strided tensor spans, its offset included."""
+    if t.numel() == 0:
+        return 0
+    return (int(t.storage_offset()) + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
 _LINK = LinkModel()  # the gateway does not measure its clients' links: downloads use the default
 
 
@@ -518,7 +528,13 @@ class Executor:
         args = [self._arg(a) for a in args]
         if self.capturing is not None:
             return self._capture(name, func, args, {k: self._arg(v) for k, v in kwargs.items()}, outs)
-        result = func(*args, **{k: self._arg(v) for k, v in kwargs.items()}) if kwargs else func(*args)
+        kw = {k: self._arg(v) for k, v in kwargs.items()} if kwargs else {}
+        try:
+            result = func(*args, **kw) if kw else func(*args)
+        except RuntimeError as e:
+            if _NOT_RESIZABLE not in str(e):
+                raise
+            result = self._on_own_storages(func, args, kw)
         if isinstance(outs, dict):
             return self._describe(outs, result)
         self._store(outs, result)
@@ -760,6 +776,24 @@ class Executor:
             self.handles.resize(storage, nbytes)
         else:
             storage.resize_(nbytes)
+
+    def _on_own_storages(self, func: Callable, args: list, kwargs: dict) -> Any:
+        """``func`` run again after it refused to resize a storage torch cannot resize (an upload
+        on a CPU gateway lands in a recycled host block): ``x.cuda().resize_(n)``, or an ``out=``
+        that must grow. A GPU's storages are all resizable, so each such storage among the
+        arguments is replaced by a resizable copy (``_own_storage``) first. Those kernels resize
+        before they write, so the failed call wrote nothing; but torch set the resized tensor's
+        new sizes before it refused its storage, so that tensor is made empty first (the call,
+        made again, sizes it)."""
+        tensors: list = []
+        flatten_tensors([args, list(kwargs.values())], tensors)
+        for t in tensors:
+            storage = t.untyped_storage() if t.layout is torch.strided else None
+            if storage is not None and not storage.resizable():
+                if _extent(t) > storage.nbytes():
+                    t.set_(storage, t.storage_offset(), (0,), (1,))
+                self._own_storage(storage)
+        return func(*args, **kwargs) if kwargs else func(*args)
 
     def _own_storage(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
         """A resizable copy of a storage torch cannot resize (an upload landed in a recycled host

@@ -170,7 +170,7 @@ def _ctc(op: Any, a: dict) -> None:
     classes = log_probs.size(-1)
     _within(targets, 0, classes, "ctc_loss target")
     if not 0 <= a["blank"] < classes:
-        raise IndexError(f"ctc_loss: blank {a['blank']} out of range [0, {classes})")
+        raise RuntimeError("blank must be in label range")  # (LossCTC.cpp's and LossCTC.cu's words)
     lengths = a["target_lengths"]
     lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
     if any(n < 0 for n in lengths):
