@@ -38,8 +38,7 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
         """DDP's ``__init__`` for this class: its arguments, the same defaults."""
         nn.Module.__init__(self)
         if static_graph:
-            raise NotImplementedError("remotecuda: DistributedDataParallel(static_graph=True) over a 'cuda' model "
-                                      "is not supported (remotecuda reduces gradients itself, without a Reducer)")
+            self._set_static_graph()
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.device_ids = None if device_ids is None else [torch.device("cuda", d) if isinstance(d, int)
@@ -51,6 +50,7 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self.static_graph = False
         self._world = dist.get_world_size(self.process_group)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._queued = False
@@ -82,6 +82,14 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("remotecuda: DDP's join() over a 'cuda' model is not supported")
+
+    def _set_static_graph(self) -> None:
+        raise NotImplementedError("remotecuda: DistributedDataParallel's static graph over a 'cuda' model is not "
+                                  "supported (remotecuda reduces gradients itself, without a Reducer)")
+
+    def _get_ddp_logging_data(self) -> dict:
+        """The C++ logger's figures (Lightning asks whether a static graph would do): none here."""
+        return {}
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0's values of ``tensors`` on every rank (DDP's ``_sync_module_states``)."""

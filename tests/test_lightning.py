@@ -168,3 +168,58 @@ def test_torchmetrics_on_cuda_give_the_cpu_values():
     local, remote = _metrics("cpu"), _metrics("cuda")
     assert (local.pop("device"), remote.pop("device")) == ("cpu", "cuda:0")
     torch.testing.assert_close(remote, local)
+
+
+DDP_FIT = r'''
+import torch, lightning as L
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+if __name__ == "__main__":
+    L.seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    trainer = L.Trainer(accelerator=accelerator, devices=2, strategy="ddp", max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    model = Net()
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    if trainer.global_rank == 0:
+        print("RESULT", trainer.strategy.root_device, [p.detach().cpu().tolist() for p in model.parameters()],
+              float(trainer.callback_metrics["loss"]))
+'''
+
+
+def test_a_trainer_on_two_devices_trains_by_ddp_as_on_the_cpu(tmp_path):
+    """``Trainer(devices=2, strategy="ddp")`` under ``remotecuda run``: Lightning starts the second
+    rank as a subprocess (activated: remotecuda/children.py), asks for nccl (run as gloo) and
+    wraps the model in DistributedDataParallel (remotecuda/ddp.py); the weights and the synced
+    loss are the CPU's (gloo, two processes)."""
+    gw = GatewayProcess("--spare", "2", "--gpus", "2")
+    try:
+        script = tmp_path / "fit.py"
+        script.write_text(DDP_FIT)
+        remote = ["-m", "remotecuda", "run", "--server", gw.address, "python", str(script)]
+        runs = [run_python("", args=[str(script)], timeout=300), run_python("", args=remote, timeout=300)]
+    finally:
+        gw.stop()
+    results = []
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+        results.append(next(line for line in r.stdout.splitlines() if line.startswith("RESULT")).split(" ", 2))
+    assert [device for _, device, _ in results] == ["cpu", "cuda:0"]
+    assert results[0][2] == results[1][2]
