@@ -11,9 +11,14 @@ syncs (not inside ``no_sync()``) every gradient summed over the world and divide
 as one flat tensor per dtype: one read and one write per backward, whatever the parameter count.
 With one process the world is the process itself and nothing crosses the wire.
 
-What the Reducer offers beyond that is refused by name (communication hooks, ``join``, static
-graph); a gradient a rank did not compute counts as zeros in the others' sum (as
-``find_unused_parameters=True`` makes it), and stays None on that rank.
+As DDP, a forward that will not sync (inside ``no_sync()`` or without grad) makes the next
+forward skip the buffer broadcast, so that each rank's BatchNorm statistics of an accumulation
+stay its own. A gradient a rank did not compute counts as zeros in the others' sum (as
+``find_unused_parameters=True`` makes it); with ``find_unused_parameters=True`` that rank gets the
+reduced gradient as the others do (its optimizer then steps it too, and the ranks' weights stay
+equal), and a parameter no rank used keeps None. A copy (``copy.deepcopy``, pickling) reduces its
+own parameters' gradients over the default group, as DDP's. What the Reducer offers beyond that is
+refused by name (communication hooks, ``join``, static graph).
 """
 from __future__ import annotations
 
@@ -55,8 +60,26 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._queued = False
         self._broadcast([*module.parameters(), *module.buffers()])
+        self._hook()
+
+    def _hook(self) -> None:
+        """Each parameter's gradient accumulation tells ``_accumulated``."""
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """DDP's: all but the process group, which cannot be copied (a copy uses the default one)."""
+        state = dict(self.__dict__)
+        del state["process_group"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``, unpickling): over the default group, as DDP's, its own
+        parameters hooked (a tensor's copy has none of the original's hooks)."""
+        self.process_group = dist.group.WORLD
+        nn.Module.__setstate__(self, state)
+        self._queued = False
+        self._hook()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.device_ids:  # (DDP moves the inputs to its device, as here)
@@ -64,7 +87,11 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
             inputs, kwargs = tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, (inputs, kwargs))
         if self.broadcast_buffers and self.require_forward_param_sync:
             self._broadcast(list(self.module.buffers()))
-        return self.module(*inputs, **kwargs)
+        output = self.module(*inputs, **kwargs)
+        # (DDP's _post_forward: a forward whose backward will not sync leaves the buffers as they are
+        # on each rank until after the next forward that will)
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return output
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -113,12 +140,24 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
         if self._world == 1:  # (the sum of one, divided by one)
             return
         with torch.no_grad():
+            if self.find_unused_parameters:
+                self._give_grads_used_elsewhere()
             for group in _by_dtype(self._params).values():
                 flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                   for p in group]).cpu()
                 flat.mul_(1.0 / self._world)  # (the Reducer divides as it fills a bucket, then sums)
                 dist.all_reduce(flat, group=self.process_group)
                 _write_back(group, flat.to(group[0].device), grads=True)
+
+    def _give_grads_used_elsewhere(self) -> None:
+        """A zero gradient for each parameter this rank did not use and another did, to receive the
+        reduced one (the Reducer's local-used map, all-reduced; it is on the CPU, so nothing crosses
+        the wire): otherwise that rank's optimizer would skip it and its weights part from the others'."""
+        used = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)
+        dist.all_reduce(used, group=self.process_group)
+        for p, anywhere in zip(self._params, used.tolist()):
+            if p.grad is None and anywhere:
+                p.grad = torch.zeros_like(p)
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:

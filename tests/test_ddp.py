@@ -108,3 +108,75 @@ def test_torchrun_of_two_ranks_reduces_gradients_as_torchs_ddp(two_gpus, tmp_pat
         torch.testing.assert_close(got, want)
     assert not torch.equal(cpu[0]["loss"], cpu[1]["loss"])
     torch.testing.assert_close(cuda[0]["module.0.weight"], cuda[1]["module.0.weight"], rtol=0, atol=0)
+
+
+class _Branchy(nn.Module):
+    """A branch only some ranks take (``find_unused_parameters=True``'s case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if branch else self.a(x)
+
+
+def _scenario(name: str, dev: str, rank: int) -> dict:
+    """What the ranks of ``SCENARIO`` run: ``name``'s final state."""
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(6, 8, generator=g).to(dev) for _ in range(3)]
+    DDP = nn.parallel.DistributedDataParallel
+    if name == "unused_branch":  # (rank 1 never takes b: its optimizer must step b with rank 0's gradient)
+        ddp = DDP(_Branchy().to(dev), find_unused_parameters=True)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for x in xs[:2]:
+            opt.zero_grad()
+            ddp(x, rank == 0).sum().backward()
+            opt.step()
+    elif name == "accumulation_keeps_each_ranks_statistics":  # (buffers broadcast before the first forward only)
+        ddp = DDP(_model(0).to(dev))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with ddp.no_sync():
+            for x in xs[:2]:
+                ddp(x).pow(2).mean().backward()
+        ddp(xs[2]).pow(2).mean().backward()
+        opt.step()
+    else:  # "deepcopy": the copy reduces its own gradients
+        ddp = copy.deepcopy(DDP(_model(0).to(dev)))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for x in xs[:2]:
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+    return {k: v.detach().cpu() for k, v in ddp.state_dict().items()}
+
+
+SCENARIO = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from test_ddp import _scenario
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    dev = f"cuda:{{local}}" if cuda else "cpu"
+    torch.save(_scenario({name!r}, dev, rank), os.path.join({out!r}, f"{{dev[:4]}}.{{rank}}"))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("name", ["unused_branch", "accumulation_keeps_each_ranks_statistics", "deepcopy"])
+def test_what_ddp_does_beyond_averaging_is_done_as_torchs_ddp_on_the_cpu(two_gpus, tmp_path, name):
+    """unused_branch: rank 1's b.grad stayed None, its optimizer skipped b, the ranks' weights
+    parted. accumulation: each forward broadcast rank 0's BatchNorm statistics, where DDP skips
+    the broadcast after a forward inside no_sync(). deepcopy: KeyError 'reducer'."""
+    script = tmp_path / "scenario.py"
+    script.write_text(SCENARIO.format(tests=os.path.join(ROOT, "tests"), name=name, out=str(tmp_path)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    for args in (torchrun, [sys.executable, "-m", "remotecuda", "run", "--server", two_gpus.address, *torchrun]):
+        r = run_python("", args=args[1:], timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"cuda.{rank}"), torch.load(tmp_path / f"cpu.{rank}"))
