@@ -6,7 +6,9 @@ host memory; its collectives do so here too: the 'cuda' tensors a call names are
 collective runs on the CPU copies, and the results are written back. ``DistributedDataParallel``
 over a 'cuda' model, whose gradient buckets C++ reduces out of the client's reach, is made a
 ``StagedDDP`` (ddp.py), which reduces them in Python. The 'nccl' backend, which a CPU-only torch
-lacks, runs as gloo.
+lacks, runs as gloo. FSDP (``FullyShardedDataParallel``, ``fully_shard``) over a 'cuda' model is
+refused by name: its shards are gathered and scattered by the process group's C++ (out of reach
+like DDP's buckets) and its DTensors cannot wrap a remote tensor.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from . import downloads
 from .ddp import StagedDDP
 from .tensor import RemoteTensor
 
@@ -87,6 +90,32 @@ def _ddp_init(original: Callable) -> Callable:
     return __init__
 
 
+def _refuses_cuda(original: Callable, name: str, at: int) -> Callable:
+    """``original`` (FSDP's constructor or ``fully_shard``, the module its argument ``at``), refusing
+    a module on 'cuda' with a NotImplementedError that says so (instead of gloo's 'unsupported
+    device type meta' or a RecursionError from DTensor's dispatch)."""
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        module = args[at] if len(args) > at else kwargs.get("module")
+        if isinstance(module, torch.nn.Module) and any(
+                isinstance(t, RemoteTensor) for t in (*module.parameters(), *module.buffers())):
+            raise NotImplementedError(
+                f"remotecuda: {name} over a model on 'cuda' is not supported (FSDP's shards are gathered "
+                "by the process group's C++, which cannot reach the gateway); use DistributedDataParallel")
+        return original(*args, **kwargs)
+    refusing.__wrapped__ = original  # type: ignore[attr-defined]
+    refusing.__name__ = getattr(original, "__name__", name)
+    refusing.__doc__ = original.__doc__
+    return refusing
+
+
+def _patch_fsdp(patches: Any, fsdp: Any) -> None:
+    """``torch.distributed.fsdp`` once imported (importing it at activation would slow every start)."""
+    cls = fsdp.FullyShardedDataParallel
+    patches.set(cls, "__init__", _refuses_cuda(cls.__init__, "FullyShardedDataParallel", 1))
+    if hasattr(fsdp, "fully_shard"):
+        patches.set(fsdp, "fully_shard", _refuses_cuda(fsdp.fully_shard, "fully_shard", 0))
+
+
 def install(patches: Any) -> None:
     """Patch torch.distributed through ``patches`` (interception's ``_Patches``; undone by uninstall)."""
     if not dist.is_available():
@@ -96,3 +125,4 @@ def install(patches: Any) -> None:
     patches.set(dist, "init_process_group", _init_process_group(dist.init_process_group))
     ddp = torch.nn.parallel.DistributedDataParallel
     patches.set(ddp, "__init__", _ddp_init(ddp.__init__))
+    downloads.on_import(patches, "torch.distributed.fsdp", _patch_fsdp)

@@ -180,3 +180,17 @@ def test_what_ddp_does_beyond_averaging_is_done_as_torchs_ddp_on_the_cpu(two_gpu
         assert r.returncode == 0, r.stderr[-3000:]
     for rank in range(2):
         torch.testing.assert_close(torch.load(tmp_path / f"cuda.{rank}"), torch.load(tmp_path / f"cpu.{rank}"))
+
+
+@pytest.mark.parametrize("wrap", ["FullyShardedDataParallel", "fully_shard"])
+def test_fsdp_over_a_cuda_model_is_refused_by_name(remote, tmp_path, wrap):
+    """(FullyShardedDataParallel failed in gloo with 'unsupported device type meta', fully_shard
+    with a RecursionError in DTensor's dispatch: neither said what is unsupported.)"""
+    import torch.distributed.fsdp as fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        with pytest.raises(NotImplementedError, match=f"remotecuda: {wrap} over a model on 'cuda'"):
+            getattr(fsdp, wrap)(_model(0).cuda())
+    finally:
+        dist.destroy_process_group()
