@@ -12,6 +12,7 @@ like DDP's buckets) and its DTensors cannot wrap a remote tensor.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
@@ -23,10 +24,33 @@ from . import downloads
 from .ddp import StagedDDP
 from .tensor import RemoteTensor
 
-#: the collectives and point-to-point calls of torch.distributed that take tensors (or lists of them)
-COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
-               "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-               "send", "recv", "isend", "irecv")
+#: the collectives and point-to-point calls of torch.distributed that take tensors (or lists of them);
+#: torch 2.13 names all_gather_into_tensor and reduce_scatter_tensor ``*_single`` (what accelerate calls)
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+               "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv")
+
+
+#: collectives with one tensor world-size times another, which NCCL takes in any shape of that many
+#: elements (accelerate's gather hands it a flat one) and gloo only as the chunks stacked on dim 0
+FLAT_GATHERED = {"all_gather_into_tensor": ("output_tensor", "input_tensor"),
+                 "all_gather_single": ("output_tensor", "input_tensor"),
+                 "reduce_scatter_tensor": ("input", "output"), "reduce_scatter_single": ("input", "output")}
+
+
+def _as_gloo_takes(original: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``original``'s arguments (CPU copies) with its world-size tensor viewed as gloo takes it,
+    ``(world * n, *rest)`` for a piece of shape ``(n, *rest)``, where its shape differs but its
+    element count fits: a 'cuda' program written for NCCL, whose GPUs are the gateways', runs on
+    gloo here (the view shares the copy's memory, whose values are written back)."""
+    big, piece = FLAT_GATHERED[original.__name__]
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    whole, part = bound.arguments.get(big), bound.arguments.get(piece)
+    if isinstance(whole, torch.Tensor) and isinstance(part, torch.Tensor) and whole.is_contiguous():
+        shape = (-1, *part.shape[1:]) if part.dim() else (-1,)
+        if whole.shape != part.shape and whole.numel() % max(part.numel(), 1) == 0:
+            bound.arguments[big] = whole.view(shape)
+    return bound.args, bound.kwargs
 
 
 def _staged(original: Callable) -> Callable:
@@ -46,6 +70,8 @@ def _staged(original: Callable) -> Callable:
         kwargs = {k: local(v) for k, v in kwargs.items()}
         if not remote:
             return original(*args, **kwargs)
+        if original.__name__ in FLAT_GATHERED:
+            args, kwargs = _as_gloo_takes(original, args, kwargs)
         work = original(*args, **kwargs)
         if work is not None and hasattr(work, "wait"):
             work.wait()  # (async_op=True: the values must be in before they are written back)
@@ -121,7 +147,8 @@ def install(patches: Any) -> None:
     if not dist.is_available():
         return
     for name in COLLECTIVES:
-        patches.set(dist, name, _staged(getattr(dist, name)))
+        if hasattr(dist, name):  # (the ``*_single`` names are torch 2.13's)
+            patches.set(dist, name, _staged(getattr(dist, name)))
     patches.set(dist, "init_process_group", _init_process_group(dist.init_process_group))
     ddp = torch.nn.parallel.DistributedDataParallel
     patches.set(ddp, "__init__", _ddp_init(ddp.__init__))

@@ -194,3 +194,22 @@ def test_fsdp_over_a_cuda_model_is_refused_by_name(remote, tmp_path, wrap):
             getattr(fsdp, wrap)(_model(0).cuda())
     finally:
         dist.destroy_process_group()
+
+
+def test_all_gather_into_a_flat_cuda_tensor_takes_what_nccl_takes(remote, tmp_path):
+    """accelerate's ``gather`` (``gather_for_metrics``) on an 'nccl' group gathers a (3, 4) tensor
+    into a flat one of 3 * 4 * world elements, which NCCL takes; run as gloo it raised
+    'ProcessGroupGloo::allgather: invalid tensor size'. (torch 2.13's ``all_gather_single``, which
+    accelerate calls, was not staged at all.)"""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        x = torch.randn(3, 4)
+        flat = torch.empty(12, device="cuda")
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (as accelerate picks)
+        gather(flat, x.cuda())
+        torch.testing.assert_close(flat.cpu(), x.reshape(-1), rtol=0, atol=0)
+        stacked = torch.empty(1, 3, 4, device="cuda")
+        gather(stacked, x.cuda())
+        torch.testing.assert_close(stacked.cpu(), x[None], rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
