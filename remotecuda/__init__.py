@@ -75,12 +75,24 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
     gateway as one op each (``REMOTECUDA_REPLAY=1``; off by default, see remotecuda/step_replay.py).
     docs/POOL.md says more.
     """
-    from . import children, interception, lazydynamo, progress, runtime, step_replay
-    from .discovery import servers_from_env
-    from .scheduler import check_strategy, devices_from_env, parse_devices, strategy_from_env
+    from . import interception, lazydynamo, runtime
     active = runtime.active()
     if active is not None:
         return active
+    chosen = _settings(servers, fallback=fallback, sync=sync, strategy=strategy, devices=devices, replay=replay)
+    lazydynamo.install()  # the first op on 'cuda' must not wait ~1 s for torch._dynamo
+    return runtime.start(install=interception.install, **chosen)
+
+
+def _settings(servers: str | list[str] | None = None, *, fallback: str | None = None, sync: bool | None = None,
+              strategy: str | None = None, devices: str | None = None, replay: bool | None = None) -> dict[str, Any]:
+    """``activate()``'s arguments, each defaulted from its ``REMOTECUDA_*`` variable, checked (ValueError,
+    OSError for a malformed one: before any gateway is asked), as ``runtime.start`` takes them.
+    ``remotecuda run LAUNCHER`` checks the environment so too before the launcher runs, as its
+    workers would each refuse it at their ``import torch``."""
+    from . import children, progress, step_replay
+    from .discovery import servers_from_env
+    from .scheduler import check_strategy, devices_from_env, parse_devices, strategy_from_env
     told = children.settings(servers, devices, strategy, fallback, sync, replay)  # (before the defaults fill them)
     if fallback is None:
         fallback = os.environ.get("REMOTECUDA_FALLBACK", "cpu").strip().lower() or "cpu"
@@ -88,13 +100,12 @@ def activate(servers: str | list[str] | None = None, *, fallback: str | None = N
         raise ValueError(f"REMOTECUDA_FALLBACK must be 'cpu' or 'error', not {fallback!r}")
     if sync is None:
         sync = limits.switch("REMOTECUDA_SYNC", os.environ.get("REMOTECUDA_SYNC"), False)
-    strategy = strategy_from_env() if strategy is None else check_strategy(strategy)
-    pins = devices_from_env() if devices is None else parse_devices(devices, "devices")
-    replay = step_replay.wanted(replay)
+    chosen = {"servers": servers_from_env(servers), "fallback": fallback, "sync": sync,
+              "strategy": strategy_from_env() if strategy is None else check_strategy(strategy),
+              "devices": devices_from_env() if devices is None else parse_devices(devices, "devices"),
+              "replay": step_replay.wanted(replay), "told": told}
     progress.after()  # a malformed REMOTECUDA_PROGRESS is refused now, not at the first long transfer
-    lazydynamo.install()  # the first op on 'cuda' must not wait ~1 s for torch._dynamo
-    return runtime.start(servers_from_env(servers), interception.install, fallback=fallback, sync=sync,
-                         strategy=strategy, devices=pins, told=told, replay=replay)
+    return chosen
 
 
 def set_strategy(name: str) -> None:

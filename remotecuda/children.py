@@ -10,18 +10,31 @@ So each option given by argument is set in the environment the children inherit,
 ``remotecuda run --server`` does, while the activation lasts (``tell``); a forked child keeps it
 for good (``tell_forked``: it undoes the parent's interception, and with it ``tell``'s
 variables). A variable the user set is left as it is.
+
+A child that does not activate itself (``subprocess.run([sys.executable, "b.py"])``, torchrun's
+workers) is activated at its first ``import torch`` (``tell_run``), whether the program was started
+by ``remotecuda run`` or called ``activate()`` itself (``%load_ext remotecuda``): on a GPU machine
+every process sees the GPUs. And a program that runs on a local fallback CPU gateway tells its
+children that gateway's address: each would otherwise start one of its own (seconds, and memory,
+per child), and a GPU machine's processes share its GPUs.
 """
 from __future__ import annotations
 
 import os
 import sys
 import types
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 #: what each ``activate()`` option is called in the environment
 VARIABLES = {"servers": "REMOTECUDA_SERVERS", "devices": "REMOTECUDA_DEVICES", "strategy": "REMOTECUDA_STRATEGY",
              "fallback": "REMOTECUDA_FALLBACK", "sync": "REMOTECUDA_SYNC", "replay": "REMOTECUDA_REPLAY"}
+
+
+#: in the environment of an activated program: the Python processes it starts activate
+RUN = "REMOTECUDA_RUN"
+#: the directory, put first on their PYTHONPATH, whose ``sitecustomize.py`` activates them
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_site")
 
 
 def settings(servers: str | list[str] | None, devices: str | None, strategy: str | None, fallback: str | None,
@@ -35,23 +48,30 @@ def settings(servers: str | list[str] | None, devices: str | None, strategy: str
     return {VARIABLES[k]: v for k, v in given.items() if v}
 
 
-def tell(patches: Any, told: dict[str, str]) -> None:
-    """Set ``told`` in the environment while interception is installed (undone with it)."""
-    for name, value in told.items():
-        if name not in os.environ:
-            patches.set_item(os.environ, name, value)
+def variables(told: dict[str, str], fallback: str | None, env: Mapping[str, str]) -> dict[str, str]:
+    """What ``env`` is given so that the processes started with it activate as this activation:
+    ``told`` (the options given by argument) where ``env`` has no value of the user's, the local
+    fallback gateway's address as REMOTECUDA_SERVERS (``fallback``; the servers named, if any,
+    did not answer), and ``tell_run``'s variables."""
+    given = {name: value for name, value in told.items() if name not in env}
+    if fallback is not None:
+        given[VARIABLES["servers"]] = fallback
+    run = dict(env)
+    tell_run(run)
+    given.update({name: run[name] for name in (RUN, "PYTHONPATH") if env.get(name) != run[name]})
+    return given
 
 
-def tell_forked(told: dict[str, str]) -> None:
-    """In a child forked from an activation that was ``told``: keep it in the environment for good."""
-    for name, value in told.items():
-        os.environ.setdefault(name, value)
+def tell(patches: Any, told: dict[str, str], fallback: str | None) -> None:
+    """Set ``variables`` in the environment while interception is installed (undone with it)."""
+    for name, value in variables(told, fallback, os.environ).items():
+        patches.set_item(os.environ, name, value)
 
 
-#: in the environment of a ``remotecuda run`` program: the Python processes it starts activate
-RUN = "REMOTECUDA_RUN"
-#: the directory, put first on their PYTHONPATH, whose ``sitecustomize.py`` activates them
-SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_site")
+def tell_forked(told: dict[str, str], fallback: str | None) -> None:
+    """In a child forked from an activation that was told: keep ``variables`` in the environment for
+    good (the parent's fallback gateway serves the child's children while the parent lives)."""
+    os.environ.update(variables(told, fallback, os.environ))
 
 
 def tell_run(env: MutableMapping[str, str]) -> None:

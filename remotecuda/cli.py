@@ -308,7 +308,6 @@ def _run(a: argparse.Namespace) -> int:
             return 1
     for w in said:
         print(w.message, file=sys.stderr, flush=True)
-    children.tell_run(os.environ)  # the Python processes the program starts are activated as it is
     if a.trace:
         remotecuda.trace.start()
     code = 0
@@ -339,6 +338,12 @@ def _launch(a: argparse.Namespace, cmd: list[str]) -> int:
     is activated (children.tell_run); the command itself uses no 'cuda'."""
     if a.server is not None:
         os.environ["REMOTECUDA_SERVERS"] = a.server
+    import remotecuda
+    try:  # a malformed setting is said once, here, not by each worker's `import torch`
+        remotecuda._settings()
+    except (OSError, ValueError) as e:
+        print(f"remotecuda run: {str(e).removeprefix('remotecuda: ')}", file=sys.stderr)
+        return 2
     children.tell_run(os.environ)
     sys.stdout.flush()
     sys.stderr.flush()

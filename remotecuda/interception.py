@@ -1644,7 +1644,7 @@ def install(rt: Runtime) -> Interception:
     downloads.on_import(p, "torch.onnx", lambda p, onnx: p.set(onnx, "export", _routed(onnx.export, _export)))
     device_type.install(p)
     hub_kernels.install(p)
-    children.tell(p, rt.told)
+    children.tell(p, rt.told, rt.pool.fallback_endpoint)
     library_caches.clear()
     expanded_weights.install(p)
     nested.install(p)

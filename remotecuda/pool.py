@@ -213,6 +213,12 @@ class Pool:
     def is_fallback(self) -> bool:
         return self.fallback_gateway is not None
 
+    @property
+    def fallback_endpoint(self) -> str | None:
+        """The local fallback gateway's address (None: none started), for the processes this one
+        starts (children.py) and its forked children (``Runtime.forked_before_initialization``)."""
+        return self._found[0].endpoint if self.fallback_gateway is not None else None
+
     # ------------------------------------------------------------------ finding gateways
     def _listed(self, answers: list[Answer | None], pins: list[Pin] | None) -> None:
         """An explicit list: with no pins, cuda:N are its gateways' GPUs in order, placed now."""

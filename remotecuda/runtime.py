@@ -145,8 +145,8 @@ class Runtime:
             return
         parent.abandon()
         self._make_pool = functools.partial(self._make_pool, strategy=parent.strategy)
-        if parent.is_fallback:
-            self._make_pool = functools.partial(self._make_pool, servers=[parent.devices[0].endpoint], devices=None)
+        if parent.fallback_endpoint is not None:
+            self._make_pool = functools.partial(self._make_pool, servers=[parent.fallback_endpoint], devices=None)
         self._pool = None
 
     def device(self, index: int | None = None) -> VirtualDevice:
@@ -370,6 +370,6 @@ def release_in_forked_child() -> None:
     atexit.unregister(rt.at_exit)
     if rt.interception is not None:
         rt.interception.remove()
-    children.tell_forked(rt.told)
+    children.tell_forked(rt.told, rt.pool.fallback_endpoint)
     rt.pool.abandon()
     forked_child.enter(len(rt.pool.devices))

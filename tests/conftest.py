@@ -71,6 +71,8 @@ def gateway():
 #: the variables an activation tells the processes it starts (remotecuda/children.py), as the run
 #: was given them (None: not set)
 _TOLD_GIVEN = {name: os.environ.get(name) for name in children.VARIABLES.values()}
+#: whether the run itself is a ``remotecuda run`` program's child (children.tell_run)
+_RUN_GIVEN = children.RUN in os.environ
 
 
 def _unname_harness_gateways() -> None:
@@ -78,10 +80,12 @@ def _unname_harness_gateways() -> None:
     gateways as ``REMOTECUDA_SERVERS``, ``fallback="error"`` as ``REMOTECUDA_FALLBACK``...; set
     again whenever its interception is installed); this process's activations are the harness's,
     and the programs its tests start (a discovery test, a CURVE client, a fallback test) choose
-    their own."""
+    their own: nor are they activated at their ``import torch`` (children.tell_run) unless they say so."""
     for name, given in _TOLD_GIVEN.items():
         if given is None:
             os.environ.pop(name, None)
+    if not _RUN_GIVEN:
+        children.untell_run(os.environ)
 
 
 def harness_activate(addresses: str | list[str]) -> object:

@@ -235,3 +235,87 @@ def test_spawned_children_of_a_run_program_use_cuda(gateway, tmp_path):
     seen = _lines(r.stdout)
     assert r.returncode == 0 and seen.get("SPAWNED") == "0 14.0", (r.stdout, r.stderr[-3000:])
     assert seen["BATCHES"] == "[6.0, 22.0]"
+
+
+#: a child that uses 'cuda' without activating remotecuda itself
+ONES = "import torch; print(torch.ones(2, device='cuda').sum().item())"
+
+#: a program that activates remotecuda itself (not under ``remotecuda run``) and starts Python children
+ACTIVATING = textwrap.dedent('''
+    import os, subprocess, sys, remotecuda
+    child = [sys.executable, "-c", sys.argv[2]]
+
+    def started(tag):
+        r = subprocess.run(child, capture_output=True, text=True)
+        print(tag, r.returncode, r.stdout.strip() or r.stderr.strip().splitlines()[-1])
+
+    remotecuda.activate(sys.argv[1])
+    import torch
+    print("PARENT", torch.ones(3, device="cuda").sum().item())
+    started("CHILD")
+    pid = os.fork()  # (after CUDA's initialization: the forked child cannot use 'cuda', its own children can)
+    if pid == 0:
+        started("FORKED")
+        sys.stdout.flush()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    remotecuda.deactivate()
+    started("AFTER")
+''')
+
+
+def test_the_children_of_a_program_that_activates_itself_use_cuda(gateway, tmp_path):
+    """``remotecuda.activate("host:port")`` in the program (or ``%load_ext remotecuda``), and then
+    ``subprocess.run([sys.executable, "b.py"])``: the child uses the program's gateway at its
+    ``import torch``, as under ``remotecuda run`` (it ran plain CPU torch: "Torch not compiled with
+    CUDA enabled"); so does the child of a forked child; after ``deactivate()`` a child is plain again."""
+    (tmp_path / "activating.py").write_text(ACTIVATING)
+    e = {k: v for k, v in os.environ.items() if not k.startswith("REMOTECUDA")}
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, e.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "activating.py", gateway.address, ONES], capture_output=True, text=True,
+                       timeout=240, env=dict(e, REMOTECUDA_FALLBACK="error"), cwd=tmp_path)
+    seen = _lines(r.stdout)
+    assert r.returncode == 0 and seen.get("PARENT") == "3.0", (r.stdout, r.stderr[-3000:])
+    assert seen["CHILD"] == "0 2.0" and seen["FORKED"] == "0 2.0", r.stdout
+    assert seen["AFTER"].startswith("1 AssertionError: Torch not compiled with CUDA enabled"), r.stdout
+
+
+#: a program on the local fallback gateway whose child reports where its 'cuda' is
+FALLING_BACK = textwrap.dedent('''
+    import os, subprocess, sys, warnings, remotecuda
+    warnings.simplefilter("ignore")
+    rt = remotecuda.activate(sys.argv[1])
+    child = ("import torch, remotecuda; rt = remotecuda.activate(); "
+             "print(torch.ones(2, device='cuda').sum().item(), rt.pool.devices[0].endpoint)")
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    print("CHILD", r.returncode, r.stdout.strip())
+    print("WARNED", "no gateway is reachable" in r.stderr)
+    print("FALLBACK", rt.pool.devices[0].endpoint)
+''')
+
+
+def test_children_of_a_program_on_the_fallback_gateway_share_it(tmp_path):
+    """No gateway answers, REMOTECUDA_FALLBACK=cpu: the program runs on a local CPU gateway, and its
+    Python children (here one that activates itself) use that one: each started one of its own, with
+    its warning, seconds each."""
+    (tmp_path / "falling_back.py").write_text(FALLING_BACK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    e = {k: v for k, v in os.environ.items() if not k.startswith("REMOTECUDA")}
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, e.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "falling_back.py", nobody], capture_output=True, text=True, timeout=240,
+                       env=dict(e, REMOTECUDA_FALLBACK="cpu"), cwd=tmp_path)
+    seen = _lines(r.stdout)
+    assert r.returncode == 0 and "FALLBACK" in seen, (r.stdout, r.stderr[-3000:])
+    assert seen["CHILD"] == f"0 2.0 {seen['FALLBACK']}" and seen["WARNED"] == "False", r.stdout
+
+
+def test_a_malformed_setting_under_a_launcher_is_run_s_usage_error(tmp_path):
+    """``REMOTECUDA_STRATEGY=fastest remotecuda run torchrun ...``: one line and exit 2 from ``run``,
+    before the launcher runs, as for a python program (each worker refused it at its ``import torch``,
+    after the launcher had started them all)."""
+    r = _remotecuda_run(["sh", "-c", f"echo ran; {sys.executable} -c \"{ONES}\""], tmp_path,
+                        env={"REMOTECUDA_STRATEGY": "fastest"}, timeout=60)
+    assert r.returncode == 2 and "ran" not in r.stdout and "Traceback" not in r.stderr, (r.stdout, r.stderr)
+    assert r.stderr.startswith("remotecuda run: REMOTECUDA_STRATEGY: unknown scheduling strategy 'fastest'")
