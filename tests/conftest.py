@@ -315,3 +315,28 @@ def still_served(gw: GatewayProcess) -> None:
         c.send(protocol.BYE, {})
     finally:
         c.close()
+
+
+def spy_set_flags(monkeypatch) -> list[dict]:
+    """The rc::set_flags ops the client queues from now on (the gateway's answer is checked separately)."""
+    from remotecuda.session import Session
+    sent: list[dict] = []
+    enqueue = Session.enqueue
+
+    def spy(self, name, args, kwargs, outs):
+        if name == "rc::set_flags":
+            sent.append(args[0])
+        return enqueue(self, name, args, kwargs, outs)
+    monkeypatch.setattr(Session, "enqueue", spy)
+    return sent
+
+
+class LoggedSubclass(torch.Tensor):
+    """A subclass whose ``__torch_function__`` notes each function's name (torch's default after)."""
+
+    seen: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})

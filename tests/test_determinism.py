@@ -13,23 +13,9 @@ import torch
 import remotecuda
 from remotecuda_server import executor
 
-from conftest import GatewayProcess
+from conftest import GatewayProcess, spy_set_flags
 
 pytestmark = pytest.mark.usefixtures("remote")
-
-
-def _sent_flags(monkeypatch) -> list[dict]:
-    """The rc::set_flags ops the client queues."""
-    from remotecuda.session import Session
-    sent: list[dict] = []
-    enqueue = Session.enqueue
-
-    def spy(self, name, args, kwargs, outs):
-        if name == "rc::set_flags":
-            sent.append(args[0])
-        return enqueue(self, name, args, kwargs, outs)
-    monkeypatch.setattr(Session, "enqueue", spy)
-    return sent
 
 
 def test_cublas_workspace_config_set_for_determinism_reaches_the_gateway(monkeypatch):
@@ -37,7 +23,7 @@ def test_cublas_workspace_config_set_for_determinism_reaches_the_gateway(monkeyp
     ``use_deterministic_algorithms(True)``. Left in the client's environment, the GPU gateway's torch
     saw none at its first cuBLAS call and refused every matmul of the program."""
     torch.ones(1, device="cuda")  # a session is open
-    sent = _sent_flags(monkeypatch)
+    sent = spy_set_flags(monkeypatch)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     torch._C._set_deterministic_algorithms(True)  # (what use_deterministic_algorithms sets, less inductor)
     try:
@@ -124,7 +110,7 @@ def test_a_cuda_library_choice_is_held_and_sent_not_refused(monkeypatch, choose,
     cuSOLVER failure) raised "not compiled with cuSOLVER" in the program, where a GPU machine's torch
     takes it. The choice is the gateway's to apply; the program reads back what it chose."""
     torch.ones(1, device="cuda")  # a session is open
-    sent = _sent_flags(monkeypatch)
+    sent = spy_set_flags(monkeypatch)
     before = choose()
     try:
         got = choose(choice)

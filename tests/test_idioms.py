@@ -20,7 +20,7 @@ import remotecuda
 from remotecuda import accelerator_api, flags
 from remotecuda.tensor import RemoteTensor
 
-from conftest import interception_removed, reset_fp32_precision, run_python, wait_for
+from conftest import interception_removed, reset_fp32_precision, run_python, spy_set_flags, wait_for
 
 pytestmark = pytest.mark.usefixtures("remote")
 
@@ -196,23 +196,9 @@ def test_cudnn_available_and_lstm_does_not_warn():
     torch.testing.assert_close(out.cpu(), local(x)[0])
 
 
-def _sent_flags(monkeypatch):
-    """The rc::set_flags ops the client queues (the gateway's answer is checked separately)."""
-    from remotecuda.session import Session
-    sent = []
-    enqueue = Session.enqueue
-
-    def spy(self, name, args, kwargs, outs):
-        if name == "rc::set_flags":
-            sent.append(args[0])
-        return enqueue(self, name, args, kwargs, outs)
-    monkeypatch.setattr(Session, "enqueue", spy)
-    return sent
-
-
 def test_backend_flags_reach_the_gateway_once_when_changed(monkeypatch):
     torch.ones(1, device="cuda")  # a session is open
-    sent = _sent_flags(monkeypatch)
+    sent = spy_set_flags(monkeypatch)
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     saved = (cudnn.benchmark, cudnn.deterministic, matmul.allow_tf32, torch.get_float32_matmul_precision())
     try:
@@ -241,7 +227,7 @@ def test_fp16_accumulation_reaches_the_gateway(monkeypatch):
     """``torch.backends.cuda.matmul.allow_fp16_accumulation`` (cuBLAS half matmuls accumulating in
     half) stayed in the client, where no cuBLAS runs."""
     torch.ones(1, device="cuda")  # a session is open
-    sent = _sent_flags(monkeypatch)
+    sent = spy_set_flags(monkeypatch)
     matmul = torch.backends.cuda.matmul
     try:
         matmul.allow_fp16_accumulation = True
@@ -255,7 +241,7 @@ def test_tf32_set_through_the_newer_api_reaches_the_gateway(monkeypatch):
     """``torch.backends.fp32_precision = "tf32"`` (transformers' ``TrainingArguments(tf32=True)``)
     and its per-backend forms end in one setter the legacy flags do not see."""
     torch.ones(1, device="cuda")
-    sent = _sent_flags(monkeypatch)
+    sent = spy_set_flags(monkeypatch)
     told = remotecuda.runtime.current().flags  # (what the gateways were told, sessions opened later too)
 
     def agree() -> bool:

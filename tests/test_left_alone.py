@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import LoggedSubclass, run_python
 
 
 def _run(gateway, code: str) -> str:
@@ -92,17 +92,6 @@ def test_tensor_split_refuses_cuda_indices_naming_cuda(call, split):
         torch.tensor_split(torch.tensor(1.0, device="cuda"), split.cuda())
 
 
-class _Logged(torch.Tensor):
-    """A subclass whose ``__torch_function__`` notes each function's name (torch's default after)."""
-
-    seen: list[str] = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls.seen.append(func.__name__)
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
 _METHODS = {
     "tolist": lambda t: t.tolist(),
     "data_ptr": lambda t: t.data_ptr(),
@@ -118,12 +107,12 @@ _METHODS = {
 
 
 def _seen(t: torch.Tensor, call) -> list[str] | str:
-    _Logged.seen.clear()
+    LoggedSubclass.seen.clear()
     try:
         call(t)
     except TypeError as e:
         return str(e)
-    return list(dict.fromkeys(_Logged.seen))
+    return list(dict.fromkeys(LoggedSubclass.seen))
 
 
 @pytest.mark.usefixtures("remote")
@@ -131,6 +120,6 @@ def _seen(t: torch.Tensor, call) -> list[str] | str:
 def test_remote_tensor_methods_call_a_subclass_torch_function_first(name):
     # torch hands these to a subclass's __torch_function__ before it runs them (C++ bindings,
     # torch/_tensor.py's checks); RemoteTensor's own versions ran without it
-    local = torch.tensor([1.0, 2.0, 3.0]).as_subclass(_Logged)
-    remote = torch.tensor([1.0, 2.0, 3.0], device="cuda").as_subclass(_Logged)
+    local = torch.tensor([1.0, 2.0, 3.0]).as_subclass(LoggedSubclass)
+    remote = torch.tensor([1.0, 2.0, 3.0], device="cuda").as_subclass(LoggedSubclass)
     assert _seen(remote, _METHODS[name]) == _seen(local, _METHODS[name])

@@ -13,18 +13,9 @@ import torch
 from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import default_collate_fn_map
 
+from conftest import LoggedSubclass
+
 pytestmark = pytest.mark.usefixtures("remote")
-
-
-class _Logged(torch.Tensor):
-    """A subclass whose ``__torch_function__`` notes each function's name (torch's default after)."""
-
-    seen: list[str] = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls.seen.append(func.__name__)
-        return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def _save_and_load(t: torch.Tensor) -> torch.Tensor:
@@ -54,27 +45,28 @@ _READS = {
 
 
 def _seen(t: torch.Tensor, call) -> tuple[list[str], str | None]:
-    _Logged.seen.clear()
+    LoggedSubclass.seen.clear()
     try:
         call(t)
     except RuntimeError as e:
-        return list(_Logged.seen), str(e)
-    return list(_Logged.seen), None
+        return list(LoggedSubclass.seen), str(e)
+    return list(LoggedSubclass.seen), None
 
 
 @pytest.mark.parametrize("name", list(_READS))
 def test_a_subclass_torch_function_sees_what_it_sees_on_any_device(name):
-    local = torch.tensor([1.0, 2.0, 3.0]).as_subclass(_Logged)
-    remote = torch.tensor([1.0, 2.0, 3.0], device="cuda").as_subclass(_Logged)
+    local = torch.tensor([1.0, 2.0, 3.0]).as_subclass(LoggedSubclass)
+    remote = torch.tensor([1.0, 2.0, 3.0], device="cuda").as_subclass(LoggedSubclass)
     assert _seen(remote, _READS[name]) == _seen(local, _READS[name])
 
 
 def test_subclass_reads_answer_for_cuda_and_round_trip():
-    remote = torch.tensor([1.0, 2.0, 3.0], device="cuda").as_subclass(_Logged)
+    remote = torch.tensor([1.0, 2.0, 3.0], device="cuda").as_subclass(LoggedSubclass)
     identity = (remote.device, remote.is_cuda, remote.is_cpu, remote.is_meta)
     assert identity == (torch.device("cuda", 0), True, False, False)
     for back in (_save_and_load(remote), pickle.loads(pickle.dumps(remote))):
-        assert type(back).__name__ == "_Logged" and isinstance(back, _Logged) and back.device.type == "cuda"
+        assert type(back).__name__ == "LoggedSubclass" and isinstance(back, LoggedSubclass)
+        assert back.device.type == "cuda"
         assert back.cpu().tolist() == [1.0, 2.0, 3.0]
 
 
