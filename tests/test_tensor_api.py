@@ -135,7 +135,8 @@ def test_set_default_tensor_type_to_a_cuda_type():
     """nerf-pytorch's ``torch.set_default_tensor_type('torch.cuda.FloatTensor')``: factories and
     modules are made on 'cuda' with its dtype; a CPU type makes the CPU the default again."""
     try:
-        with pytest.warns(UserWarning, match="deprecated"):
+        with warnings.catch_warnings():  # (deprecated, and said once per process: test_traps.py may have)
+            warnings.simplefilter("ignore", UserWarning)
             torch.set_default_tensor_type("torch.cuda.FloatTensor")
         assert torch.ones(2).is_cuda and torch.tensor([1.0]).is_cuda and nn.Linear(2, 2).weight.is_cuda
         big = torch.Tensor([1e10])  # (nerf-pytorch's raw2outputs, then cat with cuda distances)
