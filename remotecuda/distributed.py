@@ -102,7 +102,7 @@ def _init_process_group(original: Callable) -> Callable:
 def _ddp_init(original: Callable) -> Callable:
     """DDP's ``__init__``, making a DDP over a 'cuda' model a ``StagedDDP`` (ddp.py)."""
     def __init__(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        if any(isinstance(t, RemoteTensor) for t in (*module.parameters(), *module.buffers())):
+        if _on_cuda(module):
             if type(self) is not torch.nn.parallel.DistributedDataParallel:
                 raise NotImplementedError(
                     f"remotecuda: a subclass of DistributedDataParallel ({type(self).__name__}) over a model "
@@ -116,14 +116,18 @@ def _ddp_init(original: Callable) -> Callable:
     return __init__
 
 
+def _on_cuda(module: torch.nn.Module) -> bool:
+    """Whether a parameter or buffer of ``module`` is a remote ('cuda') tensor."""
+    return any(isinstance(t, RemoteTensor) for t in (*module.parameters(), *module.buffers()))
+
+
 def _refuses_cuda(original: Callable, name: str, at: int) -> Callable:
     """``original`` (FSDP's constructor or ``fully_shard``, the module its argument ``at``), refusing
     a module on 'cuda' with a NotImplementedError that says so (instead of gloo's 'unsupported
     device type meta' or a RecursionError from DTensor's dispatch)."""
     def refusing(*args: Any, **kwargs: Any) -> Any:
         module = args[at] if len(args) > at else kwargs.get("module")
-        if isinstance(module, torch.nn.Module) and any(
-                isinstance(t, RemoteTensor) for t in (*module.parameters(), *module.buffers())):
+        if isinstance(module, torch.nn.Module) and _on_cuda(module):
             raise NotImplementedError(
                 f"remotecuda: {name} over a model on 'cuda' is not supported (FSDP's shards are gathered "
                 "by the process group's C++, which cannot reach the gateway); use DistributedDataParallel")
