@@ -11,7 +11,6 @@ sweep that chose them also ran OPT, CodeGen, Cohere, StableLM, Granite, RWKV, Ba
 Pegasus, BigBird-Pegasus, ConvNeXt(V2), DINOv2, SigLIP, HuBERT and SpeechT5 (all matched)."""
 from __future__ import annotations
 
-import copy
 import os
 import random
 import threading
@@ -19,6 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from local_parity import assert_architecture_matches_local
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -142,39 +142,15 @@ def _loss(out: object) -> torch.Tensor:
     return out.audio_values.square().mean()  # (EnCodec returns no loss: its reconstruction's energy)
 
 
-def _run(model: torch.nn.Module, step: Step, decodes: Callable | None, dev: str) -> dict[str, torch.Tensor]:
-    model.to(dev).train()
-    torch.manual_seed(0)
-    out = step(model, dev)
-    loss = _loss(out)
-    loss.backward()
-    found = {"loss": loss, "grads": torch.stack([p.grad.float().norm() for p in model.parameters()
-                                                  if p.grad is not None])}
-    if getattr(out, "logits", None) is not None:
-        found["logits"] = out.logits
-    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
-    found["stepped"] = torch.stack([p.detach().float().norm() for p in model.parameters()])
-    if decodes is not None:
-        model.eval()
-        with torch.no_grad():
-            found.update(decodes(model, dev))
-    return {k: v.detach().cpu().double() for k, v in found.items()}
+def _logits(out: object) -> dict[str, torch.Tensor]:
+    return {"logits": out.logits} if getattr(out, "logits", None) is not None else {}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_architecture_matches_local(name):
     make, step, decodes = MODELS[name]
     torch.manual_seed(0)
-    model = make()
-    for mod in model.modules():  # (the configs name their dropouts differently; modules' are not wanted)
-        if isinstance(mod, torch.nn.Dropout):
-            mod.p = 0.0
-    twin = copy.deepcopy(model)
-    expected = _run(model, step, decodes, "cpu")
-    got = _run(twin, step, decodes, "cuda")
-    assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{name} {k}: {m}")
+    assert_architecture_matches_local(name, make(), step, _loss, _logits, decodes)
 
 
 class _Digits:

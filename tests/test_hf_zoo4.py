@@ -16,12 +16,12 @@ BLIP, Idefics3, and bf16/fp16 training of Llama, Gemma 3, Qwen3-MoE, GPT-OSS, Ma
 without a device, VITS' noise) or uses dropout cannot match a GPU's draws and is left out."""
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable
 
 import pytest
 import torch
+from local_parity import assert_architecture_matches_local
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -140,37 +140,20 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Inputs, Callable | None]]
 }
 
 
-def _run(model: torch.nn.Module, inputs: Inputs, decodes: Callable | None, dev: str) -> dict[str, torch.Tensor]:
-    model.to(dev).train()
-    torch.manual_seed(0)
-    out = model(**{k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inputs().items()})
-    out.loss.backward()
-    found = {"loss": out.loss, "grads": torch.stack([p.grad.float().norm() for p in model.parameters()
-                                                      if p.grad is not None])}
-    found.update({k: v for k, v in out.items() if isinstance(v, torch.Tensor) and k != "loss"})
-    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
-    found["stepped"] = torch.stack([p.detach().float().norm() for p in model.parameters()])
-    if decodes is not None:
-        model.eval()
-        with torch.no_grad():
-            found.update(decodes(model, dev))
-    return {k: v.detach().cpu().double() for k, v in found.items()}
+def _forward(inputs: Inputs) -> Callable[[torch.nn.Module, str], object]:
+    return lambda model, dev: model(**{k: v.to(dev) if isinstance(v, torch.Tensor) else v
+                                       for k, v in inputs().items()})
+
+
+def _outputs(out: object) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and k != "loss"}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_architecture_matches_local(name):
     make, inputs, decodes = MODELS[name]
     torch.manual_seed(0)
-    model = make()
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.Dropout):
-            mod.p = 0.0
-    twin = copy.deepcopy(model)
-    expected = _run(model, inputs, decodes, "cpu")
-    got = _run(twin, inputs, decodes, "cuda")
-    assert got.keys() == expected.keys()
-    for key, value in expected.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{name} {k}: {m}")
+    assert_architecture_matches_local(name, make(), _forward(inputs), lambda out: out.loss, _outputs, decodes)
 
 
 def _llama(dev: str) -> torch.nn.Module:
