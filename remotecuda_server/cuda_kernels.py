@@ -55,11 +55,16 @@ def cuda_like(op: Any, fn: Callable) -> Callable:
     with the CUDA kernel's computation on the CPU tensors its CPU kernel refuses; for one of
     ``META_LAYOUT``, with its outputs laid out as CUDA's."""
     name = op._schema.name.split("::", 1)[1]
-    if name in META_LAYOUT:
-        fn = _laid_out_as_meta(op, fn)
     pick = INSTEAD.get(name)
-    if pick is None:
-        return fn
+    if pick is not None:
+        fn = _picking(op, pick, fn)
+    if name in META_LAYOUT:  # (after the pick: CUDA's computation, laid out as CUDA's)
+        fn = _laid_out_as_meta(op, fn)
+    return fn
+
+
+def _picking(op: Any, pick: Callable[[dict], Callable | None], fn: Callable) -> Callable:
+    """``fn``, or the computation ``pick`` gives for the call's arguments (by name)."""
     names = [a.name for a in op._schema.arguments]
     defaults = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
 
@@ -209,3 +214,29 @@ def _lstsq(a: dict) -> Callable | None:
         op = torch.ops.aten.linalg_lstsq
         return (op.out if "solution" in kwargs else op.default)(*args, **kwargs)
     return lstsq
+
+
+#: the drivers cuSOLVER's SVD takes (``torch.linalg.svd(A, driver=...)``)
+_SVD_DRIVERS = ("gesvd", "gesvdj", "gesvda")
+
+
+@_instead("_linalg_svd")
+def _svd(a: dict) -> Callable | None:
+    """``torch.linalg.svd(A, driver="gesvdj")`` (and ``svdvals``) picks one of cuSOLVER's
+    drivers, a CUDA-only argument the CPU's kernel refuses ("only supported on CUDA inputs").
+    Each driver computes the same decomposition, so here it is LAPACK's; a name cuSOLVER does
+    not know is refused with CUDA's words."""
+    driver = a.get("driver")
+    if driver is None or not isinstance(a["A"], torch.Tensor) or a["A"].device.type != "cpu":
+        return None
+    if driver not in _SVD_DRIVERS and a["A"].numel() > 0:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"torch.linalg.svd: unknown svd driver {driver} in svd_cusolver computation. "
+                               "Check doc at https://pytorch.org/docs/stable/generated/torch.linalg.svd.html")
+        return refused
+
+    def svd(*args: Any, driver: Any = None, **kwargs: Any) -> Any:
+        op = torch.ops.aten._linalg_svd
+        return (op.U if "U" in kwargs else op.default)(*args, **kwargs)
+    return svd
+
