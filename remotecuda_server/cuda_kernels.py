@@ -240,3 +240,35 @@ def _svd(a: dict) -> Callable | None:
         return (op.U if "U" in kwargs else op.default)(*args, **kwargs)
     return svd
 
+
+#: half-precision FFTs (cuFFT's, on power-of-two sizes): the dtype each is computed in here
+_HALF_FFT = {torch.float16: torch.float32, torch.complex32: torch.complex64}
+
+
+@_instead("_fft_r2c", "_fft_c2c", "_fft_c2r")
+def _fft_half(a: dict) -> Callable | None:
+    """cuFFT transforms half and complex-half signals whose sizes are powers of two
+    (``torch.fft.rfft2`` of a ``model.half()`` Fourier layer); the CPU's FFT refuses them ("MKL
+    FFT doesn't support tensors of type: Half"). Here each is computed in single precision and
+    rounded to the half dtype; another size is refused with cuFFT's words."""
+    t = a["self"]
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype not in _HALF_FFT:
+        return None
+    signal = [t.shape[d] for d in a["dim"]]
+    if "last_dim_size" in a:  # (c2r: the real output's size)
+        signal[-1] = a["last_dim_size"]
+    if any(n & (n - 1) for n in signal):
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("cuFFT only supports dimensions whose sizes are powers of two when computing "
+                               f"in half precision, but got a signal size of{signal}")
+        return refused
+    name = "_fft_r2c" if "onesided" in a else "_fft_c2r" if "last_dim_size" in a else "_fft_c2c"
+    op = getattr(torch.ops.aten, name).default
+    narrow = torch.float16 if name == "_fft_c2r" else torch.complex32
+
+    def fft(self: torch.Tensor, *args: Any, out: Any = None, **kwargs: Any) -> torch.Tensor:
+        result = op(self.to(_HALF_FFT[self.dtype]), *args, **kwargs).to(narrow)
+        if out is None:
+            return result
+        return out.resize_(result.shape).copy_(result)
+    return fft
