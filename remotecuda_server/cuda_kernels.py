@@ -272,3 +272,70 @@ def _fft_half(a: dict) -> Callable | None:
             return result
         return out.resize_(result.shape).copy_(result)
     return fft
+
+
+def _lu_no_pivot(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LU factorization without row exchanges (cuSOLVER's ``getrf`` with no pivots, which the
+    CPU's LAPACK path refuses): Gaussian elimination over the batch, laid out as the meta kernel
+    lays ``LU`` out (column-major), pivots ``1..k`` as CUDA reports them, and ``info`` the first
+    zero pivot (1-based), whose column is then left unscaled, as LAPACK's ``getf2`` leaves it."""
+    LU = A.clone()
+    m, n = A.shape[-2], A.shape[-1]
+    k = min(m, n)
+    info = torch.zeros(A.shape[:-2], dtype=torch.int32)
+    for j in range(k):
+        pivot = LU[..., j, j]
+        zero = pivot == 0
+        info = torch.where((info == 0) & zero, j + 1, info)
+        LU[..., j + 1:, j] /= torch.where(zero, 1, pivot).unsqueeze(-1)
+        LU[..., j + 1:, j + 1:] -= LU[..., j + 1:, j:j + 1] * LU[..., j:j + 1, j + 1:]
+    pivots = torch.arange(1, k + 1, dtype=torch.int32).expand(*A.shape[:-2], k).contiguous()
+    return LU.mT.contiguous().mT, pivots, info
+
+
+def _filled(result: tuple, outs: tuple) -> tuple:
+    """``result`` written into an ``out=`` op's outputs (or ``result`` itself, without them); an
+    output of another shape takes the result's strides, as a structured kernel's ``set_output``."""
+    if any(o is None for o in outs):
+        return result
+    for o, r in zip(outs, result):
+        if o.shape != r.shape:
+            o.resize_(r.shape).as_strided_(r.shape, r.stride())
+        o.copy_(r)
+    return outs
+
+
+@_instead("linalg_lu_factor_ex")
+def _lu_factor_no_pivot(a: dict) -> Callable | None:
+    """``torch.linalg.lu_factor(A, pivot=False)`` (and ``lu_factor_ex``, the legacy ``torch.lu``):
+    CUDA factors without pivoting; the CPU refuses ("LU without pivoting is not implemented on
+    the CPU")."""
+    A = a["A"]
+    if a["pivot"] or not isinstance(A, torch.Tensor) or A.device.type != "cpu" or A.numel() == 0:
+        return None
+
+    def lu_factor_ex(A: torch.Tensor, *, pivot: bool, check_errors: bool = False, LU: Any = None, pivots: Any = None,
+                     info: Any = None) -> tuple:
+        result = _lu_no_pivot(A)
+        if check_errors:
+            torch.ops.aten._linalg_check_errors(result[2], "torch.linalg.lu_factor_ex", is_matrix=A.dim() == 2)
+        return _filled(result, (LU, pivots, info))
+    return lu_factor_ex
+
+
+@_instead("linalg_lu")
+def _lu_no_pivot_unpacked(a: dict) -> Callable | None:
+    """``torch.linalg.lu(A, pivot=False)``: ``L`` and ``U`` of the unpivoted factorization and, as on
+    CUDA, an empty ``P``."""
+    A = a["A"]
+    if a["pivot"] or not isinstance(A, torch.Tensor) or A.device.type != "cpu" or A.numel() == 0:
+        return None
+
+    def lu(A: torch.Tensor, *, pivot: bool, P: Any = None, L: Any = None, U: Any = None) -> tuple:
+        LU, _, _ = _lu_no_pivot(A)
+        k = min(A.shape[-2], A.shape[-1])
+        eye = torch.eye(A.shape[-2], k, dtype=A.dtype)
+        lower = (LU[..., :, :k].tril(-1) + eye).contiguous()
+        upper = LU[..., :k, :].triu().contiguous()
+        return _filled((A.new_empty(0), lower, upper), (P, L, U))
+    return lu

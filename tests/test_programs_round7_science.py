@@ -202,3 +202,44 @@ def test_zuko_conditional_flows():
             losses.append(loss.item())
         return losses, nsf().log_prob(x[:4]), list(flow(c[:3]).rsample((4,)).shape)
     _both(fit)
+
+
+def _diagonally_dominant(*shape: int) -> torch.Tensor:
+    """Matrices whose partial pivoting swaps no rows: their LU with and without pivoting agree."""
+    return D(*shape).double() + 10 * torch.eye(shape[-2], shape[-1], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (2, 5, 3), (2, 3, 5)])
+def test_lu_without_pivoting(shape: tuple[int, ...]):
+    """``torch.linalg.lu_factor(A, pivot=False)`` and ``torch.linalg.lu(A, pivot=False)`` factor
+    without row exchanges on CUDA; the CPU kernel serving 'cuda' refused ("LU without pivoting is
+    not implemented on the CPU"). Pivots are ``1..k`` and ``P`` is empty, as CUDA gives them; on a
+    matrix partial pivoting leaves in place the factors are the pivoted ones, gradients too."""
+    A = _diagonally_dominant(*shape)
+    want_LU, want_piv = torch.linalg.lu_factor(A)
+    k = min(shape[-2:])
+    assert torch.equal(want_piv, torch.arange(1, k + 1, dtype=torch.int32).expand_as(want_piv))
+    LU, piv, info = torch.linalg.lu_factor_ex(A.cuda(), pivot=False)
+    assert LU.stride() == want_LU.stride()
+    torch.testing.assert_close(LU.cpu(), want_LU)
+    assert torch.equal(piv.cpu(), want_piv) and not info.cpu().any()
+
+    Ac, Ag = A.clone().requires_grad_(), A.cuda().requires_grad_()
+    _, want_L, want_U = torch.linalg.lu(Ac)
+    P, L, U = torch.linalg.lu(Ag, pivot=False)
+    assert P.shape == (0,) and P.dtype == A.dtype
+    torch.testing.assert_close((L.cpu(), U.cpu()), (want_L, want_U))
+    (want_L.sum() + want_U.pow(2).sum()).backward()
+    (L.sum() + U.pow(2).sum()).backward()
+    torch.testing.assert_close(Ag.grad.cpu(), Ac.grad)
+
+
+def test_lu_without_pivoting_of_a_singular_matrix():
+    """``info`` names the first zero pivot, and ``lu_factor`` raises at the call as on CUDA."""
+    ones = torch.ones(2, 3, 3, device="cuda")
+    assert torch.linalg.lu_factor_ex(ones, pivot=False).info.tolist() == [2, 2]
+    with pytest.raises(RuntimeError, match=r"U\[2,2\] is zero"):
+        torch.linalg.lu_factor(ones, pivot=False)
+    x = torch.linalg.lu_solve(*torch.linalg.lu_factor(_diagonally_dominant(3, 3).cuda(), pivot=False),
+                              torch.ones(3, 1, dtype=torch.float64, device="cuda"))
+    torch.testing.assert_close(x.cpu(), torch.linalg.solve(_diagonally_dominant(3, 3), torch.ones(3, 1).double()))
