@@ -183,6 +183,23 @@ def _searchsorted(args: tuple, kwargs: dict) -> None:
                            f"{_c10_name(sorter.dtype)}")
 
 
+def _fft_half(last_dim_size: int | None) -> Callable[[tuple, dict], None]:
+    """aten/src/ATen/native/cuda/CuFFTPlanCache.h, ``CuFFTConfig``: cuFFT plans a half-precision
+    transform only on power-of-two signal sizes (for ``_fft_c2r``, the output's last one is
+    ``last_dim_size``, at that position)."""
+    def check(args: tuple, kwargs: dict) -> None:
+        self, dim = args[0], _arg(args, kwargs, 1, "dim")
+        if self.dtype not in (torch.float16, torch.complex32):
+            return
+        signal = [self.shape[d] for d in dim]
+        if last_dim_size is not None and signal:
+            signal[-1] = _arg(args, kwargs, last_dim_size, "last_dim_size")
+        if any(n & (n - 1) for n in signal):
+            raise RuntimeError("cuFFT only supports dimensions whose sizes are powers of two when computing in half "
+                               f"precision, but got a signal size of{signal}")
+    return check
+
+
 def _c10_name(dtype: torch.dtype) -> str:
     """c10's name of a dtype, as torch's messages print it (``Float``, ``Long``, ``ComplexDouble``)."""
     return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
@@ -215,6 +232,9 @@ _CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
     **dict.fromkeys((aten.index_select.default, aten.index_select.out), _index_select),
     **dict.fromkeys((aten.searchsorted.Tensor, aten.searchsorted.Scalar, aten.searchsorted.Tensor_out,
                      aten.searchsorted.Scalar_out), _searchsorted),
+    **dict.fromkeys((aten._fft_r2c.default, aten._fft_r2c.out, aten._fft_c2c.default, aten._fft_c2c.out),
+                    _fft_half(None)),
+    **dict.fromkeys((aten._fft_c2r.default, aten._fft_c2r.out), _fft_half(3)),
 }
 
 #: ops that write a tensor's metadata, not its elements, and are not tagged ``inplace_view``

@@ -55,11 +55,16 @@ def cuda_like(op: Any, fn: Callable) -> Callable:
     with the CUDA kernel's computation on the CPU tensors its CPU kernel refuses; for one of
     ``META_LAYOUT``, with its outputs laid out as CUDA's."""
     name = op._schema.name.split("::", 1)[1]
-    if name in META_LAYOUT:
-        fn = _laid_out_as_meta(op, fn)
     pick = INSTEAD.get(name)
-    if pick is None:
-        return fn
+    if pick is not None:
+        fn = _picking(op, pick, fn)
+    if name in META_LAYOUT:  # (after the pick: CUDA's computation, laid out as CUDA's)
+        fn = _laid_out_as_meta(op, fn)
+    return fn
+
+
+def _picking(op: Any, pick: Callable[[dict], Callable | None], fn: Callable) -> Callable:
+    """``fn``, or the computation ``pick`` gives for the call's arguments (by name)."""
     names = [a.name for a in op._schema.arguments]
     defaults = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
 
@@ -209,3 +214,128 @@ def _lstsq(a: dict) -> Callable | None:
         op = torch.ops.aten.linalg_lstsq
         return (op.out if "solution" in kwargs else op.default)(*args, **kwargs)
     return lstsq
+
+
+#: the drivers cuSOLVER's SVD takes (``torch.linalg.svd(A, driver=...)``)
+_SVD_DRIVERS = ("gesvd", "gesvdj", "gesvda")
+
+
+@_instead("_linalg_svd")
+def _svd(a: dict) -> Callable | None:
+    """``torch.linalg.svd(A, driver="gesvdj")`` (and ``svdvals``) picks one of cuSOLVER's
+    drivers, a CUDA-only argument the CPU's kernel refuses ("only supported on CUDA inputs").
+    Each driver computes the same decomposition, so here it is LAPACK's; a name cuSOLVER does
+    not know is refused with CUDA's words."""
+    driver = a.get("driver")
+    if driver is None or not isinstance(a["A"], torch.Tensor) or a["A"].device.type != "cpu":
+        return None
+    if driver not in _SVD_DRIVERS and a["A"].numel() > 0:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"torch.linalg.svd: unknown svd driver {driver} in svd_cusolver computation. "
+                               "Check doc at https://pytorch.org/docs/stable/generated/torch.linalg.svd.html")
+        return refused
+
+    def svd(*args: Any, driver: Any = None, **kwargs: Any) -> Any:
+        op = torch.ops.aten._linalg_svd
+        return (op.U if "U" in kwargs else op.default)(*args, **kwargs)
+    return svd
+
+
+#: half-precision FFTs (cuFFT's, on power-of-two sizes): the dtype each is computed in here
+_HALF_FFT = {torch.float16: torch.float32, torch.complex32: torch.complex64}
+
+
+@_instead("_fft_r2c", "_fft_c2c", "_fft_c2r")
+def _fft_half(a: dict) -> Callable | None:
+    """cuFFT transforms half and complex-half signals whose sizes are powers of two
+    (``torch.fft.rfft2`` of a ``model.half()`` Fourier layer); the CPU's FFT refuses them ("MKL
+    FFT doesn't support tensors of type: Half"). Here each is computed in single precision and
+    rounded to the half dtype; another size is refused with cuFFT's words."""
+    t = a["self"]
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype not in _HALF_FFT:
+        return None
+    signal = [t.shape[d] for d in a["dim"]]
+    if "last_dim_size" in a:  # (c2r: the real output's size)
+        signal[-1] = a["last_dim_size"]
+    if any(n & (n - 1) for n in signal):
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("cuFFT only supports dimensions whose sizes are powers of two when computing "
+                               f"in half precision, but got a signal size of{signal}")
+        return refused
+    name = "_fft_r2c" if "onesided" in a else "_fft_c2r" if "last_dim_size" in a else "_fft_c2c"
+    op = getattr(torch.ops.aten, name).default
+    narrow = torch.float16 if name == "_fft_c2r" else torch.complex32
+
+    def fft(self: torch.Tensor, *args: Any, out: Any = None, **kwargs: Any) -> torch.Tensor:
+        result = op(self.to(_HALF_FFT[self.dtype]), *args, **kwargs).to(narrow)
+        if out is None:
+            return result
+        return out.resize_(result.shape).copy_(result)
+    return fft
+
+
+def _lu_no_pivot(A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LU factorization without row exchanges (cuSOLVER's ``getrf`` with no pivots, which the
+    CPU's LAPACK path refuses): Gaussian elimination over the batch, laid out as the meta kernel
+    lays ``LU`` out (column-major), pivots ``1..k`` as CUDA reports them, and ``info`` the first
+    zero pivot (1-based), whose column is then left unscaled, as LAPACK's ``getf2`` leaves it."""
+    LU = A.clone()
+    m, n = A.shape[-2], A.shape[-1]
+    k = min(m, n)
+    info = torch.zeros(A.shape[:-2], dtype=torch.int32)
+    for j in range(k):
+        pivot = LU[..., j, j]
+        zero = pivot == 0
+        info = torch.where((info == 0) & zero, j + 1, info)
+        LU[..., j + 1:, j] /= torch.where(zero, 1, pivot).unsqueeze(-1)
+        LU[..., j + 1:, j + 1:] -= LU[..., j + 1:, j:j + 1] * LU[..., j:j + 1, j + 1:]
+    pivots = torch.arange(1, k + 1, dtype=torch.int32).expand(*A.shape[:-2], k).contiguous()
+    return LU.mT.contiguous().mT, pivots, info
+
+
+def _filled(result: tuple, outs: tuple) -> tuple:
+    """``result`` written into an ``out=`` op's outputs (or ``result`` itself, without them); an
+    output of another shape takes the result's strides, as a structured kernel's ``set_output``."""
+    if any(o is None for o in outs):
+        return result
+    for o, r in zip(outs, result):
+        if o.shape != r.shape:
+            o.resize_(r.shape).as_strided_(r.shape, r.stride())
+        o.copy_(r)
+    return outs
+
+
+@_instead("linalg_lu_factor_ex")
+def _lu_factor_no_pivot(a: dict) -> Callable | None:
+    """``torch.linalg.lu_factor(A, pivot=False)`` (and ``lu_factor_ex``, the legacy ``torch.lu``):
+    CUDA factors without pivoting; the CPU refuses ("LU without pivoting is not implemented on
+    the CPU")."""
+    A = a["A"]
+    if a["pivot"] or not isinstance(A, torch.Tensor) or A.device.type != "cpu" or A.numel() == 0:
+        return None
+
+    def lu_factor_ex(A: torch.Tensor, *, pivot: bool, check_errors: bool = False, LU: Any = None, pivots: Any = None,
+                     info: Any = None) -> tuple:
+        result = _lu_no_pivot(A)
+        if check_errors:
+            torch.ops.aten._linalg_check_errors(result[2], "torch.linalg.lu_factor_ex", is_matrix=A.dim() == 2)
+        return _filled(result, (LU, pivots, info))
+    return lu_factor_ex
+
+
+@_instead("linalg_lu")
+def _lu_no_pivot_unpacked(a: dict) -> Callable | None:
+    """``torch.linalg.lu(A, pivot=False)``: ``L`` and ``U`` of the unpivoted factorization and, as on
+    CUDA, an empty ``P``."""
+    A = a["A"]
+    if a["pivot"] or not isinstance(A, torch.Tensor) or A.device.type != "cpu" or A.numel() == 0:
+        return None
+
+    def lu(A: torch.Tensor, *, pivot: bool, P: Any = None, L: Any = None, U: Any = None) -> tuple:
+        LU, _, _ = _lu_no_pivot(A)
+        k = min(A.shape[-2], A.shape[-1])
+        eye = torch.eye(A.shape[-2], k, dtype=A.dtype)
+        lower = (LU[..., :, :k].tril(-1) + eye).contiguous()
+        upper = LU[..., :k, :].triu().contiguous()
+        return _filled((A.new_empty(0), lower, upper), (P, L, U))
+    return lu
