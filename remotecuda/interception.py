@@ -1100,6 +1100,10 @@ class AutocastMode(TorchFunctionMode):
         policy = autocast.POLICY.get(func)
         if policy is not None:
             return autocast.apply(policy, func, args, kwargs)
+        inner = autocast.DECOMPOSED.get(func)
+        if inner is not None and torch.is_autocast_enabled("cuda") and autocast.has_remote(args, kwargs):
+            with self:  # (its inner calls meet the policies)
+                return inner(*args, **kwargs)
         if func not in self.running and autocast.composite(func) and torch.is_autocast_enabled("cuda") \
                 and autocast.has_remote(args, kwargs):
             body = self.bodies.get(func) or self.bodies.setdefault(func, autocast.body(func))
