@@ -17,7 +17,7 @@ from typing import Any, TypeGuard
 import torch
 import torch.nn.functional as F
 
-from . import attention
+from . import attention, call_checks
 from .tensor import RemoteTensor
 
 _LOWER: list[Callable] = [  # run in the autocast dtype (float16 / bfloat16)
@@ -160,6 +160,94 @@ def _interpolate(func: Callable, args: tuple, kwargs: dict) -> Any:
     mode = args[3] if len(args) > 3 else kwargs.get("mode", "nearest")
     return func(*args, **kwargs) if mode == "area" else _fp32(func, args, kwargs)
 
+
+def _pairwise_distance(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, eps: float = 1e-6,
+                       keepdim: bool = False) -> torch.Tensor:
+    """aten/src/ATen/native/Distance.cpp, ``pairwise_distance``: a norm over the last dimension."""
+    return torch.norm(x1 - x2 + eps, p, max(x1.dim(), x2.dim()) - 1, keepdim)
+
+
+def _cov(input: torch.Tensor, *, correction: int = 1, fweights: torch.Tensor | None = None,
+         aweights: torch.Tensor | None = None) -> torch.Tensor:
+    """aten/src/ATen/native/Correlation.cpp, ``cov``: its sums (float32 under CUDA autocast) and its
+    ``mm`` (lower precision), with its checks."""
+    if input.dim() > 2:
+        raise RuntimeError("cov(): expected input to have two or fewer dimensions but got an input with "
+                           f"{input.dim()} dimensions")
+    if input.dtype is torch.bool:
+        raise RuntimeError("cov(): bool dtype is not supported for input")
+    x = input.view(1, -1) if input.dim() < 2 else input
+    n = x.size(1)
+    w = None
+    for name, given, kind, ok in (("fweights", fweights, "integral", lambda d: not d.is_floating_point and
+                                   not d.is_complex and d is not torch.bool),
+                                  ("aweights", aweights, "floating point", lambda d: d.is_floating_point)):
+        if given is None:
+            continue
+        if given.dim() > 1:
+            raise RuntimeError(f"cov(): expected {name} to have one or fewer dimensions but got {name} with "
+                               f"{given.dim()} dimensions")
+        if not ok(given.dtype):
+            raise RuntimeError(f"cov(): expected {name} to have {kind} dtype but got {name} with "
+                               f"{call_checks.c10_name(given.dtype)} dtype")
+        if given.numel() != n:
+            raise RuntimeError(f"cov(): expected {name} to have the same numel as there are observations in the "
+                               f"input but got {given.numel()} != {n}")
+        if n != 0 and not bool(given.min().ge(0)):
+            raise RuntimeError(f"cov(): {name} cannot be negative")
+        w = given if w is None else w * given
+    w_sum = w.sum() if w is not None else torch.scalar_tensor(n, dtype=torch.long, device=x.device)
+    if w is not None and not bool(w_sum.ne(0)):
+        raise RuntimeError("cov(): weights sum to zero, can't be normalized")
+    avg = (x * w if w is not None else x).sum(1) / w_sum
+    if w is None:
+        norm_factor = torch.scalar_tensor(n - correction, dtype=torch.long, device=x.device)
+    elif correction == 0:
+        norm_factor = w_sum
+    elif aweights is None:
+        norm_factor = w_sum - correction
+    elif fweights is None and n == 1 and correction == 1:
+        norm_factor = torch.scalar_tensor(0, dtype=torch.long, device=x.device)
+    else:
+        norm_factor = w_sum - correction * (w * aweights).sum() / w_sum
+    if bool(norm_factor.le(0)):
+        torch.cov(torch.zeros(1, 1))  # (its warning, as ATen words it: a CPU call that gives it)
+        norm_factor = torch.zeros_like(norm_factor)
+    if n == 1 and (fweights is None) != (aweights is None):
+        x.zero_()  # (in place, as ATen's does)
+        x = x if x.is_floating_point() or x.is_complex() else x.to(torch.float32)
+    else:
+        x = x - avg.unsqueeze(1)
+    c = torch.mm(x, (x * w if w is not None else x).t().conj())
+    if c.is_complex() and (x.size(0) == 1 or x.size(1) == 1):
+        c = torch.complex(c.real, torch.zeros_like(c.real))
+    return torch.true_divide(c, norm_factor).squeeze()
+
+
+def _corrcoef(input: torch.Tensor) -> torch.Tensor:
+    """aten/src/ATen/native/Correlation.cpp, ``corrcoef``: ``cov``, normalized."""
+    if input.dim() > 2:
+        raise RuntimeError("corrcoef(): expected input to have two or fewer dimensions but got an input with "
+                           f"{input.dim()} dimensions")
+    c = torch.cov(input)
+    if c.dim() == 0:
+        return c / c
+    d = c.diagonal()
+    stddev = torch.sqrt(d.real if d.is_complex() else d)
+    c = c / stddev.view(-1, 1)
+    c = c / stddev.view(1, -1)
+    if c.is_complex():
+        return torch.complex(c.real.clip(-1, 1), c.imag.clip(-1, 1))
+    return c.clip(-1, 1)
+
+
+#: C++ composites on none of CUDA's lists whose inner ops are (``F.pairwise_distance``'s norm,
+#: ``torch.cov``'s sums and ``mm``): CUDA autocast casts those inner ops, which a remote tensor's
+#: C++ composite runs below the mode, so each runs as this transcription of its ATen body, under it
+DECOMPOSED: dict[Callable, Callable] = {
+    torch.pairwise_distance: _pairwise_distance,
+    torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef,
+}
 
 POLICY: dict[Callable, Callable] = {F.interpolate: _interpolate}
 for _fs, _p in ((_LOWER, _lower), (_FP32, _fp32), (_FP32_SET_OPT_DTYPE, _fp32_dtype),

@@ -13,10 +13,12 @@ With one process the world is the process itself and nothing crosses the wire.
 
 As DDP, a forward that will not sync (inside ``no_sync()`` or without grad) makes the next
 forward skip the buffer broadcast, so that each rank's BatchNorm statistics of an accumulation
-stay its own. A gradient a rank did not compute counts as zeros in the others' sum (as
-``find_unused_parameters=True`` makes it); with ``find_unused_parameters=True`` that rank gets the
-reduced gradient as the others do (its optimizer then steps it too, and the ranks' weights stay
-equal), and a parameter no rank used keeps None. A copy (``copy.deepcopy``, pickling) reduces its
+stay its own. Without ``find_unused_parameters``, a syncing backward that leaves a parameter without
+a gradient leaves the reduction unfinished, and the next forward with grad raises the Reducer's
+"Expected to have finished reduction in the prior iteration" error. With it, a gradient a rank did
+not compute counts as zeros in the others' sum, that rank gets the reduced gradient as the others
+do (its optimizer then steps it too, and the ranks' weights stay equal), and a parameter no rank
+used keeps None. A copy (``copy.deepcopy``, pickling) reduces its
 own parameters' gradients over the default group, as DDP's. What the Reducer offers beyond that is
 refused by name (communication hooks, ``join``, static graph).
 """
@@ -59,6 +61,8 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
         self._world = dist.get_world_size(self.process_group)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._queued = False
+        self._ready: set[int] = set()  # (the ids of the parameters whose gradient this backward gave)
+        self._unreduced: list[int] = []  # (the indices of those a syncing backward did not give)
         self._broadcast([*module.parameters(), *module.buffers()])
         self._hook()
 
@@ -78,10 +82,12 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
         parameters hooked (a tensor's copy has none of the original's hooks)."""
         self.process_group = dist.group.WORLD
         nn.Module.__setstate__(self, state)
-        self._queued = False
+        self._queued, self._ready, self._unreduced = False, set(), []
         self._hook()
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and self._unreduced:
+            self._refuse_unfinished()
         if self.device_ids:  # (DDP moves the inputs to its device, as here)
             device = self.device_ids[0]
             inputs, kwargs = tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, (inputs, kwargs))
@@ -128,15 +134,25 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
                 dist.broadcast(flat, _global_rank_0(self.process_group), group=self.process_group)
                 _write_back(group, flat.to(group[0].device))
 
-    def _accumulated(self, _: torch.Tensor) -> None:
+    def _accumulated(self, param: torch.Tensor) -> None:
         """A parameter's gradient is in: at the end of this backward, reduce them all (once)."""
-        if self.require_backward_grad_sync and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+        if self.require_backward_grad_sync:
+            self._ready.add(id(param))
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
 
     def _reduce(self) -> None:
-        """Each gradient summed over the world and divided by its size, a flat tensor per dtype."""
+        """Each gradient summed over the world and divided by its size, a flat tensor per dtype.
+        Without ``find_unused_parameters``, a parameter that got no gradient leaves the reduction
+        unfinished, as the Reducer's buckets wait for it: the gradients stay this rank's own, and
+        the next forward refuses to start (``_refuse_unfinished``)."""
         self._queued = False
+        ready, self._ready = self._ready, set()
+        if not self.find_unused_parameters:
+            self._unreduced = [i for i, p in enumerate(self._params) if id(p) not in ready]
+            if self._unreduced:
+                return
         if self._world == 1:  # (the sum of one, divided by one)
             return
         with torch.no_grad():
@@ -148,6 +164,24 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
                 flat.mul_(1.0 / self._world)  # (the Reducer divides as it fills a bucket, then sums)
                 dist.all_reduce(flat, group=self.process_group)
                 _write_back(group, flat.to(group[0].device), grads=True)
+
+    def _refuse_unfinished(self) -> None:
+        """The Reducer's error (reducer.cpp, ``ensure_prior_reduction_finished``, with
+        TORCH_DISTRIBUTED_DEBUG off) at a forward after a backward that left parameters without
+        a gradient; it stays, as the Reducer's does, for every later forward."""
+        raise RuntimeError(
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your module has parameters that were not used in producing loss. You can enable "
+            "unused parameter detection by passing the keyword argument `find_unused_parameters=True` to "
+            "`torch.nn.parallel.DistributedDataParallel`, and by \nmaking sure all `forward` function outputs "
+            "participate in calculating loss. \nIf you already have done the above, then the distributed data "
+            "parallel module wasn't able to locate the output tensors in the return value of your module's "
+            "`forward` function. Please include the loss function and the structure of the return value of "
+            "`forward` of your module when reporting this issue (e.g. list, dict, iterable).\nParameter indices "
+            f"which did not receive grad for rank {dist.get_rank(self.process_group)}: "
+            f"{' '.join(map(str, self._unreduced))}\n In addition, you can set the environment variable "
+            "TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to print out information about which particular "
+            "parameters did not receive gradient on this rank as part of this error")
 
     def _give_grads_used_elsewhere(self) -> None:
         """A zero gradient for each parameter this rank did not use and another did, to receive the

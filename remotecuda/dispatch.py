@@ -230,6 +230,52 @@ def _restride_resized_outs(m: OpMeta, kwargs: dict, out: Any) -> None:
             r.as_strided_(r.shape, make_contiguous_strides_for(r.shape, row_major=False))
 
 
+@functools.cache
+def _functional(func: Any) -> Any:
+    """The functional overload of an ``out=`` overload (``aten.tril.out``: ``aten.tril.default``),
+    the one whose arguments are the others; None for other ops, or where there is none."""
+    schema = func._schema
+    outs = [a for a in schema.arguments if a.is_out]
+    if not outs or not all(a.kwarg_only for a in outs):
+        return None
+    want = [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+    for name in func.overloadpacket.overloads():
+        f = getattr(func.overloadpacket, name)
+        if not f._schema.is_mutable and [(a.name, str(a.type)) for a in f._schema.arguments] == want:
+            return f
+    return None
+
+
+class _OutCast(TypeError):
+    """An ``out=`` of another dtype than the op's result, which the meta kernel casts into (its
+    ``out_wrapper`` takes any dtype the result casts to) and the device's kernel may refuse at the
+    call (a structured kernel's ``resize_out`` wants the result's dtype: ``torch.tril(x, out=y64)``)
+    or accept (TensorIterator casts: ``torch.add(x, y, out=y64)``, ``torch.sum(x, 0, out=y64)``):
+    the gateway is asked once (``Dispatcher._refused``), and ``entry``, the meta kernel's outputs,
+    describes the signature where it accepts."""
+
+    def __init__(self, name: str, entry: Any):
+        super().__init__(f"{name}: an out= of another dtype than its result")
+        self.entry = entry
+
+
+def _out_casts(func: Any, margs: list, mkw: dict) -> bool:
+    """Whether an ``out=`` (meta tensors, as the op was given them) has another dtype than the
+    result the functional overload gives for the same arguments."""
+    functional = _functional(func)
+    if functional is None:
+        return False
+    outs = [a.name for a in func._schema.arguments if a.is_out]
+    given = [mkw[n] for n in outs if isinstance(mkw.get(n), torch.Tensor)]
+    try:
+        with _DisableTorchDispatch():
+            natural = functional(*margs, **{k: v for k, v in mkw.items() if k not in outs})
+    except Exception:  # (no meta kernel, or one that needs values: the out= overload's decides)
+        return False
+    natural = natural if isinstance(natural, tuple) else (natural,)
+    return any(isinstance(r, torch.Tensor) and r.dtype is not o.dtype for r, o in zip(natural, given))
+
+
 #: advanced indexing, which takes a CPU tensor indexed with 'cuda' indices as a GPU's torch does
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
@@ -547,6 +593,7 @@ class Dispatcher:
         try:
             with _DisableTorchDispatch():
                 out = m.func(*margs, **mkw)
+            casts = _out_casts(m.func, margs, mkw)
         except NotImplementedError:
             return _NO_META_KERNEL
         except RuntimeError as e:
@@ -584,7 +631,10 @@ class Dispatcher:
                 items.append(None)
         if not m.multi and len(items) == 1 and type(items[0]) is NewOut:
             return NewTensor(items[0].layout)
-        return Outputs(m.multi, tuple(items))
+        entry = Outputs(m.multi, tuple(items))
+        if casts:
+            raise _OutCast(m.name, entry)
+        return entry
 
     def _cross_check(self, m: OpMeta, key: tuple, entry: Entry, args: tuple, kwargs: dict) -> None:
         """Cross-check mode: the metadata computed afresh for this call must be the cached entry."""
@@ -592,6 +642,8 @@ class Dispatcher:
             return  # (see _refused)
         try:
             fresh = self._compute(m, args, kwargs)
+        except _OutCast as e:
+            fresh = e.entry
         except Exception:
             fresh = _META_REFUSED
         if fresh != entry:
@@ -605,7 +657,7 @@ class Dispatcher:
         on errors only). Its error is the one local PyTorch gives ("mat1 and mat2 shapes cannot be
         multiplied", not the meta kernel's "a and b must have same reduction dim"); where it runs
         the op after all, its outputs are the op's, and the gateway describes this signature from
-        now on."""
+        now on (an accepted ``_OutCast``: the meta kernel, as it was right)."""
         try:
             out = self._bypassed(dc.META_REFUSED, m, s, wargs, wkw, args, kwargs)
         except RemoteCUDAError:
@@ -613,7 +665,7 @@ class Dispatcher:
         except Exception as e:
             raise e from None  # (not "during handling of" the meta kernel's error)
         if torch._C._get_tracing_state() is None:  # (torch.jit.trace makes sizes tensors: meta kernels refuse them)
-            self.cache.store(key, _META_REFUSED)
+            self.cache.store(key, meta_error.entry if isinstance(meta_error, _OutCast) else _META_REFUSED)
         return out
 
     def _bypassed(self, reason: str, m: OpMeta, s: Any, wargs: list, wkw: Any, args: tuple, kwargs: dict) -> Any:

@@ -31,7 +31,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -567,6 +567,14 @@ def _factory(func: Callable, args: tuple, kwargs: dict) -> Any:
     absent, so make it 'cuda:0'; on 'meta' (given, or ``with torch.device('meta')``) it stays meta."""
     kwargs = _unpinned(kwargs)
     d = kwargs.get("device")
+    if d is not None and isinstance(kwargs.get("out"), RemoteTensor):
+        # (C++ checks the device's type against the ``out=``'s, whose own is meta here: the check
+        # as a GPU's, and the ``out=`` then decides the device, as it does there)
+        kind = cast(torch.device, _device(d)).type
+        if kind != "cuda":
+            raise RuntimeError(f"device type {kind} does not match device type of out parameter (cuda)")
+        kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+        d = None
     if type(d) is int:
         kwargs = dict(kwargs, device=torch.device("cuda", d))
     elif _is_meta(d if d is not None else _context_device()):
@@ -653,6 +661,19 @@ def _svdvals(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _svdvals_args(A: Any, *, driver: str | None = None, out: Any = None) -> tuple:
     return A, driver, out
+
+
+def _matrix_rank(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``linalg.matrix_rank(..., out=)``: ATen's composite, given a tensor subclass (as a remote
+    tensor is to C++) or under a dispatch mode (as remotecuda's is, while active, for CPU tensors
+    too), takes its Composite Compliance branch, which returns a new tensor and leaves ``out`` as it
+    was (uninitialized memory, silently); torch's plain path sums the singular values above the
+    tolerance into ``out`` (``sum_out``), as this does with the rank."""
+    out = kwargs.get("out")
+    if out is None:
+        return func(*args, **kwargs)
+    rank = func(*args, **{k: v for k, v in kwargs.items() if k != "out"})
+    return torch.sum(rank.unsqueeze(-1), -1, out=out)
 
 
 def _one_hot(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -883,6 +904,7 @@ _ROUTES: list[tuple[Any, str, Callable]] = [
     (torch, "dropout", _dropout),
     (torch.linalg, "eigvalsh", _eigvalsh),
     (torch.linalg, "svdvals", _svdvals),
+    (torch.linalg, "matrix_rank", _matrix_rank),
     (torch.nn.functional, "one_hot", _one_hot),
     (torch.autograd, "_engine_run_backward", _engine_run_backward),  # what backward() and grad() call
     (torch._C._nn, "one_hot", _one_hot),
@@ -1100,6 +1122,10 @@ class AutocastMode(TorchFunctionMode):
         policy = autocast.POLICY.get(func)
         if policy is not None:
             return autocast.apply(policy, func, args, kwargs)
+        inner = autocast.DECOMPOSED.get(func)
+        if inner is not None and torch.is_autocast_enabled("cuda") and autocast.has_remote(args, kwargs):
+            with self:  # (its inner calls meet the policies)
+                return inner(*args, **kwargs)
         if func not in self.running and autocast.composite(func) and torch.is_autocast_enabled("cuda") \
                 and autocast.has_remote(args, kwargs):
             body = self.bodies.get(func) or self.bodies.setdefault(func, autocast.body(func))

@@ -473,8 +473,13 @@ class RemoteTensor(torch.Tensor):
             return (torch._utils._rebuild_parameter_with_state,
                     (self.detach(), self.requires_grad, OrderedDict(), state))
         cpu = self.detach().cpu().clone()
-        return as_subclass_reduction(self, (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-                                            (cpu, self.dtype, str(self.device), self.requires_grad)))
+        rebuild: tuple = (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                          (cpu, self.dtype, str(self.device), self.requires_grad))
+        if type(self) is not RemoteTensor:  # (a library's subclass: torch's default ``__torch_function__``,
+            # which returns this reduction, makes every tensor in its nested tuples the library's class,
+            # whose ``to`` unpickling would then call: the CPU copy goes inside a partial)
+            rebuild = (functools.partial(rebuild[0], *rebuild[1]), ())
+        return as_subclass_reduction(self, rebuild)
 
 
 #: torch's messages name a tensor by its type's name, as a GPU's do: "Expected parameter scale (Tensor

@@ -60,6 +60,33 @@ def test_a_one_process_world_trains_a_cuda_model_as_torchs_ddp_on_the_cpu(remote
         dist.destroy_process_group()
 
 
+def test_a_parameter_without_a_gradient_stops_the_next_forward_as_torchs_ddp(remote, tmp_path):
+    """Without ``find_unused_parameters``, a backward that left a parameter without a gradient makes
+    the next forward with grad raise the Reducer's error, as torch's DDP does (a forward without grad
+    passes); it was silently reduced as zeros."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        def run(dev: str) -> tuple:
+            ddp = nn.parallel.DistributedDataParallel(_Branchy().to(dev))
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0)).to(dev)
+            ddp(x, True).sum().backward()
+            ddp(x, False).sum().backward()  # (b unused)
+            with torch.no_grad():
+                ddp(x, True)
+            errors = []
+            for _ in range(2):
+                with pytest.raises(RuntimeError) as info:
+                    ddp(x, True)
+                errors.append(str(info.value))
+            return errors, ddp.module.b.weight.grad.cpu()
+
+        (got, got_grad), (want, want_grad) = run("cuda"), run("cpu")
+        assert got == want and "did not receive grad for rank 0: 2 3\n" in got[0]
+        assert torch.equal(got_grad, want_grad)
+    finally:
+        dist.destroy_process_group()
+
+
 #: a torchrun script as its tutorials write it: 'cuda' when there is one, nccl with it
 PROGRAM = textwrap.dedent("""
     import os, sys

@@ -35,6 +35,20 @@ MISTAKES = {
     "bucketize_2d_boundaries": lambda d: torch.bucketize(torch.randn(3, device=d), torch.randn(2, 3, device=d)),
     "aminmax_out_of_another_float": lambda d: torch.aminmax(
         torch.randn(3, device=d), out=(torch.empty(0, dtype=torch.float64, device=d), torch.empty(0, device=d))),
+    # (an out= of another dtype than the result: the meta kernels cast into it, most device kernels refuse it)
+    "tril_out_of_another_float": lambda d: torch.tril(torch.randn(3, 3, device=d),
+                                                      out=torch.empty(3, 3, dtype=torch.float64, device=d)),
+    "neg_out_of_another_float": lambda d: torch.neg(torch.randn(3, device=d),
+                                                    out=torch.empty(3, dtype=torch.float64, device=d)),
+    "amax_out_of_another_float": lambda d: torch.amax(torch.randn(2, 3, device=d), 0,
+                                                      out=torch.empty(3, dtype=torch.float64, device=d)),
+    "any_float_out": lambda d: torch.any(torch.randn(3, device=d), 0, out=torch.empty((), device=d)),
+    "cumsum_bool_out": lambda d: torch.cumsum(torch.randn(3, device=d), 0,
+                                              out=torch.empty(3, dtype=torch.bool, device=d)),
+    "softmax_half_out": lambda d: torch.softmax(torch.randn(3, device=d), 0,
+                                                out=torch.empty(3, dtype=torch.float16, device=d)),
+    "isin_long_out": lambda d: torch.isin(torch.arange(3, device=d), torch.arange(2, device=d),
+                                          out=torch.empty(3, dtype=torch.long, device=d)),
     "multinomial_float_out": lambda d: torch.multinomial(torch.rand(4, device=d), 2, out=torch.empty(2, device=d)),
     "multinomial_no_samples": lambda d: torch.multinomial(torch.rand(4, device=d), 0),
     "multinomial_more_than_categories": lambda d: torch.multinomial(torch.rand(4, device=d), 5),
@@ -169,3 +183,28 @@ def test_an_uploaded_tensor_grows_as_a_gpu_tensor_does():
         torch.cat([x[:3], x[:3]], out=out)
         return x[:3].cpu(), view.cpu(), out.cpu()
     assert all(torch.equal(r, c) for r, c in zip(grow("cuda"), grow("cpu")))
+
+
+#: ``out=`` of another dtype than the result that the device's kernels cast into (TensorIterator's
+#: ops, sum and mean's reductions): run, and the second call is a hit of the dispatch cache
+CASTS_INTO_OUT = {
+    "add": lambda d, o: torch.add(torch.arange(6.0, device=d), 0.5, out=o),
+    "sum": lambda d, o: torch.sum(torch.randn(2, 3, generator=torch.Generator().manual_seed(0)).to(d), 0, out=o),
+    "mean": lambda d, o: torch.mean(torch.arange(6.0, device=d).view(2, 3), 0, out=o),
+    "cumsum": lambda d, o: torch.cumsum(torch.arange(3.0, device=d), 0, out=o),
+}
+
+
+@pytest.mark.parametrize("call", list(CASTS_INTO_OUT.values()), ids=list(CASTS_INTO_OUT))
+def test_an_out_of_another_dtype_the_device_casts_into(call):
+    import remotecuda
+    local = torch.empty(0, dtype=torch.float64)
+    call("cpu", local)
+    got = torch.empty(0, dtype=torch.float64, device="cuda")
+    call("cuda", got)
+    assert got.dtype is torch.float64 and torch.equal(got.cpu(), local)
+    remotecuda.stats(reset=True)
+    again = torch.empty(0, dtype=torch.float64, device="cuda")
+    call("cuda", again)  # the gateway said yes once: the meta kernel describes this signature now
+    assert remotecuda.stats()["metadata_cache_bypasses"] == 0
+    assert torch.equal(again.cpu(), local)

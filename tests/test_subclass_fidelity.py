@@ -70,6 +70,25 @@ def test_subclass_reads_answer_for_cuda_and_round_trip():
         assert back.cpu().tolist() == [1.0, 2.0, 3.0]
 
 
+def test_unpickling_a_subclass_shows_it_what_it_shows_on_any_device():
+    """pickle.loads of a 'cuda' subclass showed it the ``to`` that moved its CPU copy to 'cuda' (and
+    pickle.dumps its copy's ``__reduce_ex__``): torch's default ``__torch_function__`` had made the
+    copy inside the reduction the subclass's class."""
+    def seen(device):
+        t = torch.tensor([1.0, 2.0], device=device).as_subclass(LoggedSubclass)
+        t.tag = "kept"
+        LoggedSubclass.seen.clear()
+        data = pickle.dumps(t)
+        dumped, _ = list(LoggedSubclass.seen), LoggedSubclass.seen.clear()
+        back = pickle.loads(data)
+        loaded = list(LoggedSubclass.seen)
+        assert type(back).__name__ == "LoggedSubclass" and back.tag == "kept" and back.device.type == device
+        assert back.cpu().tolist() == [1.0, 2.0]
+        return dumped, loaded
+
+    assert seen("cuda") == seen("cpu") == (["__reduce_ex__"], [])
+
+
 class _Tagged(torch.Tensor):
     """A library's subclass with a collate function of its own in torch's table (MONAI's MetaTensor)."""
 

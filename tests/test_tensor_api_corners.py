@@ -5,7 +5,9 @@ tensor's whole ``__dict__`` (MONAI's ``MetaTensor``), torch's deepcopy of a plai
 code on the local CPU."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -213,3 +215,37 @@ def _monai(dev: str) -> list:
     batch = list_data_collate([{"img": x}, {"img": x * 2}])["img"].to(dev)  # (collated on the CPU, as loaders do)
     got += [seen(batch * 3 - batch), batch.is_batch, [seen(t) for t in decollate_batch(batch + 1)]]
     return got
+
+
+def test_matrix_rank_writes_its_out_tensor():
+    """``linalg.matrix_rank(..., out=o)``: ATen's composite takes its tensor-subclass branch for a
+    remote matrix, which leaves ``o`` unwritten (uninitialized memory, silently); a GPU's writes it."""
+    a = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    a[:, 0] = a[:, 1]
+    for dtype, shape in ((torch.long, ()), (torch.float64, (0,)), (torch.long, (2,))):
+        local, remote = torch.full(shape, 7, dtype=dtype), torch.full(shape, 7, dtype=dtype, device="cuda")
+        with pytest.warns(UserWarning) if shape == (2,) else _no_warning():  # (a non-empty out resized)
+            got = torch.linalg.matrix_rank(a.cuda(), out=remote)
+            remote.cpu()
+        assert got is remote and torch.linalg.matrix_rank(a, out=local) is local
+        assert _layout(remote) == _layout(local) and remote.dtype == local.dtype and local.item() == 3
+
+
+def test_a_factory_with_a_device_and_an_out_tensor():
+    """``torch.zeros(3, device='cuda', out=o)``: C++ compares the device's type with the out
+    tensor's, which is meta on the client ('device type cuda does not match ... (meta)')."""
+    for make in (lambda d, o: torch.zeros(3, device=d, out=o), lambda d, o: torch.arange(3.0, device=d, out=o),
+                 lambda d, o: torch.linspace(0, 1, 3, device=d, out=o), lambda d, o: torch.full((3,), 2.0, device=d,
+                                                                                          out=o)):
+        local, remote = torch.empty(3), torch.empty(3, device="cuda")
+        assert make("cuda:0", remote) is remote
+        assert remote.cpu().tolist() == make("cpu", local).tolist()
+    with pytest.raises(RuntimeError, match=r"^device type cpu does not match device type of out parameter \(cuda\)$"):
+        torch.zeros(3, device="cpu", out=torch.empty(3, device="cuda"))
+
+
+@contextlib.contextmanager
+def _no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield

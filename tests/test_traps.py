@@ -5,6 +5,7 @@ The reference for every value is the same computation in local PyTorch on the CP
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import pickle
 import warnings
@@ -670,3 +671,44 @@ def test_set_default_tensor_type_reaches_the_gateway():
         torch.set_default_dtype(old)
     assert got.dtype == want.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_autocast_reaches_the_calls_inside_cxx_composites():
+    """CUDA autocast casts the inner calls of a C++ composite that is on none of its lists:
+    ``F.pairwise_distance``'s norm runs in float32, ``torch.cov``'s sums in float32 and its ``mm`` in
+    half precision (so ``corrcoef``'s too); a remote tensor's composite ran them below the mode, uncast."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    x = torch.randn(4, 6, generator=g)
+    with torch.autocast("cuda", dtype=torch.float16):
+        dist = F.pairwise_distance(a.cuda().half(), b.cuda().half())
+        cov = torch.cov(x.cuda())
+        method = x.cuda().cov(correction=0)
+        corr = torch.corrcoef(x.cuda())
+    centered = x - x.sum(1, keepdim=True) / 6  # (CUDA: the sum in float32, the mm of half precision)
+    want_cov = torch.mm(centered.half(), centered.t().half())
+    assert (dist.dtype, cov.dtype, method.dtype, corr.dtype) == (torch.float32,) + (torch.float16,) * 3
+    torch.testing.assert_close(dist.cpu(), torch.norm((a.half() - b.half() + 1e-6).float(), 2, 1))
+    torch.testing.assert_close(cov.cpu(), want_cov / 5)
+    torch.testing.assert_close(method.cpu(), want_cov / 6)
+    std = (want_cov / 5).diagonal().sqrt()
+    torch.testing.assert_close(corr.cpu(), ((want_cov / 5) / std.view(-1, 1) / std.view(1, -1)).clip(-1, 1))
+    assert torch.cov(x.cuda()).dtype == torch.float32  # off again after the block
+
+
+def test_autocast_cov_warns_and_refuses_as_torch_does():
+    """``torch.cov`` under CUDA autocast (its transcription, remotecuda/autocast.py) gives ATen's
+    warning, at the program's line, and ATen's errors."""
+    x = torch.randn(3, 1, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as local:
+        warnings.simplefilter("always")
+        torch.cov(x)
+    with torch.autocast("cuda", dtype=torch.float16):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_lineno + 1
+            torch.cov(x.cuda())
+        with pytest.raises(RuntimeError, match=r"^cov\(\): fweights cannot be negative$"):
+            torch.cov(x.cuda().view(1, 3), fweights=torch.tensor([1, -1, 2], device="cuda"))
+    assert [str(w.message) for w in got] == [str(w.message) for w in local]
+    assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
