@@ -105,11 +105,23 @@ class Compiled:
         self.options = options  # (torch.compile's own, for calls on CPU tensors)
         #: torch's own compiled ``fn`` once called on CPU tensors; False once it met 'cuda' inside
         self.local: Callable | None | bool = None
+        self._tree: Tree | None = None
+
+    def tree(self) -> Tree:
+        """The modules' tree as it is now: the one walked before while its fingerprint holds."""
+        tree = self._tree
+        if tree is None or not tree.holds():
+            tree = self._tree = Tree(self.modules)
+        return tree
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(self.tree(), args, kwargs)
+
+    def call(self, tree: Tree, args: tuple, kwargs: dict) -> Any:
+        """A call, with ``tree`` (``self.tree()``: step replay has it already)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        state = self._state()
-        if self.local is not False and _all_cpu(leaves, state) and _only_mode_is_remotecudas():
+        held = tree.tensors
+        if self.local is not False and _all_cpu(leaves, held) and _only_mode_is_remotecudas():
             try:
                 return self._on_cpu(args, kwargs)
             except Exception as e:
@@ -119,14 +131,14 @@ class Compiled:
                 self._warn("it makes 'cuda' tensors from CPU ones, which torch's own torch.compile (that takes "
                            "calls on CPU tensors) cannot do here")
                 return self.fn(*args, **kwargs)
-        leaves = _scalars_on_device(leaves, [t for _, _, t in state])
-        tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
+        leaves = _scalars_on_device(leaves, held)
+        tensors = held + [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors:  # (nothing for a gateway to run: create_block_mask, say)
             return self.fn(*args, **kwargs)
         why = _why_eager(tensors) or _mutable_argument(leaves)
         if why is None:
             session = cast(RemoteTensor, tensors[0])._s
-            key = self._key(state, leaves, spec, tensors)
+            key = self._key(tree, leaves, spec, tensors)
             entry = self.traces.get(key) if key is not None else "an argument is not hashable"
             if isinstance(entry, _Trace) and entry.session is not session:
                 entry = None  # (a new session: the gateway does not know the old one's graphs)
@@ -136,7 +148,7 @@ class Compiled:
                 self.once.add(cast(tuple, key))
                 return self.fn(*args, **kwargs)
             elif entry is None:
-                entry = self._trace(state, leaves, spec, tensors)
+                entry = self._trace(tree.state, leaves, spec, tensors)
                 self.traces[self._watch(entry, cast(tuple, key))] = entry
             if isinstance(entry, _Trace):
                 return entry.run(tensors)
@@ -157,18 +169,12 @@ class Compiled:
         with _disable_current_modes():
             return cast(Callable, self.local)(*args, **kwargs)
 
-    def _state(self) -> list[tuple[int, str, torch.Tensor]]:
-        """(module index, name, tensor) for each parameter and buffer of the modules."""
-        return [(i, n, t) for i, m in enumerate(self.modules)
-                for n, t in itertools.chain(m.named_parameters(), m.named_buffers())]
-
-    def _key(self, state: list, leaves: list, spec: Any, tensors: list) -> tuple | None:
+    def _key(self, tree: Tree, leaves: list, spec: Any, tensors: list) -> tuple | None:
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast_dtype,
-               tuple(x.training for m in self.modules for x in m.modules()),
+        key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast_dtype, tree.training,
                tuple(m.__dict__.get(n, _ABSENT) for m, n in self.watched),
-               tuple((i, n, id(t)) for i, n, t in state), tuple((t._k, t.requires_grad) for t in tensors),
-               tuple(None if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves), spec)
+               tree.ids, tuple([(t._k, t.requires_grad) for t in tensors]),
+               tuple([None if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves]), spec)
         try:
             hash(key)
         except TypeError:
@@ -214,6 +220,58 @@ class Compiled:
             return _reason(e)
 
 
+_Module = torch.nn.Module
+#: the methods a module may override to give other parameters or submodules than its dicts hold
+_WALKS = ("named_parameters", "named_buffers", "named_modules", "modules", "parameters", "buffers",
+          "_named_members")
+
+
+class Tree:
+    """The modules a compiled callable runs, as walked at one call: their parameters and buffers,
+    training flags and whether a module hook is set, kept while their fingerprint holds.
+
+    Walking the tree at every call (``modules()``, ``named_parameters()``, ``named_buffers()``,
+    for the key, the graph inputs and step replay's checks) cost a replayed MLP step ~4k client
+    instructions per op; the fingerprint is one flat pass over the modules' dicts. It holds each
+    module's training flag, whether it has hooks, and the name and identity of each of its
+    parameters, buffers and submodules, which is all ``named_parameters()`` and the others read;
+    the tree keeps what it fingerprints alive, so no identity in it can be another object's.
+    A module that overrides one of those walks (``_WALKS``) is walked at every call."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.mods = [x for top in modules for x in top.modules()]
+        #: (module index, name, tensor) for each parameter and buffer of the modules
+        self.state = [(i, n, t) for i, m in enumerate(modules)
+                      for n, t in itertools.chain(m.named_parameters(), m.named_buffers())]
+        self.tensors = [t for _, _, t in self.state]
+        #: the first module's first parameter (step replay's test of where the model is)
+        self.first = next(modules[0].parameters(), None) if modules else None
+        self.training = tuple(x.training for x in self.mods)
+        self.ids = tuple((i, n, id(t)) for i, n, t in self.state)
+        #: whether a module has a forward or backward hook (step replay leaves such calls eager)
+        self.hooked = any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                          for m in self.mods)
+        plain = all(getattr(type(m), w) is getattr(_Module, w) for m in self.mods for w in _WALKS)
+        self.print = _fingerprint(self.mods) if plain else None
+
+    def holds(self) -> bool:
+        """Whether the modules are still as walked."""
+        return self.print is not None and _fingerprint(self.mods) == self.print
+
+
+def _fingerprint(mods: list[torch.nn.Module]) -> list:
+    out: list = []
+    add = out.append
+    for m in mods:
+        add(m.training)
+        add(not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
+        for d in (m._parameters, m._buffers, m._modules):
+            for n, v in d.items():
+                add(n)
+                add(id(v))
+    return out
+
+
 class CompiledModule(torch.nn.Module):
     """What ``torch.compile(module)`` gives, as torch's ``OptimizedModule``: the module under
     ``_orig_mod`` (its parameters, state_dict and attributes reached through it), called
@@ -234,10 +292,10 @@ class CompiledModule(torch.nn.Module):
             return getattr(self._modules["_orig_mod"], name)
 
 
-def _all_cpu(leaves: list, state: list) -> bool:
-    """Whether a call's tensors (arguments, the modules' parameters and buffers) are all plain
-    CPU ones, and there is at least one."""
-    tensors = [t for _, _, t in state] + [x for x in leaves if isinstance(x, torch.Tensor)]
+def _all_cpu(leaves: list, held: list) -> bool:
+    """Whether a call's tensors (arguments, the modules' parameters and buffers: ``held``) are all
+    plain CPU ones, and there is at least one."""
+    tensors = held + [x for x in leaves if isinstance(x, torch.Tensor)]
     return bool(tensors) and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
                                  for t in tensors)
 
@@ -414,7 +472,7 @@ def _scalars_on_device(leaves: list, state: list) -> list:
 
 def _why_eager(tensors: list) -> str | None:
     s = getattr(tensors[0], "_s", None)
-    if s is None or not all(isinstance(t, RemoteTensor) and t._s is s for t in tensors):
+    if s is None or [t for t in tensors if not isinstance(t, RemoteTensor) or t._s is not s]:
         return "its tensors (arguments, parameters and buffers) are not all on one 'cuda' device"
     return None
 
@@ -719,11 +777,12 @@ class _Program:
 
     def __call__(self, args: list) -> list:
         s = self.session
-        if len(args) != self.n_in or not all(isinstance(a, RemoteTensor) and a._s is s for a in args):
+        if len(args) != self.n_in or [a for a in args if not isinstance(a, RemoteTensor) or a._s is not s]:
             raise RuntimeError("remotecuda: a compiled graph was called with tensors that are not on its gateway")
-        handles = [None if lay is None else s.new_handle() for lay in self.lays]
-        s.enqueue("rc::program_run", [self.id, [a._w for a in args]], None, [h for h in handles if h is not None])
-        return [None if h is None else wrap(s, h, lay) for h, lay in zip(handles, self.lays)]
+        base = s.reserve(len(self.outputs))  # (one call for all the outputs' handles: a step makes dozens)
+        s.enqueue("rc::program_run", [self.id, [a._w for a in args]], None, list(range(base, base + len(self.outputs))))
+        got = iter(range(base, base + len(self.outputs)))
+        return [None if lay is None else wrap(s, next(got), lay) for lay in self.lays]
 
     def __del__(self) -> None:
         s = getattr(self, "session", None)  # (None: __init__ refused the graph before defining it)
@@ -785,9 +844,12 @@ def _stored_as_grads(grads: list, fresh: frozenset[int]) -> list:
             return grads
         param = acc.variable
         if _stealable(param, grads[i]):
-            param.grad = grads[i]
+            _set_grad(param, grads[i])  # (torch's own setter: the same gateway, which interception's checks for)
             grads[i] = None
     return grads
+
+
+_set_grad = vars(torch._C.TensorBase)["grad"].__set__
 
 
 def _stealable(param: torch.Tensor, grad: RemoteTensor) -> bool:

@@ -58,30 +58,39 @@ class StepReplay:
         depth = getattr(self.depth, "n", 0)
         self.depth.n = depth + 1
         try:
-            if depth or not _replayable(module):
+            if depth or not _free():
                 return self.call(module, *args, **kwargs)
             compiled = self.compiled.get(module)
             if compiled is None:
+                if not _replayable(module):
+                    return self.call(module, *args, **kwargs)
                 compiled = self.compiled[module] = Compiled(module, {}, automatic=True)
-            return compiled(*args, **kwargs)
+            tree = compiled.tree()  # (its walk of the modules, cached: see compiled.Tree)
+            if not isinstance(tree.first, RemoteTensor) or tree.hooked:
+                return self.call(module, *args, **kwargs)
+            return compiled.call(tree, args, kwargs)
         finally:
             self.depth.n = depth
 
 
 def _replayable(module: torch.nn.Module) -> bool:
-    """Whether a top-level call may be traced and replayed (see the module's docstring)."""
-    from . import cuda_graphs
+    """Whether a top-level call of a module not seen before may be traced and replayed (see the
+    module's docstring; a module seen before is asked the same of its ``compiled.Tree``)."""
     first = next(module.parameters(), None)
     if not isinstance(first, RemoteTensor) or isinstance(module, CompiledModule):
         return False
+    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                   for m in module.modules())
+
+
+def _free() -> bool:
+    """Whether nothing around a call keeps it eager (see the module's docstring)."""
+    from . import cuda_graphs
     if torch._C._current_graph_task_id() != -1 or cuda_graphs.is_current_stream_capturing():
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None or torch._C._len_torch_function_stack():
         return False
-    if not _only_mode_is_remotecudas() or _global_hooks():
-        return False
-    return not any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                   for m in module.modules())
+    return _only_mode_is_remotecudas() and not _global_hooks()
 
 
 def _global_hooks() -> bool:

@@ -287,3 +287,66 @@ def test_a_gradient_the_backward_passes_through_is_stored_as_eager_stores_it(rep
             out.backward(upstream)
             model.b.grad.mul_(2)
             torch.testing.assert_close(upstream.cpu() * 2, model.b.grad.cpu())
+
+
+def _edit(model: nn.Module, k: int) -> None:
+    """Step ``k``'s change to the model's tree, made alike to the local and the remote copy."""
+    if k == 3:  # a parameter replaced by a new one (the old one's id may be reused)
+        model[0].weight = nn.Parameter(model[0].weight.detach() * 0.5)
+    elif k == 5:  # a submodule replaced
+        model[2] = nn.Linear(16, 16).to(model[0].weight.device)
+        model[2].load_state_dict({"weight": torch.full((16, 16), 0.01), "bias": torch.zeros(16)})
+    elif k == 7:  # one submodule's training flag
+        model[3].eval()
+    elif k == 9:  # a buffer added to a submodule, a parameter frozen in place
+        model[0].register_buffer("extra", torch.ones(1, device=model[0].weight.device))
+        model[4].weight.requires_grad_(False)
+    elif k == 11:  # a submodule added
+        model.append(nn.Identity())
+
+
+def _edited_steps(model: nn.Module, batches: list) -> list[torch.Tensor]:
+    out = []
+    for k, x in enumerate(batches):
+        _edit(model, k)
+        for p in model.parameters():
+            p.grad = None
+        y = model(x)
+        y.pow(2).mean().backward()
+        out += [y.detach().cpu(), *(p.grad.cpu() for p in model.parameters() if p.grad is not None)]
+    return out
+
+
+def test_a_model_changed_between_replayed_calls_gives_eager_results(replaying):
+    """A replayed call reuses its last walk of the module tree (compiled.Tree) while the tree's
+    fingerprint holds: a parameter, buffer or submodule replaced or added, a training flag or
+    ``requires_grad`` changed, each between replayed calls, gives what the changed model gives."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.0), nn.Linear(16, 3))
+    batches = [torch.randn(4, 8) for _ in range(14)]
+    expected = _edited_steps(copy.deepcopy(model), batches)
+    got = _edited_steps(model.cuda(), [x.cuda() for x in batches])
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_replayed_call_does_not_walk_the_modules_again(replaying, monkeypatch):
+    """Walking the tree (``named_parameters()``, ``modules()``...) at each call was ~4k client
+    instructions per op of a replayed MLP step; a replayed call reads its cached walk."""
+    walks = []
+    for name in ("named_parameters", "named_buffers", "named_modules"):
+        original = getattr(nn.Module, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            walks.append(type(self).__name__)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(nn.Module, name, counted)
+    model = _mlp().cuda()
+    x = torch.randn(4, 8, device="cuda")
+    for _ in range(3):  # eager, traced, replayed
+        model(x).sum().backward()
+    walks.clear()
+    for _ in range(3):
+        model(x).sum().backward()
+    assert walks == []
