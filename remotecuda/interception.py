@@ -725,10 +725,10 @@ def _checked_function_backward(original: Callable) -> Callable:
             leaf = getattr(node, "variable", None)
             if leaf is not None:
                 expected = leaf.device
-                bad = grad.device != expected and (isinstance(grad, RemoteTensor) or isinstance(leaf, RemoteTensor))
+                bad = grad.device != expected and (_stands_for_remote(grad) or _stands_for_remote(leaf))
             else:  # (a wrapper's C++ device is 'meta': a 'cuda' tensor, on which device it does not say)
                 expected = node._input_metadata[nr].device
-                bad = isinstance(grad, RemoteTensor) != (expected.type == "meta") and grad.device.type != "meta"
+                bad = _stands_for_remote(grad) != (expected.type == "meta") and grad.device.type != "meta"
                 if expected.type == "meta":
                     expected = remote or torch.device("cuda", torch.cuda.current_device())
             if bad:
@@ -1007,6 +1007,12 @@ def _remote_under_transform(t: torch.Tensor) -> RemoteTensor | None:
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
     return t if isinstance(t, RemoteTensor) else None
+
+
+def _stands_for_remote(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a 'cuda' tensor: a remote one, or torch.func's wrapper of one (the
+    gradient a custom Function's backward gets and returns under ``torch.func.grad``)."""
+    return isinstance(t, RemoteTensor) or _remote_under_transform(t) is not None
 
 
 def _remote_device(t: torch.Tensor) -> torch.device | None:

@@ -25,11 +25,18 @@ and under ``remotecuda run`` on a CPU gateway; the JSON each prints last must ag
 - gat_vit: pytorch/examples gat (multi-head attention masked by ``torch.where(adj > 0, e, -9e16)``
   over a densified sparse adjacency, dropout on the attention checked for scale and repeatability)
   and a vision transformer from scratch (``unfold``/``permute`` patches, a cls token, position
-  embeddings, hand-written attention, AdamW with warm-up then cosine by ``SequentialLR``)."""
+  embeddings, hand-written attention, AdamW with warm-up then cosine by ``SequentialLR``).
+
+Beside them, the fidelity bugs they found, each shown directly."""
 from __future__ import annotations
 
 import pytest
+import torch
+from local_parity import data as D
 from test_corpus import F32, assert_program_matches
+from torch import nn
+
+pytestmark = pytest.mark.usefixtures("remote")
 
 PROGRAMS = [  # (program in tests/corpus, tolerance)
     ("custom_autograd", F32),
@@ -44,3 +51,65 @@ PROGRAMS = [  # (program in tests/corpus, tolerance)
 def test_program_matches_local(gateway, name: str, tol: tuple[float, float]):
     """The program prints under ``remotecuda run`` what it prints with plain ``python``."""
     assert_program_matches(gateway, name, tol)
+
+
+class _Exp(torch.autograd.Function):
+    """The extending guide's torch.func-ready Function: ``setup_context``, ``jvp``, a generated
+    vmap rule."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return torch.exp(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0]
+
+    @staticmethod
+    def jvp(ctx, x_t):
+        return x_t * ctx.saved_tensors[0]
+
+
+class _OnesOnCpu(_Exp):
+    @staticmethod
+    def backward(ctx, g):
+        return torch.ones(g.shape)  # (a slip for torch.ones_like(g))
+
+
+def _func_grads_through_a_custom_function(dev: str) -> list[torch.Tensor]:
+    lin = nn.Linear(3, 2).to(dev)
+    with torch.no_grad():
+        lin.weight.copy_(D(2, 3))
+        lin.bias.copy_(D(2, seed=1))
+    params = dict(lin.named_parameters())
+    x, xs = D(3, seed=2).to(dev), D(4, 3, seed=3).to(dev)
+
+    def loss(p, inp):
+        return _Exp.apply(torch.func.functional_call(lin, p, (inp,)) * 0.5).sum()
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, xs)
+    return [*torch.func.grad(loss)(params, x).values(), *per_sample.values(),
+            torch.func.grad(lambda t: _Exp.apply(t.view(3) * 2).sum())(x.view(1, 3))]
+
+
+def test_torch_func_grad_through_a_custom_function_of_a_computed_input():
+    """``torch.func.grad`` (and ``vmap`` of it) through a custom Function whose input is computed
+    from the differentiated argument (a ``functional_call`` of a model): the backward's gradient
+    is torch.func's wrapper of a 'cuda' tensor, which the check of a Function's gradient device
+    took for a CPU one: "returned an invalid gradient at index 0 - expected device cuda:0 but got
+    cuda:0". A gradient really on the CPU is still refused."""
+    got, want = _func_grads_through_a_custom_function("cuda"), _func_grads_through_a_custom_function("cpu")
+    for g, w in zip(got, want, strict=True):
+        assert g.device.type == "cuda"
+        torch.testing.assert_close(g.cpu(), w)
+    x = torch.ones(3, device="cuda")
+    msg = ("^Function _OnesOnCpuGeneratedBackward returned an invalid gradient at index 0 - "
+           "expected device cuda:0 but got cpu$")
+    for f in (lambda t: _OnesOnCpu.apply(t).sum(), lambda t: _OnesOnCpu.apply(t * 2).sum()):
+        with pytest.raises(RuntimeError, match=msg):
+            torch.func.grad(f)(x)

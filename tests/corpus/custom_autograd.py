@@ -5,7 +5,8 @@ autograd and manual ``-=`` updates under ``no_grad``, then through the tutorial'
 ``save_for_backward``, ``needs_input_grad``, ``mark_non_differentiable`` (a sort that returns
 its indices), ``set_materialize_grads(False)`` (a backward given None), ``mark_dirty`` (an
 in-place Function), ``once_differentiable``, a ``setup_context`` Function with a ``jvp``
-(forward-mode AD) and ``generate_vmap_rule``, a double-differentiable Function, and
+(forward-mode AD) and ``generate_vmap_rule`` (per-sample gradients of a model through it by
+``vmap(grad(...))`` of a ``functional_call``), a double-differentiable Function, and
 ``gradcheck``/``gradgradcheck`` on the device."""
 import json
 import math
@@ -15,6 +16,7 @@ from torch.autograd.function import once_differentiable
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 dtype = torch.float
+torch.manual_seed(0)
 gen = torch.Generator().manual_seed(0)
 
 
@@ -255,8 +257,18 @@ with fwAD.dual_level():
 vm = torch.vmap(MyExp.apply)(xe.view(2, 3))
 gx = torch.func.grad(lambda t: MyExp.apply(t).sum())(xe)
 jac = torch.func.jacrev(MyExp.apply)(xe[:3])
+head = torch.nn.Linear(6, 2).to(device)
+params = {k: v.detach() for k, v in head.named_parameters()}
+
+
+def head_loss(p, inp):
+    return MyExp.apply(torch.func.functional_call(head, p, (inp,)) * 0.1).sum()
+
+
+per_sample = torch.func.vmap(torch.func.grad(head_loss), in_dims=(None, 0))(params, r(4, 6))
 out["setup_context"] = {"jvp": jvp_out.tolist(), "vmap": vm.tolist(), "grad": gx.tolist(),
-                        "jac_diag": torch.diagonal(jac).tolist()}
+                        "jac_diag": torch.diagonal(jac).tolist(),
+                        "per_sample": {k: v.sum(-1).tolist() for k, v in per_sample.items()}}
 
 
 # --- a double-differentiable Function (its backward is built from differentiable ops)
