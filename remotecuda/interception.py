@@ -685,7 +685,8 @@ _META_TYPE = re.compile(r"\bMeta(\w+)Type\b")
 def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
     """The autograd engine (``backward()``, ``autograd.grad``) as a GPU's. It skips its check of a
     given gradient's device for tensor subclasses: ``y.backward(torch.ones(3))`` for a 'cuda' ``y``
-    left a CPU ``x.grad``, where a GPU refuses the gradient. And its errors name a 'cuda' tensor by
+    left a CPU ``x.grad``, where a GPU refuses the gradient (and under torch.func, whose wrapper of
+    a 'cuda' output C++ saw as 'meta': "expected device meta"). And its errors name a 'cuda' tensor by
     its wrapper's C++ type: a tensor modified in place after it was saved is "[MetaFloatType [3]]",
     not "[torch.cuda.FloatTensor [3]]"."""
     outputs, grads = (args[0], args[1]) if len(args) > 1 else (args[0] if args else (), ())
@@ -693,7 +694,7 @@ def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
         if not (isinstance(out, torch.Tensor) and isinstance(grad, torch.Tensor)) or grad.dim() == 0 \
                 or grad.device.type == "meta":
             continue  # (a GradientEdge; a 0-d gradient, which C++ moves; vmap's batched 'cuda' gradient)
-        if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and grad.device != out.device:
+        if (_stands_for_remote(out) or _stands_for_remote(grad)) and grad.device != out.device:
             raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} but got {grad.device}")
     trial = _backward_waits(outputs)
     try:

@@ -113,3 +113,18 @@ def test_torch_func_grad_through_a_custom_function_of_a_computed_input():
     for f in (lambda t: _OnesOnCpu.apply(t).sum(), lambda t: _OnesOnCpu.apply(t * 2).sum()):
         with pytest.raises(RuntimeError, match=msg):
             torch.func.grad(f)(x)
+
+
+def test_a_cpu_cotangent_for_a_cuda_output_of_torch_func_vjp_is_refused_as_a_gpu_refuses_it():
+    """``vjp_fn(torch.ones(n))`` for a 'cuda' output: the engine's check of a given gradient's
+    device saw torch.func's wrapper of the output by its C++ device: "expected device meta but got
+    cpu". A 0-d cotangent is moved, as C++ moves it; batched cotangents (``jacrev``) pass."""
+    x = torch.arange(3.0, device="cuda")
+    _, vjp_fn = torch.func.vjp(lambda a: a * 2, x)
+    with pytest.raises(RuntimeError, match="^invalid gradient at index 0 - expected device cuda:0 but got cpu$"):
+        vjp_fn(torch.ones(3))
+    g, = vjp_fn(torch.ones(3, device="cuda"))
+    assert g.device.type == "cuda" and g.cpu().tolist() == [2.0] * 3
+    g0, = torch.func.vjp(lambda a: (a * 2).sum(), x)[1](torch.tensor(1.0))
+    assert g0.device.type == "cuda" and g0.cpu().tolist() == [2.0] * 3
+    assert torch.func.jacrev(lambda a: a * 2)(x).cpu().equal(2 * torch.eye(3))
