@@ -460,9 +460,16 @@ def _read_remote_elements(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``t.new_tensor(data)`` of a 'cuda' ``t``: a 'cuda' tensor of ``data``, ``t`` a remote tensor
+    or torch.func's wrapper of one (inside ``grad``/``vmap``/``jvp``), on ``t``'s device."""
     self = args[0]
     d = _device(kwargs.get("device"))
-    if d is not None and d.type != "cuda" or d is None and not isinstance(self, RemoteTensor):
+    remote = _remote_inside(self)
+    if d is None and remote is not None:
+        index = remote._dev
+    elif d is not None and d.type == "cuda":
+        index = _cuda_index(d)
+    else:
         return _made_here(func, args, kwargs, meta=d is not None and d.type == "meta")  # (or a CPU tensor's)
     kw = dict(kwargs)
     requires_grad = kw.pop("requires_grad", False)
@@ -474,7 +481,6 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
         cpu = data.detach().cpu().to(kw["dtype"]).clone()
     else:
         cpu = torch.tensor(data, **kw)
-    index = _cuda_index(d) if d is not None else self._dev
     out = to_cuda(cpu, index)
     return _requiring_grad(out, True) if requires_grad else out
 
@@ -487,12 +493,13 @@ def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _setitem(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if isinstance(self, RemoteTensor):
+    remote = _remote_inside(self)
+    if remote is not None:
         value = args[2]
         if isinstance(value, (int, float, bool, complex)):
             value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
-        elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
-            value = to_cuda(value, self._dev)
+        elif isinstance(value, torch.Tensor) and _remote_inside(value) is None and value.dim() > 0:
+            value = to_cuda(value, remote._dev)
         args = (self, indexing.index_parts(args[1]), value)
         try:
             return func(*args, **kwargs)
@@ -1008,6 +1015,15 @@ def _remote_under_transform(t: torch.Tensor) -> RemoteTensor | None:
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
     return t if isinstance(t, RemoteTensor) else None
+
+
+def _remote_inside(t: torch.Tensor) -> RemoteTensor | None:
+    """``t`` if it is a remote tensor, the remote tensor inside it if it is torch.func's wrapper of
+    one (``t`` inside ``grad``/``vmap``/``jvp``), else None. C++ makes what a call on a wrapper
+    builds (a list index, ``new_tensor``'s data) on the wrapper's C++ device, meta."""
+    if isinstance(t, RemoteTensor):
+        return t
+    return _remote_under_transform(t) if _functorch.is_functorch_wrapped_tensor(t) else None
 
 
 def _stands_for_remote(t: torch.Tensor) -> bool:

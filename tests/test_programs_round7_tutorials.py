@@ -128,3 +128,31 @@ def test_a_cpu_cotangent_for_a_cuda_output_of_torch_func_vjp_is_refused_as_a_gpu
     g0, = torch.func.vjp(lambda a: (a * 2).sum(), x)[1](torch.tensor(1.0))
     assert g0.device.type == "cuda" and g0.cpu().tolist() == [2.0] * 3
     assert torch.func.jacrev(lambda a: a * 2)(x).cpu().equal(2 * torch.eye(3))
+
+
+def _inside_transforms(dev: str) -> list:
+    """``new_tensor`` and list-index assignment on torch.func's wrappers of 'cuda' tensors (the
+    forward-forward example's label overlay, ``x_[:, [0, 2]] = ...``, per sample)."""
+    x, xs = D(4).to(dev), D(3, 4, seed=1).to(dev)
+
+    def overlay(a):
+        b = a.clone()
+        b[[0, 2]] = 5.0
+        b[[1, 3]] = a.new_tensor([7.0, 8.0])
+        return b
+    return [torch.func.grad(lambda a: (a * a.new_tensor([1.0, 2.0, 3.0, 4.0])).sum())(x),
+            torch.func.vmap(lambda a: a * a.new_tensor([2.0]))(xs),
+            torch.func.jvp(lambda a: a * a.new_tensor([1.0, 2.0, 3.0, 4.0]), (x,), (torch.ones(4, device=dev),))[1],
+            torch.func.grad(lambda a: (overlay(a) * a).sum())(x),
+            torch.func.vmap(overlay)(xs)]
+
+
+def test_new_tensor_and_list_index_assignment_inside_torch_func_transforms():
+    """Inside ``grad``/``vmap``/``jvp`` a 'cuda' tensor is torch.func's wrapper of a remote one,
+    which the routes for ``new_tensor`` and ``__setitem__`` took for a CPU tensor: C++ then built
+    the data and the list index on the wrapper's C++ device, meta ("DispatchKey Undefined doesn't
+    correspond to a device"; "a plain meta tensor reached op aten::index_put_")."""
+    got, want = _inside_transforms("cuda"), _inside_transforms("cpu")
+    for g, w in zip(got, want, strict=True):
+        assert g.device.type == "cuda"
+        torch.testing.assert_close(g.cpu(), w)
