@@ -460,9 +460,16 @@ def _read_remote_elements(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``t.new_tensor(data)`` of a 'cuda' ``t``: a 'cuda' tensor of ``data``, ``t`` a remote tensor
+    or torch.func's wrapper of one (inside ``grad``/``vmap``/``jvp``), on ``t``'s device."""
     self = args[0]
     d = _device(kwargs.get("device"))
-    if d is not None and d.type != "cuda" or d is None and not isinstance(self, RemoteTensor):
+    remote = _remote_inside(self)
+    if d is None and remote is not None:
+        index = remote._dev
+    elif d is not None and d.type == "cuda":
+        index = _cuda_index(d)
+    else:
         return _made_here(func, args, kwargs, meta=d is not None and d.type == "meta")  # (or a CPU tensor's)
     kw = dict(kwargs)
     requires_grad = kw.pop("requires_grad", False)
@@ -474,7 +481,6 @@ def _new_tensor(func: Callable, args: tuple, kwargs: dict) -> Any:
         cpu = data.detach().cpu().to(kw["dtype"]).clone()
     else:
         cpu = torch.tensor(data, **kw)
-    index = _cuda_index(d) if d is not None else self._dev
     out = to_cuda(cpu, index)
     return _requiring_grad(out, True) if requires_grad else out
 
@@ -487,12 +493,13 @@ def _getitem(func: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _setitem(func: Callable, args: tuple, kwargs: dict) -> Any:
     self = args[0]
-    if isinstance(self, RemoteTensor):
+    remote = _remote_inside(self)
+    if remote is not None:
         value = args[2]
         if isinstance(value, (int, float, bool, complex)):
             value = torch.tensor(value, dtype=self.dtype)  # C++ would build a plain meta scalar
-        elif isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor) and value.dim() > 0:
-            value = to_cuda(value, self._dev)
+        elif isinstance(value, torch.Tensor) and _remote_inside(value) is None and value.dim() > 0:
+            value = to_cuda(value, remote._dev)
         args = (self, indexing.index_parts(args[1]), value)
         try:
             return func(*args, **kwargs)
@@ -706,7 +713,8 @@ _META_TYPE = re.compile(r"\bMeta(\w+)Type\b")
 def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
     """The autograd engine (``backward()``, ``autograd.grad``) as a GPU's. It skips its check of a
     given gradient's device for tensor subclasses: ``y.backward(torch.ones(3))`` for a 'cuda' ``y``
-    left a CPU ``x.grad``, where a GPU refuses the gradient. And its errors name a 'cuda' tensor by
+    left a CPU ``x.grad``, where a GPU refuses the gradient (and under torch.func, whose wrapper of
+    a 'cuda' output C++ saw as 'meta': "expected device meta"). And its errors name a 'cuda' tensor by
     its wrapper's C++ type: a tensor modified in place after it was saved is "[MetaFloatType [3]]",
     not "[torch.cuda.FloatTensor [3]]"."""
     outputs, grads = (args[0], args[1]) if len(args) > 1 else (args[0] if args else (), ())
@@ -714,7 +722,7 @@ def _engine_run_backward(func: Callable, args: tuple, kwargs: dict) -> Any:
         if not (isinstance(out, torch.Tensor) and isinstance(grad, torch.Tensor)) or grad.dim() == 0 \
                 or grad.device.type == "meta":
             continue  # (a GradientEdge; a 0-d gradient, which C++ moves; vmap's batched 'cuda' gradient)
-        if (isinstance(out, RemoteTensor) or isinstance(grad, RemoteTensor)) and grad.device != out.device:
+        if (_stands_for_remote(out) or _stands_for_remote(grad)) and grad.device != out.device:
             raise RuntimeError(f"invalid gradient at index {i} - expected device {out.device} but got {grad.device}")
     trial = _backward_waits(outputs)
     try:
@@ -746,10 +754,10 @@ def _checked_function_backward(original: Callable) -> Callable:
             leaf = getattr(node, "variable", None)
             if leaf is not None:
                 expected = leaf.device
-                bad = grad.device != expected and (isinstance(grad, RemoteTensor) or isinstance(leaf, RemoteTensor))
+                bad = grad.device != expected and (_stands_for_remote(grad) or _stands_for_remote(leaf))
             else:  # (a wrapper's C++ device is 'meta': a 'cuda' tensor, on which device it does not say)
                 expected = node._input_metadata[nr].device
-                bad = isinstance(grad, RemoteTensor) != (expected.type == "meta") and grad.device.type != "meta"
+                bad = _stands_for_remote(grad) != (expected.type == "meta") and grad.device.type != "meta"
                 if expected.type == "meta":
                     expected = remote or torch.device("cuda", torch.cuda.current_device())
             if bad:
@@ -1029,6 +1037,21 @@ def _remote_under_transform(t: torch.Tensor) -> RemoteTensor | None:
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
     return t if isinstance(t, RemoteTensor) else None
+
+
+def _remote_inside(t: torch.Tensor) -> RemoteTensor | None:
+    """``t`` if it is a remote tensor, the remote tensor inside it if it is torch.func's wrapper of
+    one (``t`` inside ``grad``/``vmap``/``jvp``), else None. C++ makes what a call on a wrapper
+    builds (a list index, ``new_tensor``'s data) on the wrapper's C++ device, meta."""
+    if isinstance(t, RemoteTensor):
+        return t
+    return _remote_under_transform(t) if _functorch.is_functorch_wrapped_tensor(t) else None
+
+
+def _stands_for_remote(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a 'cuda' tensor: a remote one, or torch.func's wrapper of one (the
+    gradient a custom Function's backward gets and returns under ``torch.func.grad``)."""
+    return isinstance(t, RemoteTensor) or _remote_under_transform(t) is not None
 
 
 def _remote_device(t: torch.Tensor) -> torch.device | None:
