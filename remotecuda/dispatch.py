@@ -425,6 +425,7 @@ class Dispatcher:
             m.special = _SPECIAL.get(func) or (_prim if hasattr(func, "impl_aten")
                                                else _library_op if _runs_here(func)
                                                else _no_cuda_kernel if func.namespace not in OP_NAMESPACES
+                                               or func in CPU_ONLY_ATEN
                                                else None)
         return m
 
@@ -1186,12 +1187,24 @@ _CUDA_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
 
 
 def _no_cuda_kernel(d: Dispatcher, m: OpMeta, args: tuple, kwargs: dict) -> Any:
-    """A library's op with no kernel for 'cuda' (one registered for the CPU only): refused at the
-    call, as a GPU's dispatcher refuses it, rather than by the gateway at a later sync."""
+    """An op with no kernel for 'cuda' (a library's registered for the CPU only, or one of
+    ``CPU_ONLY_ATEN``): refused at the call, as a GPU's dispatcher refuses it, rather than by the
+    gateway at a later sync (or run by a CPU gateway, where a GPU's program would fail)."""
+    why = ("its kernel is the CPU's only: move its input there first (.cpu())" if m.func in CPU_ONLY_ATEN
+           else "a library's op runs the kernel it registers for 'cuda' or a composite one; gateways run "
+                "aten ops only")
     raise NotImplementedError(
         f"Could not run '{m.func.name()}' with arguments from the 'CUDA' backend: the op has no kernel "
-        f"for CUDA (remotecuda: a library's op runs the kernel it registers for 'cuda' or a composite one; "
-        f"gateways run aten ops only)")
+        f"for CUDA (remotecuda: {why})")
+
+
+#: aten ops that programs call whose native_functions.yaml entry dispatches to the CPU only (no
+#: CUDA or composite kernel): ``torch.histogram`` and ``torch.histogramdd`` (makemore's lecture
+#: plots activations by ``torch.histogram(t, density=True)``)
+CPU_ONLY_ATEN = frozenset((
+    aten.histogram.bin_ct, aten.histogram.bins_tensor, aten.histogram.bin_ct_out, aten.histogram.bins_tensor_out,
+    aten._histogramdd_bin_edges.default, aten._histogramdd_from_bin_cts.default,
+    aten._histogramdd_from_bin_tensors.default))
 
 
 def library_kernels() -> dict[Any, Callable[..., Any]]:

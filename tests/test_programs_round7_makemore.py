@@ -24,8 +24,10 @@ live in tests/corpus:
   ``pack``/``unpack`` of a CLS token, ``einops.einsum``, ``parse_shape``), an ``EinMix``
   MLP-Mixer, and MAE's random masking by ``torch.rand(...).argsort`` and batch-range indexing.
 
-Beside them, the fidelity bug they found, shown directly."""
+Beside them, the fidelity bugs they and their probes found, each shown directly."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -73,3 +75,38 @@ def test_a_generator_state_of_the_wrong_size_is_refused_at_the_call():
     assert g.initial_seed() == 3
     want = torch.randn(2, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(torch.randn(2, device="cuda", generator=g).cpu(), want)
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: torch.histogram(x, bins=10, density=True),
+    lambda x: x.histogram(torch.linspace(-2, 2, 5, device="cuda")),
+    lambda x: torch.histogramdd(x.view(10, 2), bins=[3, 3]),
+], ids=["bins", "edges", "histogramdd"])
+def test_an_op_whose_kernel_is_the_cpus_only_is_refused_at_the_call(call):
+    """makemore's activation plots, ``hy, hx = torch.histogram(t, density=True)``, moved to 'cuda':
+    a GPU's torch has no CUDA kernel for ``histogram`` and raises NotImplementedError at the call;
+    a CPU gateway computed it, so the program failed only on a GPU. The CPU copy still works."""
+    x = torch.randn(20, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match="with arguments from the 'CUDA' backend"):
+        call(x.cuda())
+    torch.testing.assert_close(torch.histogram(x.cuda().cpu(), bins=10).hist, torch.histogram(x, bins=10).hist)
+
+
+def test_the_cpu_only_aten_ops_are_those_native_functions_dispatches_to_the_cpu_alone():
+    """Each op in ``CPU_ONLY_ATEN`` has a CPU kernel and no CUDA or composite one in this torch's
+    native_functions.yaml (so a new torch that adds a CUDA kernel fails here, not silently)."""
+    yaml = pytest.importorskip("yaml")
+    torchgen = pytest.importorskip("torchgen")
+    from remotecuda.dispatch import CPU_ONLY_ATEN
+    path = os.path.join(torchgen.__path__[0], "packaged", "ATen", "native", "native_functions.yaml")
+    if not os.path.exists(path):
+        pytest.skip("this torch ships no native_functions.yaml")
+    with open(path) as f:
+        entries = yaml.safe_load(f)
+    kernels = {e["func"].split("(")[0]: {k.strip() for spec in e.get("dispatch", {}) for k in spec.split(",")}
+               for e in entries}
+    for op in CPU_ONLY_ATEN:
+        name = op.name().removeprefix("aten::")
+        assert "CPU" in kernels[name], op
+        assert not kernels[name] & {"CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutograd",
+                                    "CompositeExplicitAutogradNonFunctional"}, op
