@@ -78,7 +78,7 @@ def _multinomial(args: tuple, kwargs: dict) -> None:
     self, n_sample = args[0], _arg(args, kwargs, 1, "num_samples")
     out = kwargs.get("out")
     if out is not None and out.dtype is not torch.int64:
-        raise RuntimeError(f"multinomial expects Long tensor out, got: {_c10_name(out.dtype)}")
+        raise RuntimeError(f"multinomial expects Long tensor out, got: {c10_name(out.dtype)}")
     if n_sample <= 0:
         raise RuntimeError("cannot sample n_sample <= 0 samples")
     if self.dim() > 0:
@@ -94,8 +94,8 @@ def _complex_out(args: tuple, kwargs: dict) -> None:
     want = torch.complex128 if real.dtype is torch.float64 else (
         torch.complex32 if real.dtype is torch.float16 else torch.complex64)
     if out.dtype is not want:
-        raise RuntimeError(f"Expected object of scalar type {_c10_name(want)} but got scalar type "
-                           f"{_c10_name(out.dtype)} for argument 'out'")
+        raise RuntimeError(f"Expected object of scalar type {c10_name(want)} but got scalar type "
+                           f"{c10_name(out.dtype)} for argument 'out'")
 
 
 def _same_dtype_out(*names: str) -> Callable[[tuple, dict], None]:
@@ -106,8 +106,8 @@ def _same_dtype_out(*names: str) -> Callable[[tuple, dict], None]:
         for name in names:
             out = kwargs.get(name)
             if out is not None and out.dtype is not args[0].dtype:
-                raise RuntimeError(f"Expected out tensor to have dtype {_c10_name(args[0].dtype).lower()}, "
-                                   f"but got {_c10_name(out.dtype).lower()} instead")
+                raise RuntimeError(f"Expected out tensor to have dtype {c10_name(args[0].dtype).lower()}, "
+                                   f"but got {c10_name(out.dtype).lower()} instead")
     return check
 
 
@@ -133,7 +133,7 @@ def _layer_norm(args: tuple, kwargs: dict) -> None:
     for p in (_arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias")):
         if p is not None and p.dtype is not x.dtype and not (
                 p.dtype is torch.float32 and x.dtype in (torch.float16, torch.bfloat16)):
-            raise RuntimeError(f"expected scalar type {_c10_name(x.dtype)} but found {_c10_name(p.dtype)}")
+            raise RuntimeError(f"expected scalar type {c10_name(x.dtype)} but found {c10_name(p.dtype)}")
 
 
 def _random_from(args: tuple, kwargs: dict) -> None:
@@ -180,10 +180,10 @@ def _searchsorted(args: tuple, kwargs: dict) -> None:
         raise RuntimeError(f"torch.searchsorted(): side can only be 'left' or 'right' but got {side}")
     if sorter is not None and sorter.dtype is not torch.int64:
         raise RuntimeError(f"torch.searchsorted(): sorter must be a tensor of long dtype but got dtype "
-                           f"{_c10_name(sorter.dtype)}")
+                           f"{c10_name(sorter.dtype)}")
 
 
-def _c10_name(dtype: torch.dtype) -> str:
+def c10_name(dtype: torch.dtype) -> str:
     """c10's name of a dtype, as torch's messages print it (``Float``, ``Long``, ``ComplexDouble``)."""
     return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 

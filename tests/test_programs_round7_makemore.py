@@ -110,3 +110,23 @@ def test_the_cpu_only_aten_ops_are_those_native_functions_dispatches_to_the_cpu_
         assert "CPU" in kernels[name], op
         assert not kernels[name] & {"CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutograd",
                                     "CompositeExplicitAutogradNonFunctional"}, op
+
+
+@pytest.mark.parametrize("call", [
+    lambda a: a @ a.T,
+    lambda a: torch.bmm(a[None], a.T[None]),
+    lambda a: a @ a[0],
+    lambda a: torch.dot(a[0], a[1]),
+    lambda a: torch.einsum("ij,kj->ik", a, a),
+    lambda a: torch.nn.functional.linear(a.int(), a.int()),
+    lambda a: a.bool() @ a.bool().T,
+], ids=["mm", "bmm", "mv", "dot", "einsum", "linear_int32", "mm_bool"])
+def test_an_integer_matrix_product_is_refused_at_the_call_as_cuda_refuses_it(call):
+    """The bigram lecture's one-hot encodings are int64 (``F.one_hot(xs)``); multiplied as they
+    are, a GPU refuses them at the call (CUDA's matrix products take floating and complex dtypes
+    only: '"addmm_cuda" not implemented for 'Long''), where the CPU computes them: a CPU gateway
+    did, so the program failed only on a GPU. A float product still runs."""
+    a = torch.arange(6, device="cuda").view(2, 3)
+    with pytest.raises(RuntimeError, match="not implemented for '(Long|Int|Bool)'"):
+        call(a)
+    torch.testing.assert_close((a.float() @ a.float().T).cpu(), torch.tensor([[5.0, 14.0], [14.0, 50.0]]))
