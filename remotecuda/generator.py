@@ -139,7 +139,10 @@ class CudaGenerator(torch._C.Generator):
         return _state_tensor(self.session.request("rc::gen_get", [self.gid]))
 
     def set_state(self, new_state: torch.Tensor) -> CudaGenerator:  # type: ignore[override]
-        self._send("rc::gen_set", [self.gid, state_bytes(new_state)])
+        """A request: the gateway's generator checks the state (its size) at the call, as a GPU's
+        does, and the seed a state holds is then ``initial_seed()`` (a restored generator kept
+        the seed it was made with)."""
+        self.user_seed = int(self.session.request("rc::gen_set", [self.gid, state_bytes(new_state)]))
         return self
 
     def clone_state(self) -> CudaGenerator:  # type: ignore[override]

@@ -917,14 +917,15 @@ class Executor:
         return g.get_state().numpy().tobytes()
 
     @internal_op("gen_set", "[generator id, state bytes]")
-    def _gen_set(self, args: list) -> None:
+    def _gen_set(self, args: list) -> int:
         """A generator's state put back: ``set_state()``, or a snapshot's (made if the gateway
-        does not hold it)."""
+        does not hold it). Its seed, which the state holds, is the answer."""
         gid, state = args
         g = self.generators.get(gid)
         if g is None:
             g = self.generators[gid] = torch.Generator(device=self.device)
         g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        return g.initial_seed()
 
     @internal_op("gen_offset", "[generator id or nil, offset or nil]")
     def _gen_offset(self, args: list) -> int | None:
