@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import math
 import pickle
 import warnings
 
@@ -712,3 +713,60 @@ def test_autocast_cov_warns_and_refuses_as_torch_does():
             torch.cov(x.cuda().view(1, 3), fweights=torch.tensor([1, -1, 2], device="cuda"))
     assert [str(w.message) for w in got] == [str(w.message) for w in local]
     assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
+
+
+def test_autocast_reaches_the_sums_and_matmul_inside_trapezoid_mvlgamma_and_pinv():
+    """More C++ bodies CUDA autocast reaches inside: ``trapezoid``'s ``sum``, ``cumulative_trapezoid``'s
+    ``cumsum`` and ``mvlgamma``'s ``sum`` of half inputs run in float32 (so their results are float32),
+    ``linalg.pinv``'s final ``matmul`` of a float32 input in half precision; remotely the whole op ran
+    below the mode, uncast (float16 sums, a float32 pinv)."""
+    g = torch.Generator().manual_seed(0)
+    y, xs, a = torch.randn(4, 7, generator=g).half(), torch.rand(7, generator=g).cumsum(0).half(), \
+        (torch.rand(5, generator=g) * 4 + 2).half()
+    m = torch.randn(5, 3, generator=g)
+    sym = m.t() @ m
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = {"trapezoid": torch.trapezoid(y.cuda(), dx=0.5), "trapz": torch.trapz(y.cuda(), xs.cuda()),
+               "cumulative": torch.cumulative_trapezoid(y.cuda(), dim=0),
+               "cumulative_x": torch.cumulative_trapezoid(y.cuda(), xs.cuda()),
+               "mvlgamma": torch.mvlgamma(a.cuda(), 3), "multigammaln": torch.special.multigammaln(a.cuda(), 2),
+               "pinv": torch.linalg.pinv(m.cuda()), "pinverse": m.cuda().pinverse(),
+               "hermitian": torch.linalg.pinv(sym.cuda(), hermitian=True),
+               "pinv64": torch.linalg.pinv(m.double().cuda())}
+        in_place = a.cuda().mvlgamma_(3)
+        with pytest.raises(RuntimeError, match="^trapezoid: There must be one `x` value for each sample point$"):
+            torch.trapezoid(y.cuda(), xs[:3].cuda())
+        with pytest.raises(RuntimeError, match="^The size of tensor a \\(6\\) must match the size of tensor b \\(2\\)"):
+            torch.trapezoid(y.cuda(), torch.ones(2, 3, device="cuda").half())  # (the op's own words, not meta's)
+        with pytest.raises(RuntimeError, match="^p has to be greater than or equal to 1$"):
+            torch.mvlgamma(a.cuda(), 0)
+    pairs = y[:, :-1] + y[:, 1:]
+    f32 = torch.float32
+
+    def mvlgamma(p):  # (CUDA: the sum of the half lgammas in float32)
+        return (torch.arange(-p / 2 + 0.5, 0.5, 0.5).half() + a.unsqueeze(-1)).lgamma().sum(-1, dtype=f32) \
+            + p * (p - 1) * math.log(math.pi) / 4
+
+    def pinv(u, s, vh, keep):  # (CUDA: the matmul in half precision)
+        s_pinv = torch.where(keep, s.reciprocal(), torch.zeros(()))
+        return torch.matmul((vh.mH * s_pinv.unsqueeze(-2)).half(), u.mH.half())
+    u, s, vh = torch.linalg.svd(m, full_matrices=False)
+    e, q = torch.linalg.eigh(sym)
+    eps = torch.finfo(f32).eps
+    want = {"trapezoid": (y.sum(-1, dtype=f32) - (y[:, 0] + y[:, -1]) * 0.5) * 0.5,
+            "trapz": (pairs * (xs[1:] - xs[:-1])).sum(-1, dtype=f32) / 2,
+            "cumulative": (0.5 * (y[:-1] + y[1:])).cumsum(0, dtype=f32),
+            "cumulative_x": (pairs * (xs[1:] - xs[:-1])).cumsum(-1, dtype=f32) / 2,
+            "mvlgamma": mvlgamma(3), "multigammaln": mvlgamma(2),
+            "pinv": pinv(u, s, vh, s > eps * 5 * s[0]), "pinverse": pinv(u, s, vh, s > 1e-15 * s[0]),
+            "hermitian": pinv(q, e, q.mH, e.abs() > eps * 3 * e.abs().max()),
+            "pinv64": torch.linalg.pinv(m.double())}
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    for k, v in got.items():
+        torch.testing.assert_close(v.cpu(), want[k], msg=k)
+    assert in_place.dtype == torch.float16
+    torch.testing.assert_close(in_place.cpu(), mvlgamma(3).half())
+    with torch.autocast("cuda", dtype=torch.float16):  # (vander refuses half inputs; others' cumprod is uncast)
+        with pytest.raises(RuntimeError, match="linalg.vander supports"):
+            torch.linalg.vander(a.cuda())
+        assert torch.equal(torch.linalg.vander(a.float().cuda()).cpu(), torch.linalg.vander(a.float()))
