@@ -323,6 +323,25 @@ def _pinverse(input: torch.Tensor, rcond: float = 1e-15) -> torch.Tensor:
     return _pinv(input, rcond)
 
 
+def _matrix_power(input: torch.Tensor, n: int) -> torch.Tensor:
+    """aten/src/ATen/native/LinearAlgebra.cpp, ``linalg_matrix_power`` (for ``|n| >= 2``): its ``matmul``s
+    (lower precision under CUDA autocast), in its order: by the bits of ``n``, from the lowest."""
+    a = torch.linalg.inv(input) if n < 0 else input
+    n = abs(n)
+    if n == 2:
+        return torch.matmul(a, a)
+    if n == 3:
+        return torch.matmul(torch.matmul(a, a), a)
+    z = result = None
+    while n > 0:
+        bit, n = n % 2, n // 2
+        z = a if z is None else torch.matmul(z, z)
+        if bit:
+            result = z if result is None else torch.matmul(result, z)
+    assert result is not None
+    return result
+
+
 def _low_input(args: tuple, kwargs: dict) -> bool:
     """Whether a floating-point input is of half precision (only their inner sums are cast) and no
     ``out=`` is given (a call with one runs as the op)."""
@@ -338,19 +357,27 @@ def _float_matrix(args: tuple, kwargs: dict) -> bool:
     return _castable(x) and x.dtype is torch.float32 and kwargs.get("out") is None
 
 
+def _float_matrix_power(args: tuple, kwargs: dict) -> bool:
+    """``matrix_power`` with a power that multiplies (``|n| >= 2``), of a float32 matrix."""
+    n = args[1] if len(args) > 1 else kwargs.get("n")
+    return _float_matrix(args, kwargs) and isinstance(n, int) and abs(n) >= 2
+
+
 #: C++ composites on none of CUDA's lists whose inner ops are (``F.pairwise_distance``'s norm,
-#: ``torch.cov``'s sums and ``mm``, ``torch.trapezoid``'s sum, ``linalg.pinv``'s matmul): CUDA autocast
-#: casts those inner ops, which a remote tensor's op runs below the mode (a C++ body, or one op the
-#: gateway runs), so each runs as this transcription of its ATen body, under it. (No general way
-#: exists: torch._decomp has Python bodies for few of them, and a C++ body's inner calls meet only
-#: the dispatcher, below autograd, where a cast would not be recorded.)
+#: ``torch.cov``'s sums and ``mm``, ``torch.trapezoid``'s sum, ``linalg.pinv``'s and ``matrix_power``'s
+#: matmuls): CUDA autocast casts those inner ops, which a remote tensor's op runs below the mode (a
+#: C++ body, or one op the gateway runs), so each runs as this transcription of its ATen body, under
+#: it. (No general way exists: torch._decomp has Python bodies for few of them, and a C++ body's inner
+#: calls meet only the dispatcher, below autograd, where a cast would not be recorded. A listed op's
+#: inner calls are not cast: CUDA's policies run it with autocast off, as ``tensordot``'s ``mm``.)
 DECOMPOSED: dict[Callable, Callable] = {
     torch.pairwise_distance: _pairwise_distance,
     torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef,
     torch.trapezoid: _trapezoid, torch.trapz: _trapezoid, torch.cumulative_trapezoid: _cumulative_trapezoid,
     torch.mvlgamma: _mvlgamma, torch.Tensor.mvlgamma: _mvlgamma, torch.special.multigammaln: _mvlgamma,
     torch.Tensor.mvlgamma_: _mvlgamma_, torch.linalg.pinv: _pinv, torch.pinverse: _pinverse,
-    torch.Tensor.pinverse: _pinverse,
+    torch.Tensor.pinverse: _pinverse, torch.linalg.matrix_power: _matrix_power, torch.matrix_power: _matrix_power,
+    torch.Tensor.matrix_power: _matrix_power,
 }
 #: the transcriptions above used only for some calls (the others' inner ops are not cast, and they run
 #: as the op), once the op accepts the call's arguments (run on meta stand-ins of the remote tensors)
@@ -358,6 +385,7 @@ _WHEN: dict[Callable, Callable[[tuple, dict], bool]] = {
     **dict.fromkeys((torch.trapezoid, torch.trapz, torch.cumulative_trapezoid, torch.mvlgamma,
                      torch.Tensor.mvlgamma, torch.special.multigammaln, torch.Tensor.mvlgamma_), _low_input),
     **dict.fromkeys((torch.linalg.pinv, torch.pinverse, torch.Tensor.pinverse), _float_matrix),
+    **dict.fromkeys((torch.linalg.matrix_power, torch.matrix_power, torch.Tensor.matrix_power), _float_matrix_power),
 }
 
 

@@ -715,11 +715,11 @@ def test_autocast_cov_warns_and_refuses_as_torch_does():
     assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
 
 
-def test_autocast_reaches_the_sums_and_matmul_inside_trapezoid_mvlgamma_and_pinv():
+def test_autocast_reaches_the_sums_and_matmuls_inside_trapezoid_mvlgamma_pinv_matrix_power():
     """More C++ bodies CUDA autocast reaches inside: ``trapezoid``'s ``sum``, ``cumulative_trapezoid``'s
     ``cumsum`` and ``mvlgamma``'s ``sum`` of half inputs run in float32 (so their results are float32),
-    ``linalg.pinv``'s final ``matmul`` of a float32 input in half precision; remotely the whole op ran
-    below the mode, uncast (float16 sums, a float32 pinv)."""
+    ``linalg.pinv``'s final ``matmul`` and ``matrix_power``'s of a float32 input in half precision;
+    remotely the whole op ran below the mode, uncast (float16 sums, a float32 pinv)."""
     g = torch.Generator().manual_seed(0)
     y, xs, a = torch.randn(4, 7, generator=g).half(), torch.rand(7, generator=g).cumsum(0).half(), \
         (torch.rand(5, generator=g) * 4 + 2).half()
@@ -766,6 +766,14 @@ def test_autocast_reaches_the_sums_and_matmul_inside_trapezoid_mvlgamma_and_pinv
         torch.testing.assert_close(v.cpu(), want[k], msg=k)
     assert in_place.dtype == torch.float16
     torch.testing.assert_close(in_place.cpu(), mvlgamma(3).half())
+    with torch.autocast("cuda", dtype=torch.float16):  # (matrix_power's matmuls in half precision, by n's bits)
+        powers = [torch.linalg.matrix_power(sym.cuda(), 3), sym.cuda().matrix_power(5),
+                  torch.matrix_power(sym.cuda(), -2), torch.linalg.matrix_power(sym.cuda(), 1)]
+    h, inv = sym.half(), torch.linalg.inv(sym).half()
+    want_powers = [h @ h @ h, h @ ((h @ h) @ (h @ h)), inv @ inv, sym]
+    assert [p.dtype for p in powers] == [p.dtype for p in want_powers]
+    for got_power, want_power in zip(powers, want_powers):
+        torch.testing.assert_close(got_power.cpu(), want_power, rtol=0, atol=0)
     with torch.autocast("cuda", dtype=torch.float16):  # (vander refuses half inputs; others' cumprod is uncast)
         with pytest.raises(RuntimeError, match="linalg.vander supports"):
             torch.linalg.vander(a.cuda())
