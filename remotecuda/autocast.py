@@ -342,6 +342,36 @@ def _matrix_power(input: torch.Tensor, n: int) -> torch.Tensor:
     return result
 
 
+def _norm_except_dim(v: torch.Tensor, pow: float, dim: int) -> torch.Tensor:
+    """aten/src/ATen/native/WeightNorm.cpp, ``norm_except_dim``: a ``norm`` (float32 under CUDA autocast)
+    over every dimension but ``dim``."""
+    if dim == -1:
+        return v.norm(pow)
+    if dim == 0:
+        return v.contiguous().view(v.size(0), -1).norm(pow, 1).view([v.size(0)] + [1] * (v.dim() - 1))
+    if dim == v.dim() - 1:
+        return v.contiguous().view(-1, v.size(-1)).norm(pow, 0).view([1] * (v.dim() - 1) + [v.size(-1)])
+    return _norm_except_dim(v.transpose(0, dim), pow, 0).transpose(0, dim)
+
+
+def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """WeightNorm.cpp, ``_weight_norm``, off its fused kernel: ``v * (g / norm_except_dim(v))``, whose
+    ``norm`` CUDA autocast runs in float32 (so a half-precision weight norm gives float32)."""
+    v, g = v.contiguous(), g.contiguous()
+    return v * (g / _norm_except_dim(v, 2, dim))
+
+
+def _unfused_low_weight_norm(args: tuple, kwargs: dict) -> bool:
+    """``_weight_norm`` of half-precision tensors that ATen computes by ``norm_except_dim``: its fused
+    kernel (on no list) serves float32 and bfloat16 over the first or last dimension."""
+    v = args[0] if args else kwargs.get("v")
+    g = args[1] if len(args) > 1 else kwargs.get("g")
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if not (_castable(v) and _castable(g)) or not {v.dtype, g.dtype} & set(_LOW):
+        return False
+    return torch.float16 in (v.dtype, g.dtype) or dim not in (0, v.dim() - 1)
+
+
 def _low_input(args: tuple, kwargs: dict) -> bool:
     """Whether a floating-point input is of half precision (only their inner sums are cast) and no
     ``out=`` is given (a call with one runs as the op)."""
@@ -365,7 +395,7 @@ def _float_matrix_power(args: tuple, kwargs: dict) -> bool:
 
 #: C++ composites on none of CUDA's lists whose inner ops are (``F.pairwise_distance``'s norm,
 #: ``torch.cov``'s sums and ``mm``, ``torch.trapezoid``'s sum, ``linalg.pinv``'s and ``matrix_power``'s
-#: matmuls): CUDA autocast casts those inner ops, which a remote tensor's op runs below the mode (a
+#: matmuls, weight norm's norm): CUDA autocast casts those inner ops, which a remote tensor's op runs below the mode (a
 #: C++ body, or one op the gateway runs), so each runs as this transcription of its ATen body, under
 #: it. (No general way exists: torch._decomp has Python bodies for few of them, and a C++ body's inner
 #: calls meet only the dispatcher, below autograd, where a cast would not be recorded. A listed op's
@@ -377,7 +407,7 @@ DECOMPOSED: dict[Callable, Callable] = {
     torch.mvlgamma: _mvlgamma, torch.Tensor.mvlgamma: _mvlgamma, torch.special.multigammaln: _mvlgamma,
     torch.Tensor.mvlgamma_: _mvlgamma_, torch.linalg.pinv: _pinv, torch.pinverse: _pinverse,
     torch.Tensor.pinverse: _pinverse, torch.linalg.matrix_power: _matrix_power, torch.matrix_power: _matrix_power,
-    torch.Tensor.matrix_power: _matrix_power,
+    torch.Tensor.matrix_power: _matrix_power, torch._weight_norm: _weight_norm,
 }
 #: the transcriptions above used only for some calls (the others' inner ops are not cast, and they run
 #: as the op), once the op accepts the call's arguments (run on meta stand-ins of the remote tensors)
@@ -386,6 +416,7 @@ _WHEN: dict[Callable, Callable[[tuple, dict], bool]] = {
                      torch.Tensor.mvlgamma, torch.special.multigammaln, torch.Tensor.mvlgamma_), _low_input),
     **dict.fromkeys((torch.linalg.pinv, torch.pinverse, torch.Tensor.pinverse), _float_matrix),
     **dict.fromkeys((torch.linalg.matrix_power, torch.matrix_power, torch.Tensor.matrix_power), _float_matrix_power),
+    torch._weight_norm: _unfused_low_weight_norm,
 }
 
 

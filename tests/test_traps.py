@@ -778,3 +778,27 @@ def test_autocast_reaches_the_sums_and_matmuls_inside_trapezoid_mvlgamma_pinv_ma
         with pytest.raises(RuntimeError, match="linalg.vander supports"):
             torch.linalg.vander(a.cuda())
         assert torch.equal(torch.linalg.vander(a.float().cuda()).cpu(), torch.linalg.vander(a.float()))
+
+
+def test_autocast_runs_a_half_precision_weight_norms_norm_in_float32():
+    """``torch._weight_norm`` (nn.utils' weight norm) of half-precision tensors is, off its fused kernel,
+    ``v * (g / norm_except_dim(v))`` in C++, whose ``norm`` CUDA autocast runs in float32: a float32
+    weight. Remotely it ran below the mode: float16 (bfloat16) norms and weights."""
+    gen = torch.Generator().manual_seed(0)
+    v, g0, g1 = torch.randn(4, 3, 5, generator=gen), torch.rand(4, 1, 1, generator=gen) + 0.5, \
+        torch.rand(1, 3, 1, generator=gen) + 0.5
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(3, 4, 5)).half()
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = [torch._weight_norm(v.half().cuda(), g0.half().cuda(), 0),
+               torch._weight_norm(v.bfloat16().cuda(), g1.bfloat16().cuda(), dim=1),
+               torch._weight_norm(v.bfloat16().cuda(), g0.bfloat16().cuda())]  # (its fused kernel: uncast)
+        conv.cuda()
+        weight = conv.weight
+    h, b = v.half(), v.bfloat16()
+    want = [h * (g0.half() / h.float().view(4, -1).norm(2, 1).view(4, 1, 1)),
+            b * (g1.bfloat16() / b.float().transpose(0, 1).reshape(3, -1).norm(2, 1).view(3, 1, 1).transpose(0, 1)),
+            torch._weight_norm(b, g0.bfloat16())]
+    assert [t.dtype for t in got] == [torch.float32, torch.float32, torch.bfloat16]
+    for got_one, want_one in zip(got, want):
+        torch.testing.assert_close(got_one.cpu(), want_one)
+    assert weight.dtype == torch.float32
