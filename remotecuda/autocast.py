@@ -9,6 +9,7 @@ casts in the graph exactly as CUDA autocast does.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -241,13 +242,205 @@ def _corrcoef(input: torch.Tensor) -> torch.Tensor:
     return c.clip(-1, 1)
 
 
+def _along(t: torch.Tensor, dim: int, start: int, stop: int | None) -> torch.Tensor:
+    """``t.slice(dim, start, stop)``, as ATen's bodies write it."""
+    return t[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def _spacing(x: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    """Integration.cpp: the differences of the sample points ``x``, viewed to broadcast with ``y``'s."""
+    if x.dim() == 1:
+        x = x.view([1] * dim + [-1] + [1] * (y.dim() - dim - 1))
+    elif x.dim() < y.dim():
+        x = x.view((1,) * (y.dim() - x.dim()) + tuple(x.shape))
+    return _along(x, dim, 1, None) - _along(x, dim, 0, -1)
+
+
+def _trapezoid(y: torch.Tensor, x: torch.Tensor | None = None, *, dx: float = 1, dim: int = -1) -> torch.Tensor:
+    """aten/src/ATen/native/Integration.cpp, ``trapezoid``: its ``sum`` (float32 under CUDA autocast)."""
+    dim %= max(y.dim(), 1)
+    if y.size(dim) == 0:
+        return y.new_zeros(y.shape[:dim] + y.shape[dim + 1:])
+    if x is None:
+        return (y.sum(dim) - (y.select(dim, 0) + y.select(dim, -1)) * 0.5) * float(dx)
+    return ((_along(y, dim, 0, -1) + _along(y, dim, 1, None)) * _spacing(x, y, dim)).sum(dim) / 2.0
+
+
+def _cumulative_trapezoid(y: torch.Tensor, x: torch.Tensor | None = None, *, dx: float = 1,
+                          dim: int = -1) -> torch.Tensor:
+    """aten/src/ATen/native/Integration.cpp, ``cumulative_trapezoid``: its ``cumsum`` (float32 under CUDA autocast)."""
+    dim %= max(y.dim(), 1)
+    pairs = _along(y, dim, 0, -1) + _along(y, dim, 1, None)
+    if x is None:
+        return (float(dx) / 2.0 * pairs).cumsum(dim)
+    return (pairs * _spacing(x, y, dim)).cumsum(dim) / 2.0
+
+
+def _mvlgamma(input: torch.Tensor, p: int) -> torch.Tensor:
+    """aten/src/ATen/native/UnaryOps.cpp, ``mvlgamma``: a ``sum`` of lgammas, float32 under CUDA autocast
+    (for the half-precision inputs it is used for)."""
+    if p < 1:  # (which its meta kernel does not check)
+        raise RuntimeError("p has to be greater than or equal to 1")
+    args = torch.arange(-p * 0.5 + 0.5, 0.5, 0.5, dtype=input.dtype, device=input.device)
+    return (args + input.unsqueeze(-1)).lgamma_().sum(-1).add_(p * (p - 1) * math.log(math.pi) * 0.25)
+
+
+def _mvlgamma_(input: torch.Tensor, p: int) -> torch.Tensor:
+    """``mvlgamma_``: ``mvlgamma``'s float32 sum, copied back into the half-precision input."""
+    return input.copy_(_mvlgamma(input, p))
+
+
+def _pinv(input: torch.Tensor, rcond: Any = None, hermitian: bool = False, *, atol: Any = None,
+          rtol: Any = None) -> torch.Tensor:
+    """aten/src/ATen/native/LinearAlgebra.cpp, ``linalg_pinv`` (all its overloads): V·S⁺·Uᴴ of an SVD (of
+    an eigendecomposition if ``hermitian``), whose final ``matmul`` CUDA autocast runs in lower precision."""
+    if rcond is not None:  # (the rcond overloads: no absolute tolerance)
+        atol, rtol = (torch.zeros((), dtype=rcond.dtype, device=rcond.device) if isinstance(rcond, torch.Tensor)
+                      else 0.0), rcond
+
+    def f64(v: Any) -> torch.Tensor:  # (get_atol_rtol's tolerances given as numbers, or none)
+        return v if isinstance(v, torch.Tensor) else torch.full((), v, dtype=torch.float64, device=input.device)
+    if rtol is None:
+        default = f64(torch.finfo(input.dtype).eps * max(input.shape[-2:]))
+        rtol = default if atol is None else torch.where(f64(atol) > 0, f64(0.0), default)
+    atol, rtol = f64(0.0 if atol is None else atol), f64(rtol)
+    if input.numel() == 0:
+        u, s, v = input.svd()
+        return torch.matmul(v * s.reciprocal().unsqueeze(-2), u.mH)
+    if hermitian:
+        s, u = torch.linalg.eigh(input)
+        size, vh = s.abs(), u.mH
+        largest = size.amax(-1, keepdim=True)
+    else:
+        u, s, vh = torch.linalg.svd(input, full_matrices=False)
+        size, largest = s, s.narrow(-1, 0, 1)
+    tol = torch.max(atol.unsqueeze(-1), rtol.unsqueeze(-1) * largest)
+    s_pinv = torch.where(size > tol, s.reciprocal(), torch.zeros((), dtype=s.dtype, device=s.device))
+    return torch.matmul(vh.mH * s_pinv.to(input.dtype).unsqueeze(-2), u.mH)
+
+
+def _pinverse(input: torch.Tensor, rcond: float = 1e-15) -> torch.Tensor:
+    return _pinv(input, rcond)
+
+
+def _matrix_power(input: torch.Tensor, n: int) -> torch.Tensor:
+    """aten/src/ATen/native/LinearAlgebra.cpp, ``linalg_matrix_power`` (for ``|n| >= 2``): its ``matmul``s
+    (lower precision under CUDA autocast), in its order: by the bits of ``n``, from the lowest."""
+    a = torch.linalg.inv(input) if n < 0 else input
+    n = abs(n)
+    if n == 2:
+        return torch.matmul(a, a)
+    if n == 3:
+        return torch.matmul(torch.matmul(a, a), a)
+    z = result = None
+    while n > 0:
+        bit, n = n % 2, n // 2
+        z = a if z is None else torch.matmul(z, z)
+        if bit:
+            result = z if result is None else torch.matmul(result, z)
+    assert result is not None
+    return result
+
+
+def _norm_except_dim(v: torch.Tensor, pow: float, dim: int) -> torch.Tensor:
+    """aten/src/ATen/native/WeightNorm.cpp, ``norm_except_dim``: a ``norm`` (float32 under CUDA autocast)
+    over every dimension but ``dim``."""
+    if dim == -1:
+        return v.norm(pow)
+    if dim == 0:
+        return v.contiguous().view(v.size(0), -1).norm(pow, 1).view([v.size(0)] + [1] * (v.dim() - 1))
+    if dim == v.dim() - 1:
+        return v.contiguous().view(-1, v.size(-1)).norm(pow, 0).view([1] * (v.dim() - 1) + [v.size(-1)])
+    return _norm_except_dim(v.transpose(0, dim), pow, 0).transpose(0, dim)
+
+
+def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """WeightNorm.cpp, ``_weight_norm``, off its fused kernel: ``v * (g / norm_except_dim(v))``, whose
+    ``norm`` CUDA autocast runs in float32 (so a half-precision weight norm gives float32)."""
+    v, g = v.contiguous(), g.contiguous()
+    return v * (g / _norm_except_dim(v, 2, dim))
+
+
+def _unfused_low_weight_norm(args: tuple, kwargs: dict) -> bool:
+    """``_weight_norm`` of half-precision tensors that ATen computes by ``norm_except_dim``: its fused
+    kernel (on no list) serves float32 and bfloat16 over the first or last dimension."""
+    v = args[0] if args else kwargs.get("v")
+    g = args[1] if len(args) > 1 else kwargs.get("g")
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if not (_castable(v) and _castable(g)) or not {v.dtype, g.dtype} & set(_LOW):
+        return False
+    return torch.float16 in (v.dtype, g.dtype) or dim not in (0, v.dim() - 1)
+
+
+def _low_input(args: tuple, kwargs: dict) -> bool:
+    """Whether a floating-point input is of half precision (only their inner sums are cast) and no
+    ``out=`` is given (a call with one runs as the op)."""
+    found = []
+    _map((args, tuple(kwargs.values())), lambda t: found.append(t.dtype in _LOW))
+    return any(found) and kwargs.get("out") is None
+
+
+def _float_matrix(args: tuple, kwargs: dict) -> bool:
+    """Whether ``pinv``'s inner ``matmul`` is cast: a float32 input (half ones are refused, float64 and
+    complex ones are not cast), no ``out=``."""
+    x = args[0] if args else kwargs.get("input")
+    return _castable(x) and x.dtype is torch.float32 and kwargs.get("out") is None
+
+
+def _float_matrix_power(args: tuple, kwargs: dict) -> bool:
+    """``matrix_power`` with a power that multiplies (``|n| >= 2``), of a float32 matrix."""
+    n = args[1] if len(args) > 1 else kwargs.get("n")
+    return _float_matrix(args, kwargs) and isinstance(n, int) and abs(n) >= 2
+
+
 #: C++ composites on none of CUDA's lists whose inner ops are (``F.pairwise_distance``'s norm,
-#: ``torch.cov``'s sums and ``mm``): CUDA autocast casts those inner ops, which a remote tensor's
-#: C++ composite runs below the mode, so each runs as this transcription of its ATen body, under it
+#: ``torch.cov``'s sums and ``mm``, ``torch.trapezoid``'s sum, ``linalg.pinv``'s and ``matrix_power``'s
+#: matmuls, weight norm's norm): CUDA autocast casts those inner ops, which a remote tensor's op runs below the mode (a
+#: C++ body, or one op the gateway runs), so each runs as this transcription of its ATen body, under
+#: it. (No general way exists: torch._decomp has Python bodies for few of them, and a C++ body's inner
+#: calls meet only the dispatcher, below autograd, where a cast would not be recorded. A listed op's
+#: inner calls are not cast: CUDA's policies run it with autocast off, as ``tensordot``'s ``mm``.)
 DECOMPOSED: dict[Callable, Callable] = {
     torch.pairwise_distance: _pairwise_distance,
     torch.cov: _cov, torch.Tensor.cov: _cov, torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef,
+    torch.trapezoid: _trapezoid, torch.trapz: _trapezoid, torch.cumulative_trapezoid: _cumulative_trapezoid,
+    torch.mvlgamma: _mvlgamma, torch.Tensor.mvlgamma: _mvlgamma, torch.special.multigammaln: _mvlgamma,
+    torch.Tensor.mvlgamma_: _mvlgamma_, torch.linalg.pinv: _pinv, torch.pinverse: _pinverse,
+    torch.Tensor.pinverse: _pinverse, torch.linalg.matrix_power: _matrix_power, torch.matrix_power: _matrix_power,
+    torch.Tensor.matrix_power: _matrix_power, torch._weight_norm: _weight_norm,
 }
+#: the transcriptions above used only for some calls (the others' inner ops are not cast, and they run
+#: as the op), once the op accepts the call's arguments (run on meta stand-ins of the remote tensors)
+_WHEN: dict[Callable, Callable[[tuple, dict], bool]] = {
+    **dict.fromkeys((torch.trapezoid, torch.trapz, torch.cumulative_trapezoid, torch.mvlgamma,
+                     torch.Tensor.mvlgamma, torch.special.multigammaln, torch.Tensor.mvlgamma_), _low_input),
+    **dict.fromkeys((torch.linalg.pinv, torch.pinverse, torch.Tensor.pinverse), _float_matrix),
+    **dict.fromkeys((torch.linalg.matrix_power, torch.matrix_power, torch.Tensor.matrix_power), _float_matrix_power),
+    torch._weight_norm: _unfused_low_weight_norm,
+}
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def decomposition(func: Callable, args: tuple, kwargs: dict,
+                  user_meta: Callable[[], contextlib.AbstractContextManager]) -> Callable | None:
+    """The transcription (``DECOMPOSED``) to run for this call of ``func`` under autocast('cuda'), if any.
+    ``user_meta``: the scope in which 'meta' tensors stay meta (interception's), for ATen's checks."""
+    inner = DECOMPOSED.get(func)
+    if inner is None or not torch.is_autocast_enabled("cuda") or not has_remote(args, kwargs):
+        return None
+    when = _WHEN.get(func)
+    if when is not None:
+        if not when(args, kwargs):
+            return None
+        try:
+            with user_meta():
+                func(*_map(args, _meta), **{k: _map(v, _meta) for k, v in kwargs.items()})
+        except Exception:
+            return None  # (a call ATen refuses runs as the op, which says why in its own words)
+    return inner
 
 POLICY: dict[Callable, Callable] = {F.interpolate: _interpolate}
 for _fs, _p in ((_LOWER, _lower), (_FP32, _fp32), (_FP32_SET_OPT_DTYPE, _fp32_dtype),

@@ -60,6 +60,8 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
         self.static_graph = False
         self._world = dist.get_world_size(self.process_group)
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._names = _names(module, self._params)
+        self._debug = dist.get_debug_level() != dist.DebugLevel.OFF  # (the Reducer reads it when made)
         self._queued = False
         self._ready: set[int] = set()  # (the ids of the parameters whose gradient this backward gave)
         self._unreduced: list[int] = []  # (the indices of those a syncing backward did not give)
@@ -166,9 +168,19 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
                 _write_back(group, flat.to(group[0].device), grads=True)
 
     def _refuse_unfinished(self) -> None:
-        """The Reducer's error (reducer.cpp, ``ensure_prior_reduction_finished``, with
-        TORCH_DISTRIBUTED_DEBUG off) at a forward after a backward that left parameters without
-        a gradient; it stays, as the Reducer's does, for every later forward."""
+        """The Reducer's error (reducer.cpp, ``ensure_prior_reduction_finished``) at a forward after
+        a backward that left parameters without a gradient; it stays, as the Reducer's does, for
+        every later forward. With TORCH_DISTRIBUTED_DEBUG at INFO or DETAIL it names them."""
+        rank = dist.get_rank(self.process_group)
+        indices = f"Parameter indices which did not receive grad for rank {rank}: {' '.join(map(str, self._unreduced))}"
+        if self._debug:
+            unused = set(self._unreduced)
+            names = ", ".join(name for i, name in self._names if i in unused)
+            detail = f"\nParameters which did not receive grad for rank {rank}: {names}\n{indices}"
+        else:
+            detail = (f"\n{indices}\n In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG to "
+                      "either INFO or DETAIL to print out information about which particular parameters did not "
+                      "receive gradient on this rank as part of this error")
         raise RuntimeError(
             "Expected to have finished reduction in the prior iteration before starting a new one. This error "
             "indicates that your module has parameters that were not used in producing loss. You can enable "
@@ -177,11 +189,7 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
             "participate in calculating loss. \nIf you already have done the above, then the distributed data "
             "parallel module wasn't able to locate the output tensors in the return value of your module's "
             "`forward` function. Please include the loss function and the structure of the return value of "
-            "`forward` of your module when reporting this issue (e.g. list, dict, iterable).\nParameter indices "
-            f"which did not receive grad for rank {dist.get_rank(self.process_group)}: "
-            f"{' '.join(map(str, self._unreduced))}\n In addition, you can set the environment variable "
-            "TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to print out information about which particular "
-            "parameters did not receive gradient on this rank as part of this error")
+            "`forward` of your module when reporting this issue (e.g. list, dict, iterable)." + detail)
 
     def _give_grads_used_elsewhere(self) -> None:
         """A zero gradient for each parameter this rank did not use and another did, to receive the
@@ -192,6 +200,19 @@ class StagedDDP(nn.parallel.DistributedDataParallel):
         for p, anywhere in zip(self._params, used.tolist()):
             if p.grad is None and anywhere:
                 p.grad = torch.zeros_like(p)
+
+
+def _names(module: nn.Module, params: list[torch.Tensor]) -> list[tuple[int, str]]:
+    """(index, name) of ``params`` in the order the Reducer names them: DDP's names (its
+    ``_build_debug_param_to_name_mapping``: ``module_name.param_name``, '.weight' for the root's
+    own, a shared parameter's last), in reverse (its C++ map, filled from that dict, iterates so)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    names: dict[int, str] = {}
+    for module_name, m in module.named_modules():
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) in index:
+                names[index[id(p)]] = f"{module_name}.{name}"
+    return list(reversed(names.items()))
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:

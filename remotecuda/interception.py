@@ -1145,8 +1145,8 @@ class AutocastMode(TorchFunctionMode):
         policy = autocast.POLICY.get(func)
         if policy is not None:
             return autocast.apply(policy, func, args, kwargs)
-        inner = autocast.DECOMPOSED.get(func)
-        if inner is not None and torch.is_autocast_enabled("cuda") and autocast.has_remote(args, kwargs):
+        inner = autocast.decomposition(func, args, kwargs, _UserMeta)
+        if inner is not None:
             with self:  # (its inner calls meet the policies)
                 return inner(*args, **kwargs)
         if func not in self.running and autocast.composite(func) and torch.is_autocast_enabled("cuda") \

@@ -87,6 +87,53 @@ def test_a_parameter_without_a_gradient_stops_the_next_forward_as_torchs_ddp(rem
         dist.destroy_process_group()
 
 
+class _Unused(nn.Module):
+    """Unused parameters of the root (named '.v' by DDP), of a child, and a shared one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w, self.v = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+        self.seq = nn.Sequential(*[nn.Linear(3, 3) for _ in range(12)])
+        self.seq[7].weight = self.seq[2].weight  # (DDP names a shared parameter by its last module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.seq[3](x) * self.w
+
+
+@pytest.mark.parametrize("level", ["INFO", "DETAIL"])
+def test_the_unfinished_reduction_error_names_the_parameters_with_torch_distributed_debug(remote, tmp_path,
+                                                                                         monkeypatch, level):
+    """With TORCH_DISTRIBUTED_DEBUG=INFO or DETAIL the Reducer's error names the parameters that got
+    no gradient (in its order); it gave the indices only, and told the user to set that variable.
+    (The reference is CPU DDP at INFO: the message is the same at DETAIL, where this CPU torch's DDP
+    crashes when made.)"""
+    before = dist.get_debug_level()
+
+    def error(dev: str, level: str) -> str:
+        monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", level)
+        dist.set_debug_level_from_env()  # (as torch.distributed's import reads it)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/{dev}", rank=0, world_size=1)
+        try:
+            ddp = nn.parallel.DistributedDataParallel(_Unused().to(dev))
+            x = torch.randn(2, 3).to(dev)
+            ddp(x).sum().backward()
+            with pytest.raises(RuntimeError) as info:
+                ddp(x)
+            return str(info.value)
+        finally:
+            dist.destroy_process_group()
+            dist.set_debug_level(before)
+
+    got, want = error("cuda", level), error("cpu", "INFO")
+    assert got == want
+    assert got.endswith("\nParameters which did not receive grad for rank 0: seq.11.bias, seq.11.weight, seq.10.bias, "
+                        "seq.10.weight, seq.9.bias, seq.9.weight, seq.8.bias, seq.8.weight, seq.7.bias, seq.6.bias, "
+                        "seq.6.weight, seq.5.bias, seq.5.weight, seq.4.bias, seq.4.weight, seq.2.bias, seq.7.weight, "
+                        "seq.1.bias, seq.1.weight, seq.0.bias, seq.0.weight, .v\nParameter indices which did not "
+                        "receive grad for rank 0: 1 2 3 4 5 6 7 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24")
+
+
 #: a torchrun script as its tutorials write it: 'cuda' when there is one, nccl with it
 PROGRAM = textwrap.dedent("""
     import os, sys

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import math
 import pickle
 import warnings
 
@@ -712,3 +713,92 @@ def test_autocast_cov_warns_and_refuses_as_torch_does():
             torch.cov(x.cuda().view(1, 3), fweights=torch.tensor([1, -1, 2], device="cuda"))
     assert [str(w.message) for w in got] == [str(w.message) for w in local]
     assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
+
+
+def test_autocast_reaches_the_sums_and_matmuls_inside_trapezoid_mvlgamma_pinv_matrix_power():
+    """More C++ bodies CUDA autocast reaches inside: ``trapezoid``'s ``sum``, ``cumulative_trapezoid``'s
+    ``cumsum`` and ``mvlgamma``'s ``sum`` of half inputs run in float32 (so their results are float32),
+    ``linalg.pinv``'s final ``matmul`` and ``matrix_power``'s of a float32 input in half precision;
+    remotely the whole op ran below the mode, uncast (float16 sums, a float32 pinv)."""
+    g = torch.Generator().manual_seed(0)
+    y, xs, a = torch.randn(4, 7, generator=g).half(), torch.rand(7, generator=g).cumsum(0).half(), \
+        (torch.rand(5, generator=g) * 4 + 2).half()
+    m = torch.randn(5, 3, generator=g)
+    sym = m.t() @ m
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = {"trapezoid": torch.trapezoid(y.cuda(), dx=0.5), "trapz": torch.trapz(y.cuda(), xs.cuda()),
+               "cumulative": torch.cumulative_trapezoid(y.cuda(), dim=0),
+               "cumulative_x": torch.cumulative_trapezoid(y.cuda(), xs.cuda()),
+               "mvlgamma": torch.mvlgamma(a.cuda(), 3), "multigammaln": torch.special.multigammaln(a.cuda(), 2),
+               "pinv": torch.linalg.pinv(m.cuda()), "pinverse": m.cuda().pinverse(),
+               "hermitian": torch.linalg.pinv(sym.cuda(), hermitian=True),
+               "pinv64": torch.linalg.pinv(m.double().cuda())}
+        in_place = a.cuda().mvlgamma_(3)
+        with pytest.raises(RuntimeError, match="^trapezoid: There must be one `x` value for each sample point$"):
+            torch.trapezoid(y.cuda(), xs[:3].cuda())
+        with pytest.raises(RuntimeError, match="^The size of tensor a \\(6\\) must match the size of tensor b \\(2\\)"):
+            torch.trapezoid(y.cuda(), torch.ones(2, 3, device="cuda").half())  # (the op's own words, not meta's)
+        with pytest.raises(RuntimeError, match="^p has to be greater than or equal to 1$"):
+            torch.mvlgamma(a.cuda(), 0)
+    pairs = y[:, :-1] + y[:, 1:]
+    f32 = torch.float32
+
+    def mvlgamma(p):  # (CUDA: the sum of the half lgammas in float32)
+        return (torch.arange(-p / 2 + 0.5, 0.5, 0.5).half() + a.unsqueeze(-1)).lgamma().sum(-1, dtype=f32) \
+            + p * (p - 1) * math.log(math.pi) / 4
+
+    def pinv(u, s, vh, keep):  # (CUDA: the matmul in half precision)
+        s_pinv = torch.where(keep, s.reciprocal(), torch.zeros(()))
+        return torch.matmul((vh.mH * s_pinv.unsqueeze(-2)).half(), u.mH.half())
+    u, s, vh = torch.linalg.svd(m, full_matrices=False)
+    e, q = torch.linalg.eigh(sym)
+    eps = torch.finfo(f32).eps
+    want = {"trapezoid": (y.sum(-1, dtype=f32) - (y[:, 0] + y[:, -1]) * 0.5) * 0.5,
+            "trapz": (pairs * (xs[1:] - xs[:-1])).sum(-1, dtype=f32) / 2,
+            "cumulative": (0.5 * (y[:-1] + y[1:])).cumsum(0, dtype=f32),
+            "cumulative_x": (pairs * (xs[1:] - xs[:-1])).cumsum(-1, dtype=f32) / 2,
+            "mvlgamma": mvlgamma(3), "multigammaln": mvlgamma(2),
+            "pinv": pinv(u, s, vh, s > eps * 5 * s[0]), "pinverse": pinv(u, s, vh, s > 1e-15 * s[0]),
+            "hermitian": pinv(q, e, q.mH, e.abs() > eps * 3 * e.abs().max()),
+            "pinv64": torch.linalg.pinv(m.double())}
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in want.items()}
+    for k, v in got.items():
+        torch.testing.assert_close(v.cpu(), want[k], msg=k)
+    assert in_place.dtype == torch.float16
+    torch.testing.assert_close(in_place.cpu(), mvlgamma(3).half())
+    with torch.autocast("cuda", dtype=torch.float16):  # (matrix_power's matmuls in half precision, by n's bits)
+        powers = [torch.linalg.matrix_power(sym.cuda(), 3), sym.cuda().matrix_power(5),
+                  torch.matrix_power(sym.cuda(), -2), torch.linalg.matrix_power(sym.cuda(), 1)]
+    h, inv = sym.half(), torch.linalg.inv(sym).half()
+    want_powers = [h @ h @ h, h @ ((h @ h) @ (h @ h)), inv @ inv, sym]
+    assert [p.dtype for p in powers] == [p.dtype for p in want_powers]
+    for got_power, want_power in zip(powers, want_powers):
+        torch.testing.assert_close(got_power.cpu(), want_power, rtol=0, atol=0)
+    with torch.autocast("cuda", dtype=torch.float16):  # (vander refuses half inputs; others' cumprod is uncast)
+        with pytest.raises(RuntimeError, match="linalg.vander supports"):
+            torch.linalg.vander(a.cuda())
+        assert torch.equal(torch.linalg.vander(a.float().cuda()).cpu(), torch.linalg.vander(a.float()))
+
+
+def test_autocast_runs_a_half_precision_weight_norms_norm_in_float32():
+    """``torch._weight_norm`` (nn.utils' weight norm) of half-precision tensors is, off its fused kernel,
+    ``v * (g / norm_except_dim(v))`` in C++, whose ``norm`` CUDA autocast runs in float32: a float32
+    weight. Remotely it ran below the mode: float16 (bfloat16) norms and weights."""
+    gen = torch.Generator().manual_seed(0)
+    v, g0, g1 = torch.randn(4, 3, 5, generator=gen), torch.rand(4, 1, 1, generator=gen) + 0.5, \
+        torch.rand(1, 3, 1, generator=gen) + 0.5
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(3, 4, 5)).half()
+    with torch.autocast("cuda", dtype=torch.float16):
+        got = [torch._weight_norm(v.half().cuda(), g0.half().cuda(), 0),
+               torch._weight_norm(v.bfloat16().cuda(), g1.bfloat16().cuda(), dim=1),
+               torch._weight_norm(v.bfloat16().cuda(), g0.bfloat16().cuda())]  # (its fused kernel: uncast)
+        conv.cuda()
+        weight = conv.weight
+    h, b = v.half(), v.bfloat16()
+    want = [h * (g0.half() / h.float().view(4, -1).norm(2, 1).view(4, 1, 1)),
+            b * (g1.bfloat16() / b.float().transpose(0, 1).reshape(3, -1).norm(2, 1).view(3, 1, 1).transpose(0, 1)),
+            torch._weight_norm(b, g0.bfloat16())]
+    assert [t.dtype for t in got] == [torch.float32, torch.float32, torch.bfloat16]
+    for got_one, want_one in zip(got, want):
+        torch.testing.assert_close(got_one.cpu(), want_one)
+    assert weight.dtype == torch.float32
