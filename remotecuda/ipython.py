@@ -211,6 +211,7 @@ class Extension:
         self._register_comm_target()
         self._hook_kernel_shutdown()
         self._hide_runtime_frames()
+        self._debug_frameless_errors()
         self._sync_timeit()
         if defer_activation:
             self._activation_pending, self._notices_shown = True, False
@@ -261,8 +262,9 @@ class Extension:
         kernel = getattr(ip, "kernel", None)
         if kernel is not None and "do_shutdown" in vars(kernel):
             del kernel.do_shutdown
-        if "showtraceback" in vars(ip):
-            del ip.showtraceback
+        for patched in ("showtraceback", "debugger"):
+            if patched in vars(ip):
+                delattr(ip, patched)
         if self._timeit is not None:
             self._set_timeit(self._timeit)
             self._timeit = None
@@ -301,6 +303,25 @@ class Extension:
                 exc_tuple = (etype, value, hide_runtime_frames(value).__traceback__)
             return original(exc_tuple, *args, **kwargs)
         ip.showtraceback = showtraceback
+
+    def _debug_frameless_errors(self) -> None:
+        """``%debug`` (and ``%pdb on``) after a remote error shown with no frame (raised at the
+        cell's end-of-cell sync, or while its value was shown: no line of the notebook's runs
+        there) says so, and how to get one. IPython's debugger read the frame of the last
+        traceback, None here, and failed with an AttributeError of its own."""
+        ip = self.ip
+        if "debugger" in vars(ip):
+            return
+        original = ip.debugger
+
+        def debugger(force: bool = False) -> Any:
+            if (force or ip.call_pdb) and hasattr(sys, "last_traceback") and sys.last_traceback is None:
+                print("remotecuda: the last error has no frame to debug: the gateway raised it after "
+                      "the line that issued its op had run; %remotecuda sync on, then run the cell "
+                      "again, raises it at that line", file=sys.stderr)
+                return None
+            return original(force)
+        ip.debugger = debugger
 
     def _sync_timeit(self) -> None:
         """``%timeit`` times the remote work, not only its issue: its clock waits for the queued

@@ -133,3 +133,24 @@ def test_rerunning_the_model_cell_does_not_grow_the_gateways_memory(rc):
     r = rc.ok("del model, opt; gc.collect(); torch.cuda.empty_cache()\n"
               "print(torch.cuda.memory_allocated() - base)")
     assert int(r["stdout"]) == 8 * 1024 * 4, r  # x alone
+
+
+def test_debug_after_a_remote_error_of_the_cells_end(rc):
+    """``%debug`` after an asynchronous remote error, which the end-of-cell sync raises with no frame
+    of the notebook's: IPython's debugger failed with its own AttributeError ('NoneType' object has
+    no attribute 'tb_frame'); it says there is no frame, and how to get the error at its line.
+    The post-mortem state is the error's, as locally: ``sys.last_value``, ``%tb``."""
+    r = rc.run("import sys, torch\nz = torch.zeros(2, device='cuda')\nw = z[torch.tensor([7], device='cuda')]")
+    assert r["reply"]["ename"] == "IndexError", r["reply"]
+    r = rc.ok("%debug")
+    assert "has no frame to debug" in r["stderr"] and "%remotecuda sync on" in r["stderr"], r
+    r = rc.ok("%tb")
+    assert any("index 7 is out of bounds" in line for e in r["errors"] for line in e["traceback"]) or \
+        "index 7 is out of bounds" in r["stdout"], r
+    assert rc.ok("print(type(sys.last_value).__name__, z.sum().item())")["stdout"] == "IndexError 0.0\n"
+    # %pdb on: the debugger called as the error is shown (it failed inside the end-of-cell hook)
+    rc.ok("%pdb on")
+    r = rc.run("w = z[torch.tensor([7], device='cuda')]")
+    assert r["reply"]["ename"] == "IndexError" and "has no frame to debug" in r["stderr"], r
+    assert "callback" not in r["stdout"], r
+    rc.ok("%pdb off")
