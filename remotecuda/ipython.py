@@ -26,14 +26,17 @@ overridden by its environment variable: ``servers`` (REMOTECUDA_SERVERS; empty: 
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import os
+import signal
 import sys
 import threading
 import time
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from traitlets import Bool, CaselessStrEnum, Int, Unicode
@@ -208,17 +211,26 @@ class Extension:
         self._register_comm_target()
         self._hook_kernel_shutdown()
         self._hide_runtime_frames()
+        self._debug_frameless_errors()
         self._sync_timeit()
         if defer_activation:
             self._activation_pending, self._notices_shown = True, False
             return
-        self.activate()
+        with interrupts_held():  # (one that came is raised here, at %load_ext's line)
+            self.activate()
         self.show_notices()
 
-    def _activate_if_pending(self) -> None:
+    def _activate_if_pending(self) -> bool:
+        """The kernel's deferred activation, whole: an interrupt that came during it (the first
+        cell is slow: it pays for torch's import) is held until it ends. Returns whether one came."""
         if self._activation_pending:
             self._activation_pending = False
-            self.activate()
+            try:
+                with interrupts_held():
+                    self.activate()
+            except KeyboardInterrupt:
+                return True
+        return False
 
     def show_notices(self) -> None:
         for n in self.notices:
@@ -250,8 +262,9 @@ class Extension:
         kernel = getattr(ip, "kernel", None)
         if kernel is not None and "do_shutdown" in vars(kernel):
             del kernel.do_shutdown
-        if "showtraceback" in vars(ip):
-            del ip.showtraceback
+        for patched in ("showtraceback", "debugger"):
+            if patched in vars(ip):
+                delattr(ip, patched)
         if self._timeit is not None:
             self._set_timeit(self._timeit)
             self._timeit = None
@@ -290,6 +303,25 @@ class Extension:
                 exc_tuple = (etype, value, hide_runtime_frames(value).__traceback__)
             return original(exc_tuple, *args, **kwargs)
         ip.showtraceback = showtraceback
+
+    def _debug_frameless_errors(self) -> None:
+        """``%debug`` (and ``%pdb on``) after a remote error shown with no frame (raised at the
+        cell's end-of-cell sync, or while its value was shown: no line of the notebook's runs
+        there) says so, and how to get one. IPython's debugger read the frame of the last
+        traceback, None here, and failed with an AttributeError of its own."""
+        ip = self.ip
+        if "debugger" in vars(ip):
+            return
+        original = ip.debugger
+
+        def debugger(force: bool = False) -> Any:
+            if (force or ip.call_pdb) and hasattr(sys, "last_traceback") and sys.last_traceback is None:
+                print("remotecuda: the last error has no frame to debug: the gateway raised it after "
+                      "the line that issued its op had run; %remotecuda sync on, then run the cell "
+                      "again, raises it at that line", file=sys.stderr)
+                return None
+            return original(force)
+        ip.debugger = debugger
 
     def _sync_timeit(self) -> None:
         """``%timeit`` times the remote work, not only its issue: its clock waits for the queued
@@ -336,7 +368,8 @@ class Extension:
         return (rt, rt.stats(), _per_session_ops(rt), time.monotonic())
 
     def pre_execute(self) -> None:
-        self._activate_if_pending()
+        if self._activate_if_pending():  # the interrupt was meant for this cell: it ends at its first line
+            self.ip.ast_transformers.append(_RaiseInterrupt(self.ip))
         self._in_cell = False
         self._before = self._snapshot()
 
@@ -387,6 +420,7 @@ class Extension:
         return name, max(len(code.rstrip().splitlines()), 1)
 
     def post_execute(self) -> None:
+        _RaiseInterrupt.remove(self.ip)  # (not used: the cell did not compile)
         if self._in_cell:
             return  # post_run_cell follows, with the result to mark
         err = self._end_of_cell()  # a silent execution (e.g. from a widget or panel)
@@ -547,6 +581,7 @@ class Extension:
     def _on_comm_open(self, c: Any, msg: dict) -> None:
         if threading.current_thread() is threading.main_thread():  # not on a subshell: the
             self._activate_if_pending()  # interception belongs to the thread that activates
+            # (an interrupt held during it is dropped: no cell runs for it to end)
         self.comms[c.comm_id] = c
         if hasattr(c, "_reply_subshell_for"):
             # ipykernel ≥ 7.2 sends a comm's incoming messages to the subshell its last outgoing one
@@ -974,6 +1009,48 @@ def extension(ip: Any = None) -> Extension | None:
         from IPython import get_ipython
         ip = get_ipython()
     return _EXTENSIONS.get(id(ip))
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """SIGINT held off while the body runs, and raised as KeyboardInterrupt when it ends.
+
+    For activation, which imports torch: an interrupt there leaves torch half initialized, for
+    good (a later ``import torch`` fails or crashes the process: a kernel that had to be
+    restarted, its next cell never answered). Only in the main thread, where Python runs handlers,
+    and where SIGINT has a handler that Python can put back."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    came: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if came:
+        raise KeyboardInterrupt
+
+
+class _RaiseInterrupt(ast.NodeTransformer):
+    """An IPython AST transformer that makes the next cell raise KeyboardInterrupt at its first
+    line, once: how an interrupt held off in ``pre_execute`` (whose callbacks' exceptions IPython
+    prints and then runs the cell anyway) ends the cell it was meant for, as it would have."""
+
+    def __init__(self, ip: Any):
+        self.ip = ip
+
+    def visit_Module(self, node: ast.Module) -> ast.Module:  # noqa: N802 - ast.NodeTransformer's name
+        self.remove(self.ip)  # (appended last: IPython's loop over the transformers then ends)
+        raise_it = ast.Raise(exc=ast.Name("KeyboardInterrupt", ast.Load()), cause=None)
+        node.body.insert(0, ast.copy_location(raise_it, node.body[0]) if node.body else raise_it)
+        return ast.fix_missing_locations(node)
+
+    @staticmethod
+    def remove(ip: Any) -> None:
+        if any(isinstance(t, _RaiseInterrupt) for t in ip.ast_transformers):
+            ip.ast_transformers[:] = [t for t in ip.ast_transformers if not isinstance(t, _RaiseInterrupt)]
 
 
 def _leave_running(rt: Any) -> BaseException | None:
