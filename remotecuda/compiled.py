@@ -91,21 +91,34 @@ class Compiled:
     def __init__(self, fn: Callable, options: dict[str, Any], *, automatic: bool = False) -> None:
         """``automatic``: compiled by step replay (step_replay.py), not by the program: a signature
         is traced at its second call (a call seen once may be the only one), and a call that runs
-        eagerly says so in the log only (the program asked for no compilation)."""
-        self.fn = fn
+        eagerly says so in the log only (the program asked for no compilation).
+
+        An ``automatic`` one refers to its module weakly, here and in its tree and traces: step
+        replay keeps it in a table keyed weakly by the module, which a strong reference from the
+        value would keep alive for as long as the program runs."""
+        self._fn: Callable[[], Any] = weakref.ref(fn) if automatic else (lambda: fn)
         self.automatic = automatic
         #: signatures called once, not traced yet (``automatic`` only)
         self.once: set[tuple] = set()
-        #: the modules whose parameters and buffers become graph inputs (see ``_modules``)
-        self.modules = _modules(fn)
+        #: the modules whose parameters and buffers become graph inputs (see ``_modules``; the
+        #: module itself when ``automatic``)
+        self._modules = None if automatic else _modules(fn)
         self.traces: dict[tuple, _Trace | str] = {}
         #: the modules' attributes that a traced call changed: their values are in the key
-        self.watched: list[tuple[torch.nn.Module, str]] = []
+        self.watched: list[tuple[weakref.ref[torch.nn.Module], str]] = []
         self.warned = False
         self.options = options  # (torch.compile's own, for calls on CPU tensors)
         #: torch's own compiled ``fn`` once called on CPU tensors; False once it met 'cuda' inside
         self.local: Callable | None | bool = None
         self._tree: Tree | None = None
+
+    @property
+    def fn(self) -> Callable:
+        return cast(Callable, self._fn())
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        return self._modules if self._modules is not None else [cast(torch.nn.Module, self.fn)]
 
     def tree(self) -> Tree:
         """The modules' tree as it is now: the one walked before while its fingerprint holds."""
@@ -172,7 +185,7 @@ class Compiled:
     def _key(self, tree: Tree, leaves: list, spec: Any, tensors: list) -> tuple | None:
         autocast_dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
         key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast_dtype, tree.training,
-               tuple(m.__dict__.get(n, _ABSENT) for m, n in self.watched),
+               tuple(m().__dict__.get(n, _ABSENT) for m, n in self.watched),
                tree.ids, tuple([(t._k, t.requires_grad) for t in tensors]),
                tuple([None if isinstance(x, torch.Tensor) else _leaf_key(x) for x in leaves]), spec)
         try:
@@ -235,28 +248,33 @@ class Tree:
     instructions per op; the fingerprint is one flat pass over the modules' dicts. It holds each
     module's training flag, whether it has hooks, and the name and identity of each of its
     parameters, buffers and submodules, which is all ``named_parameters()`` and the others read;
-    the tree keeps what it fingerprints alive, so no identity in it can be another object's.
+    the tree keeps what it fingerprints alive, so no identity in it can be another object's,
+    except the top modules, held weakly (see ``Compiled``): a dead one fails ``holds``.
     A module that overrides one of those walks (``_WALKS``) is walked at every call."""
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
-        self.mods = [x for top in modules for x in top.modules()]
+        mods = [x for top in modules for x in top.modules()]
+        self.tops = [weakref.ref(m) for m in modules]
+        self.below = [m for m in mods if not any(m is top for top in modules)]
         #: (module index, name, tensor) for each parameter and buffer of the modules
         self.state = [(i, n, t) for i, m in enumerate(modules)
                       for n, t in itertools.chain(m.named_parameters(), m.named_buffers())]
         self.tensors = [t for _, _, t in self.state]
         #: the first module's first parameter (step replay's test of where the model is)
         self.first = next(modules[0].parameters(), None) if modules else None
-        self.training = tuple(x.training for x in self.mods)
+        self.training = tuple(x.training for x in mods)
         self.ids = tuple((i, n, id(t)) for i, n, t in self.state)
         #: whether a module has a forward or backward hook (step replay leaves such calls eager)
         self.hooked = any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                          for m in self.mods)
-        plain = all(getattr(type(m), w) is getattr(_Module, w) for m in self.mods for w in _WALKS)
-        self.print = _fingerprint(self.mods) if plain else None
+                          for m in mods)
+        plain = all(getattr(type(m), w) is getattr(_Module, w) for m in mods for w in _WALKS)
+        self.print = _fingerprint([*modules, *self.below]) if plain else None
 
     def holds(self) -> bool:
         """Whether the modules are still as walked."""
-        return self.print is not None and _fingerprint(self.mods) == self.print
+        tops = [r() for r in self.tops]
+        return (self.print is not None and all(m is not None for m in tops)
+                and _fingerprint([*cast(list[torch.nn.Module], tops), *self.below]) == self.print)
 
 
 def _fingerprint(mods: list[torch.nn.Module]) -> list:
@@ -556,18 +574,21 @@ class _Trace:
         from torch.utils._python_dispatch import _disable_current_modes
 
         self.session = tensors[0]._s
-        #: the modules' plain attributes before the call, and those it changed (set after each run)
-        self.before, self.effects = before, cast(Attributes, {})
+        #: the plain attributes the call changed: their values before it, and after (set after each run)
+        self.before: dict[tuple[weakref.ref[torch.nn.Module], str], Any] = {}
+        self.effects: dict[tuple[weakref.ref[torch.nn.Module], str], Any] = {}
         #: the outputs' pytree spec, and their leaves: the non-tensor ones, ``_TENSOR`` where a tensor goes
         self.out: tuple[Any, list] | None = None
         n_state = len(names)
         slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         trace = self
+        held = [(fn, modules, before, leaves)]
 
         class Flat(torch.nn.Module):
             """The call with every tensor (parameters, buffers, arguments) an argument."""
 
             def forward(self, *flat: torch.Tensor) -> tuple:
+                fn, modules, before, leaves = held[0]
                 _restore(modules, before)  # (AOTAutograd runs this more than once: each run starts alike)
                 filled = list(leaves)
                 for i, t in zip(slots, flat[n_state:]):
@@ -620,12 +641,16 @@ class _Trace:
                                                   keep_inference_input_mutations=True)
         if self.out is None:
             raise Unsupported("the trace saw no call")
-        self.effects = _changed(before, _attributes(modules))
+        effects = _changed(before, _attributes(modules))
+        # (held by module weakly, and only those the call changed: see ``Compiled``)
+        self.effects = {(weakref.ref(m), n): v for (m, n), v in effects.items()}
+        self.before = {(weakref.ref(m), n): before.get((m, n), _ABSENT) for m, n in effects}
+        held.clear()  # (AOTAutograd's runtime keeps ``Flat``: the trace is done with the call's objects)
 
     def run(self, tensors: list) -> Any:
         out = self.compiled(*tensors)
         for (m, n), v in self.effects.items():
-            m.__dict__[n] = v
+            cast(torch.nn.Module, m()).__dict__[n] = v
         assert self.out is not None
         spec, leaves = self.out
         got = iter(out)

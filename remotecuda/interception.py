@@ -70,6 +70,7 @@ from . import (
     legacy_types,
     library_caches,
     nested,
+    profiler_ranges,
     rnn,
     runtime,
     serialization,
@@ -1734,6 +1735,7 @@ def install(rt: Runtime) -> Interception:
     p.set(profile, "__init__", _profile_init(profile.__init__))
     p.set(torch.autograd.profiler.emit_nvtx, "__enter__", _emit_nvtx_enter)
     p.set(torch.autograd.profiler.emit_nvtx, "__exit__", _emit_nvtx_exit)
+    profiler_ranges.install(p, RemoteDispatchMode)
     linearize = _linearize(torch.func.linearize)
     p.set(torch.func, "linearize", linearize)
     p.set(torch._functorch.eager_transforms, "linearize", linearize)

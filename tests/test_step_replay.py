@@ -350,3 +350,36 @@ def test_a_replayed_call_does_not_walk_the_modules_again(replaying, monkeypatch)
     for _ in range(3):
         model(x).sum().backward()
     assert walks == []
+
+
+class _Counted(nn.Module):
+    """A forward that sets a plain attribute: the trace keeps it as an effect of the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.batch = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.batch = x.shape[0]
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("calls", [1, 4])
+@pytest.mark.parametrize("kind", [nn.Linear, _Counted])
+def test_a_module_called_under_replay_is_freed(replaying, calls, kind):
+    """Step replay's table of modules is keyed weakly by the module, and what it holds (the
+    module's Compiled, its tree and traces) refers to the module weakly: a module called once
+    (eager), or traced and replayed, is freed when the program drops it."""
+    import gc
+    import weakref
+    m = (kind(4, 4) if kind is nn.Linear else kind()).cuda()
+    x = torch.randn(3, 4, device="cuda")
+    for _ in range(calls):
+        m(x).sum().backward()
+    if kind is _Counted:
+        assert m.batch == 3
+    r = weakref.ref(m)
+    del m
+    gc.collect()
+    assert r() is None
