@@ -200,6 +200,24 @@ def _fft_half(last_dim_size: int | None) -> Callable[[tuple, dict], None]:
     return check
 
 
+class GPURefuses(Exception):
+    """The error (its argument) a GPU's kernel raises for these arguments, whatever device serves
+    the gateway: raised at the call as it is, not asked of the gateway (a CPU one would run the op),
+    as the other checks' errors are."""
+
+
+def _float_only(cuda_name: str) -> Callable[[tuple, dict], None]:
+    """aten/src/ATen/native/cuda/Blas.cpp: CUDA's matrix products take floating and complex dtypes
+    only, where the CPU's take integers too (``a @ b`` of two LongTensors); ``cuda_name`` is the
+    name CUDA's dispatch gives in its refusal."""
+    def check(args: tuple, kwargs: dict) -> None:
+        dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # (mixed: the dtype check's error)
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise GPURefuses(RuntimeError(f'"{cuda_name}" not implemented for \'{c10_name(dtype)}\''))
+    return check
+
+
 def c10_name(dtype: torch.dtype) -> str:
     """c10's name of a dtype, as torch's messages print it (``Float``, ``Long``, ``ComplexDouble``)."""
     return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
@@ -235,6 +253,10 @@ _CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
     **dict.fromkeys((aten._fft_r2c.default, aten._fft_r2c.out, aten._fft_c2c.default, aten._fft_c2c.out),
                     _fft_half(None)),
     **dict.fromkeys((aten._fft_c2r.default, aten._fft_c2r.out), _fft_half(3)),
+    **{op: _float_only(name) for op, name in (
+        (aten.mm.default, "addmm_cuda"), (aten.addmm.default, "addmm_cuda"), (aten.bmm.default, "bmm_cuda"),
+        (aten.baddbmm.default, "baddbmm_cuda"), (aten.mv.default, "addmv_impl_cuda"),
+        (aten.addmv.default, "addmv_impl_cuda"), (aten.dot.default, "dot"), (aten.vdot.default, "vdot"))},
 }
 
 #: ops that write a tensor's metadata, not its elements, and are not tagged ``inplace_view``

@@ -59,11 +59,6 @@ _METADATA_MUTATION = {aten.resize_.default, aten.resize_as_.default, aten.set_.s
                       aten.set_.source_Tensor_storage_offset}
 
 
-class _DeviceRefuses(Exception):
-    """The error (its argument) a GPU's kernel raises for these arguments, whatever device serves
-    the gateway: raised at the call as it is, not asked of the gateway (a CPU would run the op)."""
-
-
 class DeviceMismatch(RuntimeError):
     """Tensors of an op on two devices. A traceback names it ``RuntimeError``, as a GPU's torch
     names its most common error (the class stays distinct for compiled.py to recognise)."""
@@ -161,13 +156,6 @@ _TENSOR_ARGS = {"Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Ten
 #: into a float32 nn.Linear): refused here at once, as on a device, not at the next sync point
 _SAME_DTYPE = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                aten.mv.default, aten.addmv.default}
-#: ops whose CUDA kernels take floating and complex dtypes only (aten/src/ATen/native/cuda/Blas.cpp),
-#: where the CPU's take integers too (``a @ b`` of two LongTensors), each with the name CUDA's
-#: dispatch gives in its refusal: refused here at the call, as on a GPU (a CPU gateway computed them)
-_FLOAT_ONLY_ON_CUDA = {aten.mm.default: "addmm_cuda", aten.addmm.default: "addmm_cuda",
-                       aten.bmm.default: "bmm_cuda", aten.baddbmm.default: "baddbmm_cuda",
-                       aten.mv.default: "addmv_impl_cuda", aten.addmv.default: "addmv_impl_cuda",
-                       aten.dot.default: "dot", aten.vdot.default: "vdot"}
 #: ops whose meta kernel accepts any ``dim``: (the tensor's position, the dim's position or None,
 #: its name); the device's kernel refuses one out of range, so the gateway is asked, at the call
 _UNCHECKED_DIM: dict[Any, tuple[int, int | None, str]] = {
@@ -561,7 +549,7 @@ class Dispatcher:
             if entry is None:
                 try:
                     entry = self._compute(m, args, kwargs)
-                except _DeviceRefuses as e:
+                except call_checks.GPURefuses as e:
                     raise e.args[0] from None
                 except Exception as e:
                     return self._refused(m, key, s, wargs, wkw, args, kwargs, e)
@@ -587,13 +575,6 @@ class Dispatcher:
 
     def _compute(self, m: OpMeta, args: tuple, kwargs: dict) -> Entry:
         """Output metadata from the meta kernel, as a cache entry."""
-        cuda_name = _FLOAT_ONLY_ON_CUDA.get(m.func)
-        if cuda_name is not None:
-            dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
-            dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # (mixed: the dtype check's error)
-            if not (dtype.is_floating_point or dtype.is_complex):
-                raise _DeviceRefuses(RuntimeError(
-                    f'"{cuda_name}" not implemented for \'{call_checks.c10_name(dtype)}\''))
         if m.func in _SAME_DTYPE and len({a.dtype for a in args if isinstance(a, torch.Tensor)}) > 1:
             raise TypeError(f"{m.name}: tensors of different dtypes")  # for the gateway to word
         suspect = _DTYPE_SUSPECT.get(m.func)

@@ -91,7 +91,7 @@ def _params(table: dict, dtypes: tuple, want: Callable[[Any], bool] = lambda op:
     ``table``'s entries as strict xfails. A dtype CUDA does not support for the op (integer
     ``mm``; ``histogram`` in any dtype, its kernel being the CPU's only) is left out: a GPU refuses
     it, and so does remotecuda where it knows (dispatch.py's ``CPU_ONLY_ATEN``,
-    ``_FLOAT_ONLY_ON_CUDA``), though a CPU gateway could compute it."""
+    ``call_checks._float_only``), though a CPU gateway could compute it."""
     out = []
     for op in op_db:
         for dtype in dtypes:
